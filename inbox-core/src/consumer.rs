@@ -1,0 +1,41 @@
+use crate::InboxError;
+use inbox_entity::CONSUMER_MAX_CHARS;
+
+/// Checks a consumer name before it reaches SQL: non-empty and no longer than the column.
+pub(crate) fn validate_consumer(consumer: &str) -> Result<(), InboxError> {
+    if consumer.trim().is_empty() {
+        return Err(InboxError::EmptyConsumer);
+    }
+    let chars = consumer.chars().count();
+    if chars > CONSUMER_MAX_CHARS {
+        return Err(InboxError::ConsumerTooLong { chars });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accepts_names_up_to_the_column_width_in_characters() {
+        assert!(validate_consumer("billing").is_ok());
+        assert!(validate_consumer(&"é".repeat(200)).is_ok());
+    }
+
+    #[test]
+    fn rejects_empty_blank_and_too_long_names() {
+        assert!(matches!(
+            validate_consumer(""),
+            Err(InboxError::EmptyConsumer)
+        ));
+        assert!(matches!(
+            validate_consumer("  \t"),
+            Err(InboxError::EmptyConsumer)
+        ));
+        assert!(matches!(
+            validate_consumer(&"x".repeat(201)),
+            Err(InboxError::ConsumerTooLong { chars: 201 })
+        ));
+    }
+}

@@ -1,0 +1,37 @@
+//! Exactly-once effects for SeaORM message handlers: the transactional inbox.
+//!
+//! Brokers deliver at least once. Claim each message in the same transaction as the
+//! handler's writes, and the database's unique index decides which delivery (or which
+//! replica) does the work:
+//!
+//! ```no_run
+//! use inbox_core::prelude::*;
+//! use sea_orm::{DatabaseConnection, TransactionTrait};
+//!
+//! # async fn handle(db: &DatabaseConnection, message_id: uuid::Uuid) -> Result<(), Box<dyn std::error::Error>> {
+//! let txn = db.begin().await?;
+//! match txn.claim_message(message_id, "billing.credit").await? {
+//!     Claim::Claimed => {
+//!         // business writes through `txn`, never through `db`
+//!         txn.commit().await?;
+//!     }
+//!     Claim::Duplicate => txn.rollback().await?,
+//! }
+//! // acknowledge the message in both cases
+//! # Ok(()) }
+//! ```
+//!
+//! The table comes from the `inbox-migration` crate; its entity from `inbox-entity`.
+
+mod backend;
+mod claim;
+mod consumer;
+mod error;
+mod message_id;
+pub mod prelude;
+
+pub use backend::{CLAIM_TRANSACTION, DbErrorKind, classify, is_inbox_duplicate, timestamp_value};
+pub use claim::{Claim, InboxTransactionExt};
+pub use error::InboxError;
+pub use inbox_entity::{CONSUMER_MAX_CHARS, INDEX_NAME, TABLE_NAME};
+pub use message_id::MessageId;

@@ -1,0 +1,56 @@
+//! The SeaORM entity for the transactional inbox table.
+//!
+//! One row records that `consumer` has claimed `message_id`. The pair is unique (index
+//! [`INDEX_NAME`]); the surrogate `id` keeps InnoDB's clustered index append-only, which a
+//! random UUID primary key would fragment.
+//!
+//! Most applications never touch this entity directly: `inbox-core` writes the markers.
+//! It is public so that dashboards, admin tools and tests can read the table with SeaORM.
+//!
+//! ```
+//! use inbox_entity::{inbox, INDEX_NAME, TABLE_NAME};
+//! use sea_orm::EntityName;
+//!
+//! assert_eq!(inbox::Entity.table_name(), TABLE_NAME);
+//! assert_eq!(INDEX_NAME, "ix_inbox_message_id_consumer");
+//! ```
+
+/// Name of the inbox table.
+pub const TABLE_NAME: &str = "inbox";
+
+/// Name of the UNIQUE index on `(message_id, consumer)`.
+///
+/// A unique violation counts as "already processed" only when it names this index.
+pub const INDEX_NAME: &str = "ix_inbox_message_id_consumer";
+
+/// Longest consumer name the `consumer` column holds, in characters.
+pub const CONSUMER_MAX_CHARS: usize = 200;
+
+pub mod inbox {
+    //! The `inbox` table: one marker per `(message_id, consumer)`.
+    use sea_orm::entity::prelude::*;
+
+    /// A marker row.
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel)]
+    #[sea_orm(table_name = "inbox")]
+    pub struct Model {
+        /// Surrogate, append-only primary key.
+        #[sea_orm(primary_key)]
+        pub id: i64,
+        /// The deduplication key of the message (stable across redeliveries).
+        pub message_id: Uuid,
+        /// The handler that consumed the message; several consumers may each claim one message.
+        #[sea_orm(column_type = "String(StringLen::N(200))")]
+        pub consumer: String,
+        /// When the marker was written (UTC, microsecond precision).
+        pub received_at: DateTimeUtc,
+        /// When processing finished, if it has.
+        pub processed_at: Option<DateTimeUtc>,
+    }
+
+    /// The inbox has no relations.
+    #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
+    pub enum Relation {}
+
+    impl ActiveModelBehavior for ActiveModel {}
+}

@@ -1,0 +1,46 @@
+//! The migration that creates the transactional inbox table.
+//!
+//! Add [`CreateInbox`] to your own `Migrator` (its name is stable, so it runs once per
+//! database whatever else your migrator holds):
+//!
+//! ```
+//! use sea_orm_migration::prelude::*;
+//!
+//! pub struct Migrator;
+//!
+//! #[async_trait::async_trait]
+//! impl MigratorTrait for Migrator {
+//!     fn migrations() -> Vec<Box<dyn MigrationTrait>> {
+//!         vec![
+//!             // ... your own migrations ...
+//!             Box::new(inbox_migration::CreateInbox),
+//!         ]
+//!     }
+//! }
+//! ```
+//!
+//! Applications without a migrator of their own can run [`Migrator`] as it is:
+//!
+//! ```no_run
+//! # async fn run(db: &sea_orm_migration::sea_orm::DatabaseConnection) -> Result<(), sea_orm_migration::sea_orm::DbErr> {
+//! use sea_orm_migration::MigratorTrait;
+//! inbox_migration::Migrator::up(db, None).await?;
+//! # Ok(()) }
+//! ```
+
+mod m20261130_000001_create_inbox;
+
+pub use m20261130_000001_create_inbox::CreateInbox;
+/// Re-exported so `Migrator::up(&db, None)` needs no direct `sea-orm-migration` import.
+pub use sea_orm_migration::MigratorTrait;
+use sea_orm_migration::prelude::*;
+
+/// A ready migrator holding every inbox migration, for applications that have none.
+pub struct Migrator;
+
+#[async_trait::async_trait]
+impl MigratorTrait for Migrator {
+    fn migrations() -> Vec<Box<dyn MigrationTrait>> {
+        vec![Box::new(CreateInbox)]
+    }
+}

@@ -1,0 +1,274 @@
+//! Test support: one isolated database per test on SQLite, PostgreSQL and MariaDB/MySQL.
+//!
+//! SQLite always runs, on a file in a fresh temporary directory. The server suites run when
+//! their URL is set (the URL of an existing database the test user may create databases
+//! from): `INBOX_TEST_POSTGRES_URL`, e.g. `postgres://postgres@127.0.0.1:5432/test`, and
+//! `INBOX_TEST_MYSQL_URL`, e.g. `mysql://root@127.0.0.1:3306/test`. A set URL that cannot
+//! be reached fails the test; it never skips. Each test creates its own database with a
+//! unique name, so tests run in parallel and on servers that earlier runs left dirty.
+
+use inbox_migration::Migrator;
+use sea_orm::{
+    ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DbBackend, Statement,
+};
+use sea_orm_migration::MigratorTrait;
+use std::time::Duration;
+
+/// The database servers a test can run on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    Sqlite,
+    Postgres,
+    MySql,
+}
+
+impl Backend {
+    fn server_url_var(self) -> Option<&'static str> {
+        match self {
+            Backend::Sqlite => None,
+            Backend::Postgres => Some("INBOX_TEST_POSTGRES_URL"),
+            Backend::MySql => Some("INBOX_TEST_MYSQL_URL"),
+        }
+    }
+}
+
+/// A database of the test's own, dropped by [`TestDb::cleanup`].
+pub struct TestDb {
+    pub backend: Backend,
+    url: String,
+    server: Option<(String, String)>,
+    _dir: Option<tempfile::TempDir>,
+}
+
+/// Creates a fresh, empty database for one test, or `None` (with a note on stderr) when the
+/// backend's server URL is not set.
+pub async fn fresh_db(backend: Backend) -> Option<TestDb> {
+    let name = format!("inbox_t_{}", uuid::Uuid::new_v4().simple());
+    match backend.server_url_var() {
+        None => {
+            let dir = tempfile::tempdir().expect("create a temporary directory");
+            let url = format!(
+                "sqlite://{}?mode=rwc",
+                dir.path().join("test.sqlite").display()
+            );
+            Some(TestDb {
+                backend,
+                url,
+                server: None,
+                _dir: Some(dir),
+            })
+        }
+        Some(var) => {
+            let Ok(admin_url) = std::env::var(var) else {
+                eprintln!("skipped on {backend:?}: set {var} to run this suite");
+                return None;
+            };
+            let admin = Database::connect(&admin_url)
+                .await
+                .unwrap_or_else(|e| panic!("{var}={admin_url} is set but unreachable: {e}"));
+            run(&admin, &format!("CREATE DATABASE {name}")).await;
+            admin.close().await.ok();
+            let url = replace_database(&admin_url, &name);
+            Some(TestDb {
+                backend,
+                url,
+                server: Some((admin_url, name)),
+                _dir: None,
+            })
+        }
+    }
+}
+
+/// A fresh database with the inbox migration applied.
+pub async fn migrated_db(backend: Backend) -> Option<TestDb> {
+    let db = fresh_db(backend).await?;
+    let conn = db.connect().await;
+    Migrator::up(&conn, None)
+        .await
+        .expect("run the inbox migration");
+    conn.close().await.ok();
+    Some(db)
+}
+
+fn replace_database(url: &str, name: &str) -> String {
+    let (base, query) = match url.split_once('?') {
+        Some((base, query)) => (base, Some(query)),
+        None => (url, None),
+    };
+    let authority_end = base.find("://").map(|i| i + 3).unwrap_or(0);
+    let base = match base[authority_end..].find('/') {
+        Some(slash) => &base[..authority_end + slash],
+        None => base,
+    };
+    match query {
+        Some(query) => format!("{base}/{name}?{query}"),
+        None => format!("{base}/{name}"),
+    }
+}
+
+impl TestDb {
+    /// A new connection pool to this database: one per replica in race tests.
+    pub async fn connect(&self) -> DatabaseConnection {
+        self.connect_with(5).await
+    }
+
+    /// A new pool with at most `max_connections` connections (SQLite: always 1 writer).
+    pub async fn connect_with(&self, max_connections: u32) -> DatabaseConnection {
+        let mut options = ConnectOptions::new(self.url.clone());
+        let max = if self.backend == Backend::Sqlite {
+            1
+        } else {
+            max_connections
+        };
+        options
+            .max_connections(max)
+            .min_connections(0)
+            .acquire_timeout(Duration::from_secs(30))
+            .sqlx_logging(false);
+        let conn = Database::connect(options)
+            .await
+            .unwrap_or_else(|e| panic!("connect to {}: {e}", self.url));
+        if self.backend == Backend::Sqlite {
+            // Many replicas share one file: let writers queue instead of failing at once.
+            run(&conn, "PRAGMA busy_timeout = 60000").await;
+        }
+        conn
+    }
+
+    /// Drops the test's database (SQLite: its directory goes with `self`).
+    pub async fn cleanup(self) {
+        if let Some((admin_url, name)) = &self.server {
+            let admin = Database::connect(admin_url)
+                .await
+                .expect("reconnect to drop the test database");
+            let drop = match self.backend {
+                Backend::Postgres => format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"),
+                _ => format!("DROP DATABASE IF EXISTS {name}"),
+            };
+            run(&admin, &drop).await;
+            admin.close().await.ok();
+        }
+    }
+}
+
+/// Runs one SQL statement, panicking with the statement on failure.
+pub async fn run(conn: &impl ConnectionTrait, sql: &str) {
+    conn.execute_unprepared(sql)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"));
+}
+
+/// Reads one integer (`COUNT(*)`, a balance) from the first column of the first row.
+pub async fn scalar_i64(conn: &impl ConnectionTrait, sql: &str) -> i64 {
+    let row = conn
+        .query_one_raw(Statement::from_string(conn.get_database_backend(), sql))
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"))
+        .unwrap_or_else(|| panic!("{sql}: no row"));
+    row.try_get_by_index::<i64>(0)
+        .unwrap_or_else(|e| panic!("{sql}: {e}"))
+}
+
+/// Builds a statement with `?` placeholders rewritten to `$n` on PostgreSQL.
+pub fn stmt(backend: DbBackend, sql: &str, values: Vec<sea_orm::Value>) -> Statement {
+    let sql = if backend == DbBackend::Postgres {
+        let mut out = String::with_capacity(sql.len() + 8);
+        let mut n = 0;
+        for ch in sql.chars() {
+            if ch == '?' {
+                n += 1;
+                out.push_str(&format!("${n}"));
+            } else {
+                out.push(ch);
+            }
+        }
+        out
+    } else {
+        sql.to_owned()
+    };
+    Statement::from_sql_and_values(backend, sql, values)
+}
+
+/// A table of accounts for handlers to credit, with one account (id 1, balance 0).
+pub async fn create_accounts(conn: &impl ConnectionTrait) {
+    run(
+        conn,
+        "CREATE TABLE account (id BIGINT PRIMARY KEY, balance BIGINT NOT NULL)",
+    )
+    .await;
+    run(conn, "INSERT INTO account (id, balance) VALUES (1, 0)").await;
+}
+
+/// Adds `amount` to account 1 through `conn` (pass the transaction, not the pool).
+pub async fn credit(conn: &impl ConnectionTrait, amount: i64) -> Result<(), sea_orm::DbErr> {
+    let backend = conn.get_database_backend();
+    conn.execute_raw(stmt(
+        backend,
+        "UPDATE account SET balance = balance + ? WHERE id = 1",
+        vec![amount.into()],
+    ))
+    .await
+    .map(|_| ())
+}
+
+/// Defines one `#[tokio::test]` per backend calling `$body(Backend)`, in modules named
+/// after the backend, so `cargo test sqlite::` or `postgres::` selects a suite.
+#[macro_export]
+macro_rules! on_every_backend {
+    ($($name:ident),+ $(,)?) => {
+        mod sqlite {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $name() { super::$name($crate::Backend::Sqlite).await }
+            )+
+        }
+        mod postgres {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $name() { super::$name($crate::Backend::Postgres).await }
+            )+
+        }
+        mod mysql {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $name() { super::$name($crate::Backend::MySql).await }
+            )+
+        }
+    };
+}
+
+/// Every id `copies` times, in an order shuffled by a fixed seed (reproducible runs).
+pub fn shuffled_deliveries(ids: &[uuid::Uuid], copies: usize, seed: u64) -> Vec<uuid::Uuid> {
+    let mut deliveries: Vec<uuid::Uuid> = ids
+        .iter()
+        .flat_map(|id| std::iter::repeat_n(*id, copies))
+        .collect();
+    let mut state = seed | 1;
+    for i in (1..deliveries.len()).rev() {
+        // xorshift64: enough randomness for an order, no dependency.
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        let j = (state % (i as u64 + 1)) as usize;
+        deliveries.swap(i, j);
+    }
+    deliveries
+}
+
+#[cfg(test)]
+mod tests {
+    use super::replace_database;
+
+    #[test]
+    fn replaces_the_database_in_server_urls() {
+        assert_eq!(
+            replace_database("postgres://u@h:5432/test", "x"),
+            "postgres://u@h:5432/x"
+        );
+        assert_eq!(
+            replace_database("mysql://root@h:3306/test?ssl-mode=disabled", "x"),
+            "mysql://root@h:3306/x?ssl-mode=disabled"
+        );
+        assert_eq!(
+            replace_database("mysql://root@h:3306", "x"),
+            "mysql://root@h:3306/x"
+        );
+    }
+}

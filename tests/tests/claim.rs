@@ -1,0 +1,426 @@
+//! Acceptance 3-7 and 9: overlap, all-or-nothing, discrimination, fan-out to several
+//! consumers, the bypass trap, bad input, and what a transaction may do after `Duplicate`.
+
+use inbox_core::prelude::*;
+use inbox_core::{DbErrorKind, classify};
+use inbox_tests::{
+    Backend, create_accounts, credit, migrated_db, on_every_backend, run, scalar_i64,
+};
+use sea_orm::TransactionTrait;
+use std::time::Duration;
+use uuid::Uuid;
+
+const CONSUMER: &str = "billing.credit";
+
+async fn claim_in_new_txn(db: &sea_orm::DatabaseConnection, id: Uuid, consumer: &str) -> Claim {
+    let txn = db
+        .begin_with_options(CLAIM_TRANSACTION)
+        .await
+        .expect("begin");
+    let claim = txn.claim_message(id, consumer).await.expect("claim");
+    if claim.is_claimed() {
+        txn.commit().await.expect("commit");
+    } else {
+        txn.rollback().await.expect("rollback");
+    }
+    claim
+}
+
+/// A holds the claim in an open transaction; B's claim (its own pool) must wait for A,
+/// then learn A's outcome.
+async fn overlap(backend: Backend, a_commits: bool) -> Claim {
+    let db = migrated_db(backend).await.expect("backend configured");
+    let replica_a = db.connect().await;
+    let replica_b = db.connect().await;
+    let id = Uuid::new_v4();
+
+    let txn_a = replica_a
+        .begin_with_options(CLAIM_TRANSACTION)
+        .await
+        .expect("begin A");
+    assert_eq!(
+        txn_a.claim_message(id, CONSUMER).await.expect("claim A"),
+        Claim::Claimed
+    );
+
+    let b = tokio::spawn(async move {
+        let txn_b = replica_b
+            .begin_with_options(CLAIM_TRANSACTION)
+            .await
+            .expect("begin B");
+        let claim = txn_b.claim_message(id, CONSUMER).await.expect("claim B");
+        if claim.is_claimed() {
+            txn_b.commit().await.expect("commit B");
+        }
+        claim
+    });
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert!(
+        !b.is_finished(),
+        "B must block while A holds the claim on {backend:?}"
+    );
+
+    if a_commits {
+        txn_a.commit().await.expect("commit A");
+    } else {
+        txn_a.rollback().await.expect("rollback A");
+    }
+    let outcome = tokio::time::timeout(Duration::from_secs(20), b)
+        .await
+        .expect("B unblocks once A ends")
+        .expect("B's task");
+
+    let conn = db.connect().await;
+    assert_eq!(scalar_i64(&conn, "SELECT COUNT(*) FROM inbox").await, 1);
+    conn.close().await.ok();
+    db.cleanup().await;
+    outcome
+}
+
+async fn blocked_claim_sees_duplicate_after_commit(backend: Backend) {
+    if migrated_db_available(backend) {
+        assert_eq!(overlap(backend, true).await, Claim::Duplicate);
+    }
+}
+
+async fn blocked_claim_wins_after_rollback(backend: Backend) {
+    if migrated_db_available(backend) {
+        assert_eq!(overlap(backend, false).await, Claim::Claimed);
+    }
+}
+
+fn migrated_db_available(backend: Backend) -> bool {
+    let var = match backend {
+        Backend::Sqlite => return true,
+        Backend::Postgres => "INBOX_TEST_POSTGRES_URL",
+        Backend::MySql => "INBOX_TEST_MYSQL_URL",
+    };
+    let set = std::env::var(var).is_ok();
+    if !set {
+        eprintln!("skipped on {backend:?}: set {var} to run this suite");
+    }
+    set
+}
+
+async fn failed_business_write_leaves_no_marker(backend: Backend) {
+    let Some(db) = migrated_db(backend).await else {
+        return;
+    };
+    let conn = db.connect().await;
+    create_accounts(&conn).await;
+    let id = Uuid::new_v4();
+
+    let txn = conn
+        .begin_with_options(CLAIM_TRANSACTION)
+        .await
+        .expect("begin");
+    assert_eq!(
+        txn.claim_message(id, CONSUMER).await.expect("claim"),
+        Claim::Claimed
+    );
+    credit(&txn, 10).await.expect("credit");
+    let failed = run_fallible(&txn, "INSERT INTO account (id, balance) VALUES (1, 0)").await;
+    assert!(
+        failed.is_err(),
+        "the business write fails on the account's primary key"
+    );
+    drop(txn); // a handler error: the transaction goes out of scope and rolls back
+
+    assert_eq!(
+        scalar_i64(&conn, "SELECT COUNT(*) FROM inbox").await,
+        0,
+        "no marker survives"
+    );
+    assert_eq!(
+        scalar_i64(&conn, "SELECT balance FROM account WHERE id = 1").await,
+        0
+    );
+
+    assert_eq!(
+        claim_in_new_txn(&conn, id, CONSUMER).await,
+        Claim::Claimed,
+        "the redelivery wins"
+    );
+    assert_eq!(scalar_i64(&conn, "SELECT COUNT(*) FROM inbox").await, 1);
+    conn.close().await.ok();
+    db.cleanup().await;
+}
+
+async fn run_fallible(
+    conn: &impl sea_orm::ConnectionTrait,
+    sql: &str,
+) -> Result<(), sea_orm::DbErr> {
+    conn.execute_unprepared(sql).await.map(|_| ())
+}
+
+async fn other_unique_violations_are_errors_not_duplicates(backend: Backend) {
+    let Some(db) = migrated_db(backend).await else {
+        return;
+    };
+    let conn = db.connect().await;
+    run(
+        &conn,
+        "CREATE TABLE orders (id BIGINT PRIMARY KEY, order_no VARCHAR(40) NOT NULL)",
+    )
+    .await;
+    run(
+        &conn,
+        "CREATE UNIQUE INDEX ux_orders_order_no ON orders (order_no)",
+    )
+    .await;
+    // A look-alike of the inbox: same column names, its own unique index.
+    run(&conn, "CREATE TABLE processed_message (message_id VARCHAR(36) NOT NULL, consumer VARCHAR(200) NOT NULL)").await;
+    run(
+        &conn,
+        "CREATE UNIQUE INDEX ux_processed_message ON processed_message (message_id, consumer)",
+    )
+    .await;
+
+    for duplicate_write in [
+        "INSERT INTO orders (id, order_no) VALUES (2, 'A-1')",
+        "INSERT INTO orders (id, order_no) VALUES (1, 'A-2')",
+        "INSERT INTO processed_message (message_id, consumer) VALUES ('m-1', 'billing.credit')",
+    ] {
+        run(&conn, "DELETE FROM orders").await;
+        run(&conn, "DELETE FROM processed_message").await;
+        run(&conn, "INSERT INTO orders (id, order_no) VALUES (1, 'A-1')").await;
+        run(
+            &conn,
+            "INSERT INTO processed_message (message_id, consumer) VALUES ('m-1', 'billing.credit')",
+        )
+        .await;
+
+        let txn = conn
+            .begin_with_options(CLAIM_TRANSACTION)
+            .await
+            .expect("begin");
+        assert_eq!(
+            txn.claim_message(Uuid::new_v4(), CONSUMER)
+                .await
+                .expect("claim"),
+            Claim::Claimed
+        );
+        let err = run_fallible(&txn, duplicate_write)
+            .await
+            .expect_err("unique violation");
+        assert_eq!(
+            classify(&err),
+            DbErrorKind::OtherUniqueViolation,
+            "{duplicate_write} on {backend:?}: {err}"
+        );
+        assert!(!is_inbox_duplicate(&err));
+        drop(txn);
+    }
+
+    // A second unique index on the inbox itself: claim_message must surface it as an error.
+    run(
+        &conn,
+        "CREATE UNIQUE INDEX ux_inbox_message_only ON inbox (message_id)",
+    )
+    .await;
+    let id = Uuid::new_v4();
+    assert_eq!(
+        claim_in_new_txn(&conn, id, "first-consumer").await,
+        Claim::Claimed
+    );
+    let txn = conn
+        .begin_with_options(CLAIM_TRANSACTION)
+        .await
+        .expect("begin");
+    match txn.claim_message(id, "second-consumer").await {
+        Err(InboxError::Database {
+            message_id,
+            consumer,
+            source,
+        }) => {
+            assert_eq!(message_id, MessageId::from(id));
+            assert_eq!(consumer, "second-consumer");
+            assert_eq!(
+                classify(&source),
+                DbErrorKind::OtherUniqueViolation,
+                "{source}"
+            );
+        }
+        other => panic!("expected InboxError::Database on {backend:?}, got {other:?}"),
+    }
+    drop(txn);
+    conn.close().await.ok();
+    db.cleanup().await;
+}
+
+async fn each_consumer_claims_the_same_message(backend: Backend) {
+    let Some(db) = migrated_db(backend).await else {
+        return;
+    };
+    let conn = db.connect().await;
+    let id = Uuid::new_v4();
+    for consumer in ["billing.credit", "email.receipt", "analytics"] {
+        assert_eq!(
+            claim_in_new_txn(&conn, id, consumer).await,
+            Claim::Claimed,
+            "{consumer}"
+        );
+    }
+    assert_eq!(
+        claim_in_new_txn(&conn, id, "email.receipt").await,
+        Claim::Duplicate
+    );
+    assert_eq!(scalar_i64(&conn, "SELECT COUNT(*) FROM inbox").await, 3);
+    conn.close().await.ok();
+    db.cleanup().await;
+}
+
+/// The trap this crate cannot close for you: a write sent to the pool instead of the
+/// transaction commits on its own, so a duplicate still moves the money.
+async fn write_through_the_pool_bypasses_the_claim(backend: Backend) {
+    let Some(db) = migrated_db(backend).await else {
+        return;
+    };
+    let pool = db.connect().await;
+    // The handler's `db` handle; a pool of its own, since SQLite pools hold one connection.
+    let bypass = db.connect().await;
+    create_accounts(&pool).await;
+    let id = Uuid::new_v4();
+
+    for delivery in 1..=2 {
+        let txn = pool.begin().await.expect("begin");
+        credit(&bypass, 10)
+            .await
+            .expect("credit through the pool: the bug");
+        let claim = txn.claim_message(id, CONSUMER).await.expect("claim");
+        match delivery {
+            1 => {
+                assert_eq!(claim, Claim::Claimed);
+                txn.commit().await.expect("commit");
+            }
+            _ => {
+                assert_eq!(claim, Claim::Duplicate, "the duplicate is detected...");
+                txn.rollback().await.expect("rollback");
+            }
+        }
+    }
+    assert_eq!(scalar_i64(&pool, "SELECT COUNT(*) FROM inbox").await, 1);
+    assert_eq!(
+        scalar_i64(&pool, "SELECT balance FROM account WHERE id = 1").await,
+        20,
+        "...and the money still moved twice: handlers must write through `txn`"
+    );
+    pool.close().await.ok();
+    bypass.close().await.ok();
+    db.cleanup().await;
+}
+
+async fn bad_input_is_refused_before_any_sql(backend: Backend) {
+    let Some(db) = migrated_db(backend).await else {
+        return;
+    };
+    let conn = db.connect().await;
+    let txn = conn
+        .begin_with_options(CLAIM_TRANSACTION)
+        .await
+        .expect("begin");
+    let long = "c".repeat(201);
+    assert!(matches!(
+        txn.claim_message(Uuid::new_v4(), "").await,
+        Err(InboxError::EmptyConsumer)
+    ));
+    assert!(matches!(
+        txn.claim_message(Uuid::new_v4(), "   ").await,
+        Err(InboxError::EmptyConsumer)
+    ));
+    assert!(matches!(
+        txn.claim_message(Uuid::new_v4(), &long).await,
+        Err(InboxError::ConsumerTooLong { chars: 201 })
+    ));
+    assert!(matches!(
+        txn.claim_message(Uuid::nil(), CONSUMER).await,
+        Err(InboxError::NilMessageId)
+    ));
+    // No statement failed, so the transaction is still usable and commits nothing.
+    assert_eq!(
+        txn.claim_message(Uuid::new_v4(), &"c".repeat(200))
+            .await
+            .expect("200 chars fit"),
+        Claim::Claimed
+    );
+    txn.commit().await.expect("commit");
+    assert_eq!(
+        scalar_i64(&conn, "SELECT COUNT(*) FROM inbox").await,
+        1,
+        "only the valid claim was written"
+    );
+    conn.close().await.ok();
+    db.cleanup().await;
+}
+
+async fn missing_table_says_to_run_the_migration(backend: Backend) {
+    let Some(db) = inbox_tests::fresh_db(backend).await else {
+        return;
+    };
+    let conn = db.connect().await;
+    let txn = conn
+        .begin_with_options(CLAIM_TRANSACTION)
+        .await
+        .expect("begin");
+    let err = txn
+        .claim_message(Uuid::new_v4(), CONSUMER)
+        .await
+        .expect_err("no table");
+    assert!(matches!(err, InboxError::MissingTable { .. }), "{err:?}");
+    assert!(
+        err.to_string().contains("inbox_migration::CreateInbox"),
+        "{err}"
+    );
+    drop(txn);
+    conn.close().await.ok();
+    db.cleanup().await;
+}
+
+/// After `Duplicate` the handler must roll back. On PostgreSQL it has no choice: the
+/// failed INSERT aborted the transaction and every later statement fails with 25P02.
+async fn after_duplicate_the_transaction_must_roll_back(backend: Backend) {
+    let Some(db) = migrated_db(backend).await else {
+        return;
+    };
+    let conn = db.connect().await;
+    create_accounts(&conn).await;
+    let id = Uuid::new_v4();
+    assert_eq!(claim_in_new_txn(&conn, id, CONSUMER).await, Claim::Claimed);
+
+    let txn = conn
+        .begin_with_options(CLAIM_TRANSACTION)
+        .await
+        .expect("begin");
+    assert_eq!(
+        txn.claim_message(id, CONSUMER).await.expect("claim"),
+        Claim::Duplicate
+    );
+    let next = credit(&txn, 10).await;
+    if backend == Backend::Postgres {
+        let err = next.expect_err("Postgres aborted the transaction");
+        assert!(
+            err.to_string().contains("current transaction is aborted"),
+            "{err}"
+        );
+    }
+    txn.rollback().await.expect("rollback after Duplicate");
+    assert_eq!(
+        scalar_i64(&conn, "SELECT balance FROM account WHERE id = 1").await,
+        0
+    );
+    assert_eq!(scalar_i64(&conn, "SELECT COUNT(*) FROM inbox").await, 1);
+    conn.close().await.ok();
+    db.cleanup().await;
+}
+
+on_every_backend!(
+    blocked_claim_sees_duplicate_after_commit,
+    blocked_claim_wins_after_rollback,
+    failed_business_write_leaves_no_marker,
+    other_unique_violations_are_errors_not_duplicates,
+    each_consumer_claims_the_same_message,
+    write_through_the_pool_bypasses_the_claim,
+    bad_input_is_refused_before_any_sql,
+    missing_table_says_to_run_the_migration,
+    after_duplicate_the_transaction_must_roll_back,
+);
