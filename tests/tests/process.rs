@@ -4,8 +4,11 @@
 
 use inbox_core::prelude::*;
 use inbox_core::{DbErrorKind, classify};
-use inbox_tests::{Backend, create_accounts, credit, migrated_db, on_every_backend, scalar_i64};
-use sea_orm::{ConnectionTrait, DatabaseConnection, DbErr, TransactionTrait};
+use inbox_tests::{
+    Backend, create_accounts, credit, hold_claim_then_roll_back, impatient_replica, migrated_db,
+    on_every_backend, scalar_i64,
+};
+use sea_orm::{ConnectionTrait, DatabaseConnection, DbErr};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
@@ -120,43 +123,6 @@ async fn handler_error_rolls_back_and_is_not_retried(backend: Backend) {
     db.cleanup().await;
 }
 
-/// A pool of one connection whose lock waits give up quickly, so a claim blocked by
-/// another transaction fails with the backend's transient lock error.
-async fn impatient_replica(db: &inbox_tests::TestDb) -> DatabaseConnection {
-    let conn = db.connect_with(1).await;
-    let setting = match db.backend {
-        Backend::Postgres => "SET lock_timeout = '150ms'",
-        Backend::MySql => "SET SESSION innodb_lock_wait_timeout = 1",
-        Backend::Sqlite => "PRAGMA busy_timeout = 150",
-    };
-    inbox_tests::run(&conn, setting).await;
-    conn
-}
-
-/// Another replica claims `id` and holds its transaction open for `hold`, then rolls back.
-async fn hold_claim_then_roll_back(
-    db: &inbox_tests::TestDb,
-    id: Uuid,
-    hold: Duration,
-) -> tokio::task::JoinHandle<()> {
-    let holder = db.connect().await;
-    let txn = holder
-        .begin_with_options(CLAIM_TRANSACTION)
-        .await
-        .expect("begin holder");
-    assert_eq!(
-        txn.claim_message(id, "billing.credit")
-            .await
-            .expect("holder claim"),
-        Claim::Claimed
-    );
-    tokio::spawn(async move {
-        tokio::time::sleep(hold).await;
-        txn.rollback().await.expect("holder rollback");
-        holder.close().await.ok();
-    })
-}
-
 async fn transient_lock_failures_are_retried_in_a_fresh_transaction(backend: Backend) {
     let Some(db) = migrated_db(backend).await else {
         return;
@@ -169,7 +135,7 @@ async fn transient_lock_failures_are_retried_in_a_fresh_transaction(backend: Bac
     } else {
         Duration::from_millis(600)
     };
-    let holder = hold_claim_then_roll_back(&db, id, hold).await;
+    let holder = hold_claim_then_roll_back(&db, id, "billing.credit", hold).await;
 
     let inbox = Inbox::new("billing.credit")
         .expect("valid name")
@@ -210,7 +176,7 @@ async fn exhausted_retries_name_the_last_transient_cause(backend: Backend) {
     };
     let replica = impatient_replica(&db).await;
     let id = Uuid::new_v4();
-    let holder = hold_claim_then_roll_back(&db, id, Duration::from_secs(4)).await;
+    let holder = hold_claim_then_roll_back(&db, id, "billing.credit", Duration::from_secs(4)).await;
 
     let inbox = Inbox::new("billing.credit")
         .expect("valid name")
