@@ -74,7 +74,7 @@ impl<E: fmt::Display> fmt::Display for ProcessError<E> {
             ProcessError::Handler(err) => {
                 write!(
                     f,
-                    "the handler failed and its transaction was rolled back: {err}"
+                    "the handler failed and its transaction was rolled back: {err}. Nack the message so the broker redelivers it (or dead-letters it after its delivery limit)"
                 )
             }
             ProcessError::Inbox(err) => err.fmt(f),
