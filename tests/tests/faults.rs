@@ -188,9 +188,11 @@ async fn killed_without_retry_then_redelivered(backend: Backend, kill: Kill) {
     db.cleanup().await;
 }
 
-/// With the default retry policy, `process` itself restarts a killed commit in a fresh
-/// transaction on a fresh connection; the handler runs twice, the effect lands once.
-async fn killed_before_commit_is_retried_by_process(backend: Backend) {
+/// With the default retry policy, `process` itself restarts the attempt in a fresh
+/// transaction on a fresh connection, whether the kill meets the COMMIT or the handler's
+/// own statement (a `DbErr` the handler returns with `?`); the handler runs twice, the
+/// effect lands once.
+async fn killed_connection_is_retried_by_process(backend: Backend, kill: Kill) {
     let Some(db) = migrated_db(backend).await else {
         return;
     };
@@ -203,11 +205,10 @@ async fn killed_before_commit_is_retried_by_process(backend: Backend) {
     let id = Uuid::new_v4();
 
     let started = Instant::now();
-    let (result, runs) =
-        credit_with_kill(&inbox, &conn, &killer, id, Some(Kill::BeforeCommit)).await;
+    let (result, runs) = credit_with_kill(&inbox, &conn, &killer, id, Some(kill)).await;
     let counts = inbox.metrics().snapshot();
     eprintln!(
-        "{backend:?} BeforeCommit, default retry: {result:?}, {runs} runs, {counts:?}, {:?}",
+        "{backend:?} {kill:?}, default retry: {result:?}, {runs} runs, {counts:?}, {:?}",
         started.elapsed()
     );
     assert!(matches!(result, Ok(Outcome::Processed(()))), "{result:?}");
@@ -219,6 +220,14 @@ async fn killed_before_commit_is_retried_by_process(backend: Backend) {
     );
     assert_applied(&conn, 1, "after the retried delivery").await;
     db.cleanup().await;
+}
+
+async fn killed_before_commit_is_retried_by_process(backend: Backend) {
+    killed_connection_is_retried_by_process(backend, Kill::BeforeCommit).await;
+}
+
+async fn killed_before_write_is_retried_by_process(backend: Backend) {
+    killed_connection_is_retried_by_process(backend, Kill::BeforeWrite).await;
 }
 
 async fn killed_before_write_then_redelivered(backend: Backend) {
@@ -283,5 +292,6 @@ on_every_backend!(
     killed_before_write_then_redelivered,
     killed_before_commit_then_redelivered,
     killed_before_commit_is_retried_by_process,
+    killed_before_write_is_retried_by_process,
     lost_ack_redelivery_is_a_duplicate_and_acks,
 );
