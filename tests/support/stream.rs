@@ -35,9 +35,10 @@ pub struct Plan {
 }
 
 impl Plan {
-    /// `messages` ids from `seed`; every message whose index is below `duplicate_percent`
-    /// modulo 100 is delivered twice, and below `failure_percent` (counted from 50) fails
-    /// once. Exact percentages, deterministic order.
+    /// `messages` ids from `seed`; a message is delivered twice when its index modulo 100
+    /// is below `duplicate_percent`, and fails once when its index times 7 modulo 100 is
+    /// below `failure_percent` (a bijection of the residues, so some failing messages are
+    /// duplicated too). Exact percentages per 100 messages, deterministic order.
     pub fn new(
         messages: usize,
         duplicate_percent: usize,
@@ -57,7 +58,7 @@ impl Plan {
         let failing: HashSet<Uuid> = ids
             .iter()
             .enumerate()
-            .filter(|(i, _)| (i + 50) % 100 < failure_percent)
+            .filter(|(i, _)| (i * 7) % 100 < failure_percent)
             .map(|(_, id)| *id)
             .collect();
         // Positions: the original at 32 i, its duplicate 1 to 16 messages later.
