@@ -141,7 +141,8 @@ impl Inbox {
     /// is a [`DbErr`] (or a `Box<dyn Error + Send + Sync>` whose source chain holds one)
     /// that [`classify`](crate::classify) calls transient, such as a deadlock in the
     /// handler's own UPDATE or a dropped connection, the attempt restarts in a fresh
-    /// transaction like any other transient failure.
+    /// transaction like any other transient failure. A `DbErr` wrapped in an error type of
+    /// your own is not looked into: that error is returned, and the redelivery retries it.
     ///
     /// # Errors
     /// [`ProcessError::Handler`] when the handler fails (rolled back; not retried unless
