@@ -227,7 +227,15 @@ async fn other_unique_violations_are_errors_not_duplicates(backend: Backend) {
         .begin_with_options(CLAIM_TRANSACTION)
         .await
         .expect("begin");
-    match txn.claim_message(id, "second-consumer").await {
+    let result = txn.claim_message(id, "second-consumer").await;
+    if let Err(err) = &result {
+        let message = err.to_string();
+        assert!(
+            message.contains("not a duplicate delivery") && message.contains("fix the handler"),
+            "the error says what to do: {message}"
+        );
+    }
+    match result {
         Err(InboxError::Database {
             message_id,
             consumer,
