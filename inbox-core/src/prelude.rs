@@ -1,5 +1,6 @@
 //! Everything a handler needs: `use inbox_core::prelude::*;`.
 
 pub use crate::{
-    CLAIM_TRANSACTION, Claim, InboxError, InboxTransactionExt, MessageId, is_inbox_duplicate,
+    BatchClaim, CLAIM_TRANSACTION, Claim, InboxError, InboxTransactionExt, Lease, LeaseClaim,
+    LeaseOptions, MessageId, claim_lease, complete_lease, is_inbox_duplicate,
 };
