@@ -1,10 +1,10 @@
 //! Claiming many messages for one consumer in one statement (Kafka-style batches).
 
-use crate::backend::{DbErrorKind, classify, insert_batch_sql, timestamp_value};
+use crate::backend::{insert_batch_sql, timestamp_value};
 use crate::claim::now_micros;
 use crate::consumer::validate_consumer;
 use crate::{InboxError, MessageId};
-use sea_orm::{ConnectionTrait, DbErr, Statement, Value};
+use sea_orm::{ConnectionTrait, Statement, Value};
 use std::collections::BTreeSet;
 use uuid::Uuid;
 
@@ -80,13 +80,13 @@ pub(crate) async fn insert_batch<C: ConnectionTrait>(
     let rows = conn
         .query_all_raw(Statement::from_sql_and_values(backend, sql, values))
         .await
-        .map_err(|err| batch_failure(err, ids[0], consumer))?;
+        .map_err(|err| InboxError::from_claim(err, ids[0], consumer))?;
     let mut inserted = BTreeSet::new();
     for row in rows {
         let read = |index| row.try_get_by_index::<Option<Uuid>>(index);
         let (id, row_tag) = read(0)
             .and_then(|id| Ok((id, read(1)?)))
-            .map_err(|err| batch_failure(err, ids[0], consumer))?;
+            .map_err(|err| InboxError::from_claim(err, ids[0], consumer))?;
         if let (Some(id), Some(row_tag)) = (id, row_tag)
             && row_tag == tag
         {
@@ -98,17 +98,6 @@ pub(crate) async fn insert_batch<C: ConnectionTrait>(
         claimed,
         already_claimed,
     })
-}
-
-fn batch_failure(err: DbErr, first_id: MessageId, consumer: &str) -> InboxError {
-    match classify(&err) {
-        DbErrorKind::MissingInboxTable => InboxError::MissingTable { source: err },
-        _ => InboxError::Database {
-            message_id: first_id,
-            consumer: consumer.to_owned(),
-            source: err,
-        },
-    }
 }
 
 #[cfg(test)]

@@ -1,6 +1,6 @@
 use crate::backend::{DbErrorKind, classify, insert_marker_sql, timestamp_value};
 use crate::batch::{BatchClaim, insert_batch, sorted_batch};
-use crate::consumer::validate_consumer;
+use crate::consumer::validate_claim;
 use crate::{InboxError, MessageId};
 use chrono::{DurationRound, TimeDelta, Utc};
 use sea_orm::{ConnectionTrait, DatabaseTransaction, DbErr, Statement, Value};
@@ -203,10 +203,7 @@ pub(crate) async fn insert_marker<C: ConnectionTrait>(
     message_id: MessageId,
     consumer: &str,
 ) -> Result<Claim, InboxError> {
-    validate_consumer(consumer)?;
-    if message_id.is_nil() {
-        return Err(InboxError::NilMessageId);
-    }
+    validate_claim(message_id, consumer)?;
     let backend = conn.get_database_backend();
     let statement = Statement::from_sql_and_values(
         backend,
@@ -226,12 +223,7 @@ pub(crate) async fn insert_marker<C: ConnectionTrait>(
 fn claim_failure(err: DbErr, message_id: MessageId, consumer: &str) -> Result<Claim, InboxError> {
     match classify(&err) {
         DbErrorKind::InboxDuplicate => Ok(Claim::Duplicate),
-        DbErrorKind::MissingInboxTable => Err(InboxError::MissingTable { source: err }),
-        _ => Err(InboxError::Database {
-            message_id,
-            consumer: consumer.to_owned(),
-            source: err,
-        }),
+        _ => Err(InboxError::from_claim(err, message_id, consumer)),
     }
 }
 

@@ -169,6 +169,20 @@ pub enum InboxError {
 }
 
 impl InboxError {
+    /// The error for a database failure while claiming `message_id` for `consumer`:
+    /// [`MissingTable`](Self::MissingTable) when the classifier says so, else
+    /// [`Database`](Self::Database).
+    pub(crate) fn from_claim(source: DbErr, message_id: MessageId, consumer: &str) -> Self {
+        match crate::classify(&source) {
+            crate::DbErrorKind::MissingInboxTable => Self::MissingTable { source },
+            _ => Self::Database {
+                message_id,
+                consumer: consumer.to_owned(),
+                source,
+            },
+        }
+    }
+
     /// The underlying database error, if this error came from the database.
     pub fn db_err(&self) -> Option<&DbErr> {
         match self {

@@ -6,7 +6,7 @@ use crate::backend::{
     take_over_lease_sql, timestamp_value,
 };
 use crate::claim::now_micros;
-use crate::consumer::validate_consumer;
+use crate::consumer::validate_claim;
 use crate::{InboxError, MessageId};
 use chrono::{DateTime, TimeDelta, Utc};
 use inbox_entity::inbox;
@@ -222,26 +222,9 @@ where
             Err(err) if classify(&err) == DbErrorKind::Transient && tries < TRANSIENT_RETRIES => {
                 tokio::time::sleep(Duration::from_millis(5 * u64::from(tries))).await;
             }
-            Err(err) => {
-                return Err(match classify(&err) {
-                    DbErrorKind::MissingInboxTable => InboxError::MissingTable { source: err },
-                    _ => InboxError::Database {
-                        message_id,
-                        consumer: consumer.to_owned(),
-                        source: err,
-                    },
-                });
-            }
+            Err(err) => return Err(InboxError::from_claim(err, message_id, consumer)),
         }
     }
-}
-
-fn checked_input(message_id: MessageId, consumer: &str) -> Result<(), InboxError> {
-    validate_consumer(consumer)?;
-    if message_id.is_nil() {
-        return Err(InboxError::NilMessageId);
-    }
-    Ok(())
 }
 
 fn attempts_of(row: &inbox::Model) -> u32 {
@@ -301,7 +284,7 @@ pub async fn claim_lease(
     options: &LeaseOptions,
 ) -> Result<LeaseClaim, InboxError> {
     let message_id = message_id.into();
-    checked_input(message_id, consumer)?;
+    validate_claim(message_id, consumer)?;
     let backend = db.get_database_backend();
     let sql = LeaseSql {
         insert: insert_lease_sql(backend)?,

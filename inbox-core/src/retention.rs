@@ -331,7 +331,7 @@ impl Purger {
 /// let purger = spawn_purger(db.clone(), policy, Duration::from_secs(600))?;
 /// // ... serve messages ...
 /// let summary = purger.shutdown().await?;
-/// assert!(summary.runs >= 1);
+/// assert_eq!(summary.failures, 0);
 /// # Ok(()) }
 /// ```
 pub fn spawn_purger(
