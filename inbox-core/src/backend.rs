@@ -134,11 +134,17 @@ pub(crate) fn park_lease_sql(backend: DbBackend) -> Result<String, InboxError> {
     )
 }
 
+/// Ends a lease early so the next claim takes over at once. Binds: lease_until (now),
+/// message_id, consumer, token.
+pub(crate) fn release_lease_sql(backend: DbBackend) -> Result<String, InboxError> {
+    dialect_sql(
+        backend,
+        &format!("UPDATE inbox SET lease_until = ? {CURRENT_LEASE}"),
+    )
+}
+
 /// Second phase: marks the message processed if the token still holds the lease. Binds:
 /// processed_at, message_id, consumer, token.
-///
-/// Its affected-row count is exact on every backend: on MySQL sqlx reports *found* rows,
-/// and the WHERE clause only finds a row this UPDATE changes (`processed_at` was NULL).
 pub(crate) fn complete_lease_sql(backend: DbBackend) -> Result<String, InboxError> {
     dialect_sql(
         backend,

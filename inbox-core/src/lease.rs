@@ -3,13 +3,14 @@
 
 use crate::backend::{
     CLAIM_TRANSACTION, DbErrorKind, classify, complete_lease_sql, insert_lease_sql, park_lease_sql,
-    take_over_lease_sql, timestamp_value,
+    release_lease_sql, take_over_lease_sql, timestamp_value,
 };
 use crate::claim::now_micros;
 use crate::consumer::validate_claim;
 use crate::{InboxError, MessageId};
 use chrono::{DateTime, TimeDelta, Utc};
 use inbox_entity::inbox;
+use sea_orm::sea_query::ExprTrait;
 use sea_orm::{
     ColumnTrait, ConnectionTrait, DatabaseConnection, DbErr, EntityTrait, QueryFilter, QueryOrder,
     QuerySelect, Statement, TransactionTrait, Value,
@@ -409,13 +410,57 @@ async fn claim_once(
 /// ```
 pub async fn complete_lease(db: &DatabaseConnection, lease: &Lease) -> Result<(), InboxError> {
     let backend = db.get_database_backend();
-    let complete = complete_lease_sql(backend)?;
+    compare_and_set(db, lease, complete_lease_sql(backend)?).await
+}
+
+/// Gives a lease up early, after a side effect failed in a way worth retrying: the lease
+/// expires now, so the next delivery takes over at once (as attempt + 1) instead of
+/// waiting for `lease_until`. The attempt still counts towards
+/// [`LeaseOptions::max_attempts`].
+///
+/// # Errors
+/// [`InboxError::StaleLease`] when the lease is no longer the current claim;
+/// [`InboxError::Database`] for database failures.
+///
+/// ```
+/// # use inbox_core::{LeaseClaim, LeaseOptions, claim_lease, release_lease};
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// # use sea_orm_migration::MigratorTrait;
+/// # let db = sea_orm::Database::connect("sqlite::memory:").await?;
+/// # inbox_migration::Migrator::up(&db, None).await?;
+/// # let options = LeaseOptions::new(std::time::Duration::from_secs(30))?;
+/// let id = uuid::Uuid::new_v4();
+/// let LeaseClaim::Claimed(lease) = claim_lease(&db, id, "mailer", &options).await? else {
+///     unreachable!("a new message")
+/// };
+/// // the mail provider answered 503: give the message back
+/// release_lease(&db, &lease).await?;
+/// let again = claim_lease(&db, id, "mailer", &options).await?;
+/// assert!(matches!(again, LeaseClaim::TakenOver(ref l) if l.attempt() == 2));
+/// # Ok(()) }
+/// ```
+pub async fn release_lease(db: &DatabaseConnection, lease: &Lease) -> Result<(), InboxError> {
+    let backend = db.get_database_backend();
+    compare_and_set(db, lease, release_lease_sql(backend)?).await
+}
+
+/// Runs one of the lease's compare-and-set UPDATEs (binds: a timestamp of now, then the
+/// current-lease conditions) as a statement of its own, and reports a stale lease.
+///
+/// Its affected-row count is exact on every backend: on MySQL sqlx reports *found* rows,
+/// and the WHERE clause only finds a row the UPDATE changes.
+async fn compare_and_set(
+    db: &DatabaseConnection,
+    lease: &Lease,
+    sql: String,
+) -> Result<(), InboxError> {
+    let backend = db.get_database_backend();
     let updated = retry_transient(lease.message_id, &lease.consumer, || async {
-        // One statement: its own transaction.
         let result = db
             .execute_raw(Statement::from_sql_and_values(
                 backend,
-                &complete,
+                &sql,
                 [
                     timestamp_value(backend, now_micros()),
                     Value::from(lease.message_id.as_uuid()),
@@ -436,6 +481,74 @@ pub async fn complete_lease(db: &DatabaseConnection, lease: &Lease) -> Result<()
             attempt: lease.attempt,
         })
     }
+}
+
+/// A two-phase claim whose lease expired without completing: a crashed or hung attempt,
+/// listed by [`list_expired_leases`] for a sweeper.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExpiredLease {
+    /// The message.
+    pub message_id: MessageId,
+    /// The consumer.
+    pub consumer: String,
+    /// Attempts made so far.
+    pub attempts: u32,
+    /// When the last lease expired.
+    pub lease_until: DateTime<Utc>,
+}
+
+/// Lists claims whose lease expired before now (the caller's clock) without completing
+/// and that are not parked, oldest expiry first, at most `limit`, for one consumer or
+/// (with `None`) for all.
+///
+/// A sweeper re-runs each one's side effect by calling [`claim_lease`] for it (which takes
+/// it over, or parks it after the last attempt) when it can rebuild the message; the
+/// broker's redelivery does the same otherwise.
+///
+/// # Errors
+/// [`InboxError::Query`] when the database fails.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// # use sea_orm_migration::MigratorTrait;
+/// # let db = sea_orm::Database::connect("sqlite::memory:").await?;
+/// # inbox_migration::Migrator::up(&db, None).await?;
+/// for stuck in inbox_core::list_expired_leases(&db, Some("mailer"), 100).await? {
+///     eprintln!("{} stuck after attempt {}", stuck.message_id, stuck.attempts);
+/// }
+/// # Ok(()) }
+/// ```
+pub async fn list_expired_leases(
+    db: &DatabaseConnection,
+    consumer: Option<&str>,
+    limit: u64,
+) -> Result<Vec<ExpiredLease>, InboxError> {
+    let now = timestamp_value(db.get_database_backend(), now_micros());
+    let expired = inbox::Column::ProcessedAt
+        .is_null()
+        .and(inbox::Column::DeadAt.is_null())
+        .and(inbox::Column::LeaseUntil.lt(now));
+    let rows = list_rows(
+        db,
+        expired,
+        inbox::Column::LeaseUntil,
+        consumer,
+        limit,
+        "listing expired leases",
+    )
+    .await?;
+    Ok(rows
+        .iter()
+        .filter_map(|row| {
+            row.lease_until.map(|lease_until| ExpiredLease {
+                message_id: MessageId::from_uuid(row.message_id),
+                consumer: row.consumer.clone(),
+                attempts: attempts_of(row),
+                lease_until,
+            })
+        })
+        .collect())
 }
 
 /// Lists claims parked as dead, oldest parking first, at most `limit`, for one consumer or
@@ -460,22 +573,41 @@ pub async fn list_dead_claims(
     consumer: Option<&str>,
     limit: u64,
 ) -> Result<Vec<DeadClaim>, InboxError> {
-    let mut query = inbox::Entity::find().filter(inbox::Column::DeadAt.is_not_null());
-    if let Some(consumer) = consumer {
-        query = query.filter(inbox::Column::Consumer.eq(consumer));
-    }
-    let rows = query
-        .order_by_asc(inbox::Column::DeadAt)
-        .order_by_asc(inbox::Column::Id)
-        .limit(limit)
-        .all(db)
-        .await
-        .map_err(|source| InboxError::Query {
-            operation: "listing dead claims",
-            source,
-        })?;
+    let dead = inbox::Column::DeadAt.is_not_null();
+    let rows = list_rows(
+        db,
+        dead,
+        inbox::Column::DeadAt,
+        consumer,
+        limit,
+        "listing dead claims",
+    )
+    .await?;
     Ok(rows
         .iter()
         .filter_map(|row| row.dead_at.map(|dead_at| dead_claim(row, dead_at)))
         .collect())
+}
+
+/// Rows matching `condition` (and `consumer`, if given), ordered by `order` then id;
+/// a failure is reported as `operation`.
+async fn list_rows(
+    db: &DatabaseConnection,
+    condition: sea_orm::sea_query::Expr,
+    order: inbox::Column,
+    consumer: Option<&str>,
+    limit: u64,
+    operation: &'static str,
+) -> Result<Vec<inbox::Model>, InboxError> {
+    let mut query = inbox::Entity::find().filter(condition);
+    if let Some(consumer) = consumer {
+        query = query.filter(inbox::Column::Consumer.eq(consumer));
+    }
+    query
+        .order_by_asc(order)
+        .order_by_asc(inbox::Column::Id)
+        .limit(limit)
+        .all(db)
+        .await
+        .map_err(|source| InboxError::Query { operation, source })
 }

@@ -39,7 +39,8 @@ pub use claim::{Claim, InboxTransactionExt};
 pub use error::InboxError;
 pub use inbox_entity::{CONSUMER_MAX_CHARS, INDEX_NAME, RECEIVED_AT_INDEX_NAME, TABLE_NAME};
 pub use lease::{
-    DeadClaim, Lease, LeaseClaim, LeaseOptions, claim_lease, complete_lease, list_dead_claims,
+    DeadClaim, ExpiredLease, Lease, LeaseClaim, LeaseOptions, claim_lease, complete_lease,
+    list_dead_claims, list_expired_leases, release_lease,
 };
 pub use message_id::{MESSAGE_ID_NAMESPACE, MessageId};
 pub use retention::{

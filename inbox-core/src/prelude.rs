@@ -2,5 +2,5 @@
 
 pub use crate::{
     BatchClaim, CLAIM_TRANSACTION, Claim, InboxError, InboxTransactionExt, Lease, LeaseClaim,
-    LeaseOptions, MessageId, claim_lease, complete_lease, is_inbox_duplicate,
+    LeaseOptions, MessageId, claim_lease, complete_lease, is_inbox_duplicate, release_lease,
 };

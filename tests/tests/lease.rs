@@ -4,7 +4,7 @@
 use chrono::{DateTime, Utc};
 use inbox_core::{
     InboxError, Lease, LeaseClaim, LeaseOptions, MessageId, claim_lease, complete_lease,
-    list_dead_claims,
+    list_dead_claims, list_expired_leases, release_lease,
 };
 use inbox_entity::inbox;
 use inbox_tests::{Backend, migrated_db, on_every_backend, scalar_i64};
@@ -288,7 +288,62 @@ async fn one_phase_markers_count_as_processed_and_bad_input_is_refused(backend: 
     db.cleanup().await;
 }
 
+async fn released_leases_are_listed_for_sweepers_and_taken_over_at_once(backend: Backend) {
+    let Some(db) = migrated_db(backend).await else {
+        return;
+    };
+    let conn = db.connect().await;
+    let options = LeaseOptions::new(Duration::from_secs(30)).unwrap();
+    let (x, y) = (
+        MessageId::from_uuid(Uuid::new_v4()),
+        MessageId::from_uuid(Uuid::new_v4()),
+    );
+    let lease_x = leased(claim_lease(&conn, x, CONSUMER, &options).await.unwrap());
+    let _lease_y = leased(claim_lease(&conn, y, CONSUMER, &options).await.unwrap());
+    assert!(
+        list_expired_leases(&conn, None, 10)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+
+    // The provider failed: give x back instead of waiting 30 s.
+    release_lease(&conn, &lease_x).await.expect("release");
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let expired = list_expired_leases(&conn, Some(CONSUMER), 10)
+        .await
+        .unwrap();
+    assert_eq!(expired.len(), 1, "only x: y's lease is live");
+    assert_eq!((expired[0].message_id, expired[0].attempts), (x, 1));
+    assert!(
+        list_expired_leases(&conn, Some("another.consumer"), 10)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+
+    let retry = match claim_lease(&conn, x, CONSUMER, &options).await.unwrap() {
+        LeaseClaim::TakenOver(lease) => lease,
+        other => panic!("expected TakenOver at once, got {other:?}"),
+    };
+    assert_eq!(retry.attempt(), 2);
+    assert!(matches!(
+        release_lease(&conn, &lease_x).await,
+        Err(InboxError::StaleLease { attempt: 1, .. })
+    ));
+    assert!(
+        list_expired_leases(&conn, None, 10)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    complete_lease(&conn, &retry).await.unwrap();
+    conn.close().await.ok();
+    db.cleanup().await;
+}
+
 on_every_backend!(
+    released_leases_are_listed_for_sweepers_and_taken_over_at_once,
     two_replicas_race_a_two_phase_claim_and_call_once,
     crashed_claimant_is_taken_over_and_its_late_completion_rejected,
     expired_lease_nobody_took_over_still_completes,
