@@ -180,9 +180,17 @@ const PURGEABLE: &str = "received_at < ? AND (processed_at IS NOT NULL OR lease_
 /// statement that walks `ix_inbox_received_at`. Binds: cutoff, batch size.
 ///
 /// MySQL/MariaDB cannot use LIMIT in an `IN (subquery)`, but its single-table DELETE takes
-/// ORDER BY and LIMIT itself; the others delete the ids a limited subquery selects.
+/// ORDER BY and LIMIT itself (a range scan of the index). PostgreSQL plans
+/// `id IN (subquery)` as a hash semi-join over a sequential scan of the whole table (61 ms
+/// per 1000-row batch at 200k rows, measured), so it gets `id = ANY(ARRAY(subquery))`: an
+/// init plan on the index, then primary-key lookups (4 ms). SQLite already looks the ids
+/// up by rowid.
 pub(crate) fn purge_batch_sql(backend: DbBackend) -> Result<String, InboxError> {
     let template = match backend {
+        DbBackend::Postgres => format!(
+            "DELETE FROM inbox WHERE id = ANY(ARRAY(\
+             SELECT id FROM inbox WHERE {PURGEABLE} ORDER BY received_at LIMIT ?))"
+        ),
         DbBackend::MySql => {
             format!("DELETE FROM inbox WHERE {PURGEABLE} ORDER BY received_at LIMIT ?")
         }
