@@ -4,7 +4,8 @@ use crate::backend::{insert_batch_sql, timestamp_value};
 use crate::claim::now_micros;
 use crate::consumer::validate_consumer;
 use crate::{InboxError, MessageId};
-use sea_orm::{ConnectionTrait, Statement, Value};
+use inbox_entity::INDEX_NAME;
+use sea_orm::{ConnectionTrait, DbErr, Statement, Value};
 use std::collections::BTreeSet;
 use uuid::Uuid;
 
@@ -87,10 +88,22 @@ pub(crate) async fn insert_batch<C: ConnectionTrait>(
         let (id, row_tag) = read(0)
             .and_then(|id| Ok((id, read(1)?)))
             .map_err(|err| InboxError::from_claim(err, ids[0], consumer))?;
-        if let (Some(id), Some(row_tag)) = (id, row_tag)
-            && row_tag == tag
-        {
-            inserted.insert(MessageId::from_uuid(id));
+        let Some(id) = id.map(MessageId::from_uuid) else {
+            continue;
+        };
+        if ids.binary_search(&id).is_err() {
+            // ON DUPLICATE KEY met a row of another message (a primary key collision):
+            // the batch's own row was not written. Never report that as "already claimed".
+            return Err(InboxError::from_claim(
+                DbErr::Custom(format!(
+                    "the batch insert met the row of message {id}, which is not in the batch (a conflict on a key other than {INDEX_NAME}): roll back and retry the batch"
+                )),
+                ids[0],
+                consumer,
+            ));
+        }
+        if row_tag == Some(tag) {
+            inserted.insert(id);
         }
     }
     let (claimed, already_claimed) = ids.into_iter().partition(|id| inserted.contains(id));
