@@ -20,7 +20,9 @@ async fn claim_and_commit(db: &DatabaseConnection, ids: &[Uuid]) -> BatchClaim {
         let txn = db.begin_with_options(CLAIM_TRANSACTION).await.unwrap();
         match txn.claim_batch(ids.iter().copied(), CONSUMER).await {
             Ok(batch) => {
-                txn.commit().await.unwrap();
+                txn.commit()
+                    .await
+                    .unwrap_or_else(|err| panic!("commit of a claimed batch failed: {err:?}"));
                 return batch;
             }
             Err(err)
