@@ -1,4 +1,4 @@
-use crate::InboxError;
+use crate::{InboxError, MessageId};
 use inbox_entity::CONSUMER_MAX_CHARS;
 
 /// Checks a consumer name before it reaches SQL: non-empty and no longer than the column.
@@ -9,6 +9,15 @@ pub(crate) fn validate_consumer(consumer: &str) -> Result<(), InboxError> {
     let chars = consumer.chars().count();
     if chars > CONSUMER_MAX_CHARS {
         return Err(InboxError::ConsumerTooLong { chars });
+    }
+    Ok(())
+}
+
+/// Checks the input of a single-message claim: the consumer name and a non-nil id.
+pub(crate) fn validate_claim(message_id: MessageId, consumer: &str) -> Result<(), InboxError> {
+    validate_consumer(consumer)?;
+    if message_id.is_nil() {
+        return Err(InboxError::NilMessageId);
     }
     Ok(())
 }

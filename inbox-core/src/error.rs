@@ -1,6 +1,7 @@
 use crate::MessageId;
 use crate::backend::{DbErrorKind, classify};
 use sea_orm::DbErr;
+use std::time::Duration;
 
 /// Everything that can go wrong when claiming a message.
 ///
@@ -74,17 +75,139 @@ pub enum InboxError {
         #[source]
         source: DbErr,
     },
+
+    /// A field a [`MessageId`] key is derived from is empty or only white space.
+    #[error(
+        "the {field} is empty: a key must come from a value the broker repeats on every redelivery of the message"
+    )]
+    EmptyKeyField {
+        /// Which field was empty.
+        field: &'static str,
+    },
+
+    /// A Kafka partition or offset is negative (librdkafka uses negative values as
+    /// "unset" markers, never as a record's position).
+    #[error(
+        "Kafka partition {partition} / offset {offset} is not a record position: pass the record's own partition and offset (both >= 0)"
+    )]
+    NegativeKafkaPosition {
+        /// The partition given.
+        partition: i32,
+        /// The offset given.
+        offset: i64,
+    },
+
+    /// A batch claim got no message ids.
+    #[error("the batch holds no message ids: skip the claim when the broker delivered nothing")]
+    EmptyBatch,
+
+    /// A batch claim got more distinct message ids than one statement may carry.
+    #[error(
+        "the batch holds {len} distinct message ids; claim at most {max} per call: split the batch"
+    )]
+    BatchTooLarge {
+        /// Distinct ids in the rejected batch.
+        len: usize,
+        /// The largest batch accepted, [`crate::MAX_CLAIM_BATCH`].
+        max: usize,
+    },
+
+    /// A lease duration outside the accepted range.
+    #[error(
+        "a lease of {lease:?} is outside {min:?}..={max:?}: choose a lease longer than the side effect takes, with margin for clock skew"
+    )]
+    LeaseOutOfRange {
+        /// The rejected duration.
+        lease: Duration,
+        /// The shortest lease accepted.
+        min: Duration,
+        /// The longest lease accepted.
+        max: Duration,
+    },
+
+    /// A maximum attempt count of zero.
+    #[error("max_attempts must be at least 1: a claim needs one attempt before it can be parked")]
+    ZeroMaxAttempts,
+
+    /// A two-phase completion whose lease is no longer the current one: after it expired,
+    /// another claimant took the message over (or it was parked as dead), so this
+    /// claimant must not record the outcome.
+    #[error(
+        "the lease of attempt {attempt} on message {message_id} for consumer {consumer:?} is stale: another claimant took over after it expired, or it was parked as dead; do not record the result (the side effect was called with the same idempotency key, so the provider can deduplicate it)"
+    )]
+    StaleLease {
+        /// The message of the stale lease.
+        message_id: MessageId,
+        /// The consumer of the stale lease.
+        consumer: String,
+        /// The attempt the stale lease belonged to.
+        attempt: u32,
+    },
+
+    /// A retention setting that cannot work.
+    #[error("invalid retention policy: {reason}")]
+    InvalidRetention {
+        /// What is wrong and what to change.
+        reason: String,
+    },
+
+    /// [`crate::spawn_purger`] was called outside a tokio runtime.
+    #[error("spawn_purger needs a tokio runtime: call it from async code running on tokio")]
+    NoTokioRuntime,
+
+    /// The background purger task ended abnormally.
+    #[error("the purger task ended abnormally: {reason}")]
+    PurgerStopped {
+        /// What the runtime reported.
+        reason: String,
+    },
+
+    /// A database operation not about one message (a purge, a listing) failed.
+    #[error("{operation} failed: {source}")]
+    Query {
+        /// What the library was doing.
+        operation: &'static str,
+        /// The database's own error.
+        #[source]
+        source: DbErr,
+    },
 }
 
 impl InboxError {
+    /// The error for a database failure while claiming `message_id` for `consumer`:
+    /// [`MissingTable`](Self::MissingTable) when the classifier says so, else
+    /// [`Database`](Self::Database).
+    pub(crate) fn from_claim(source: DbErr, message_id: MessageId, consumer: &str) -> Self {
+        match crate::classify(&source) {
+            crate::DbErrorKind::MissingInboxTable => Self::MissingTable { source },
+            _ => Self::Database {
+                message_id,
+                consumer: consumer.to_owned(),
+                source,
+            },
+        }
+    }
+
     /// The underlying database error, if this error came from the database.
     pub fn db_err(&self) -> Option<&DbErr> {
         match self {
-            Self::MissingTable { source } | Self::Database { source, .. } => Some(source),
+            Self::MissingTable { source }
+            | Self::Database { source, .. }
+            | Self::Query { source, .. } => Some(source),
             Self::EmptyConsumer
             | Self::ConsumerTooLong { .. }
             | Self::NilMessageId
-            | Self::UnsupportedBackend { .. } => None,
+            | Self::UnsupportedBackend { .. }
+            | Self::EmptyKeyField { .. }
+            | Self::NegativeKafkaPosition { .. }
+            | Self::EmptyBatch
+            | Self::BatchTooLarge { .. }
+            | Self::LeaseOutOfRange { .. }
+            | Self::ZeroMaxAttempts
+            | Self::StaleLease { .. }
+            | Self::InvalidRetention { .. }
+            | Self::NoTokioRuntime
+            | Self::PurgerStopped { .. } => None,
         }
     }
 }

@@ -19,7 +19,7 @@ impl MigrationName for CreateInbox {
 ///
 /// MySQL's `timestamp` (what SeaQuery emits for "timestamp with time zone" there) keeps
 /// whole seconds and ends in 2038, so MySQL/MariaDB get `datetime(6)` holding UTC.
-fn utc_timestamp(backend: DatabaseBackend, column: impl IntoIden) -> ColumnDef {
+pub(crate) fn utc_timestamp(backend: DatabaseBackend, column: impl IntoIden) -> ColumnDef {
     let mut def = ColumnDef::new(column);
     match backend {
         DatabaseBackend::MySql => def.custom(Alias::new("datetime(6)")),
