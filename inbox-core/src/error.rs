@@ -6,7 +6,7 @@ use std::time::Duration;
 /// Everything that can go wrong when claiming a message.
 ///
 /// Input errors ([`EmptyConsumer`](Self::EmptyConsumer),
-/// [`ConsumerTooLong`](Self::ConsumerTooLong), [`NilMessageId`](Self::NilMessageId)) are
+/// [`ConsumerNotTrimmed`](Self::ConsumerNotTrimmed), [`ConsumerTooLong`](Self::ConsumerTooLong), [`NilMessageId`](Self::NilMessageId)) are
 /// returned before any SQL runs. Database failures keep the original [`DbErr`] so the
 /// caller can inspect it; [`crate::classify`] tells transient ones from the rest.
 ///
@@ -24,6 +24,15 @@ pub enum InboxError {
         "the consumer name is empty: give each handler a stable, non-empty name such as \"billing.credit-account\""
     )]
     EmptyConsumer,
+
+    /// The consumer name starts or ends with white space.
+    #[error(
+        "the consumer name {consumer:?} starts or ends with white space, which MySQL/MariaDB ignore when comparing: trim it"
+    )]
+    ConsumerNotTrimmed {
+        /// The rejected name.
+        consumer: String,
+    },
 
     /// The consumer name does not fit the `consumer` column.
     #[error(
@@ -195,6 +204,7 @@ impl InboxError {
             | Self::Database { source, .. }
             | Self::Query { source, .. } => Some(source),
             Self::EmptyConsumer
+            | Self::ConsumerNotTrimmed { .. }
             | Self::ConsumerTooLong { .. }
             | Self::NilMessageId
             | Self::UnsupportedBackend { .. }

@@ -28,6 +28,23 @@ pub(crate) fn utc_timestamp(backend: DatabaseBackend, column: impl IntoIden) -> 
     def
 }
 
+/// The consumer name, compared byte for byte on every backend.
+///
+/// MySQL/MariaDB's default collations ignore case (`utf8mb4_general_ci`), so "Billing" and
+/// "billing" would share one marker and one of the two consumers would skip every message
+/// as a duplicate. The binary collation compares like PostgreSQL and SQLite do.
+fn consumer_column(backend: DatabaseBackend, column: impl IntoIden, chars: u32) -> ColumnDef {
+    if backend != DatabaseBackend::MySql {
+        return string_len(column, chars);
+    }
+    let mut def = ColumnDef::new(column);
+    def.custom(Alias::new(format!(
+        "varchar({chars}) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin"
+    )))
+    .not_null();
+    def
+}
+
 #[async_trait::async_trait]
 impl MigrationTrait for CreateInbox {
     async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
@@ -39,7 +56,11 @@ impl MigrationTrait for CreateInbox {
                     .table(inbox::Entity)
                     .col(big_pk_auto(inbox::Column::Id))
                     .col(uuid(inbox::Column::MessageId))
-                    .col(string_len(inbox::Column::Consumer, consumer_len))
+                    .col(consumer_column(
+                        backend,
+                        inbox::Column::Consumer,
+                        consumer_len,
+                    ))
                     .col(utc_timestamp(backend, inbox::Column::ReceivedAt).not_null())
                     .col(utc_timestamp(backend, inbox::Column::ProcessedAt).null())
                     .to_owned(),
