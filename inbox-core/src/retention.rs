@@ -1,7 +1,9 @@
 //! How long markers must be kept, and a purge that deletes older ones in bounded batches.
 
 use crate::InboxError;
-use crate::backend::{newest_received_at_sql, purge_batch_sql, timestamp_value};
+use crate::backend::{
+    latest_received_at_or_before_sql, newest_received_at_sql, purge_batch_sql, timestamp_value,
+};
 use crate::claim::now_micros;
 use chrono::{DateTime, TimeDelta, Utc};
 use sea_orm::{ConnectionTrait, DatabaseConnection, Statement, Value};
@@ -40,15 +42,18 @@ pub struct BrokerRedelivery {
 
 /// How long markers are kept, and how many rows one purge statement may delete.
 ///
-/// **Downtime rule.** The cutoff is measured from the newest marker's `received_at`, not
-/// from the wall clock: `cutoff = min(newest received_at, now) - window`. The window is
-/// time the inbox spent *receiving*; while the process is down nothing arrives, so the
-/// cutoff stands still and the markers of the last `window` before the outage survive
-/// any length of downtime. A broker that redelivers those messages after the restart
-/// still meets their markers. Once new messages have arrived for `window`, the old ones
-/// age out as usual. (A wall-clock cutoff would delete them all on the first purge
-/// after an outage longer than the window, reopening the duplicate window exactly when
-/// the broker redelivers the backlog.)
+/// **Downtime rule.** The window is *receiving time*, not wall-clock time. The purge walks
+/// back from the newest marker (or now, if the clock is behind it) through the markers'
+/// own timeline and counts the stretches where markers are never further apart than the
+/// [downtime gap](Self::with_downtime_gap) (by default an eighth of the window). A longer
+/// silence counts as downtime, however long it lasted: the process was down (or the queue
+/// idle, which only keeps markers longer). Markers older than one window of receiving
+/// time go. So after an outage longer than the window, the markers of the last window
+/// before it survive, and they age out only as new traffic accumulates receiving time:
+/// a broker that redelivers the in-flight messages when the service comes back still
+/// meets their markers. (A wall-clock cutoff would delete them all on the first purge
+/// after the outage; one measured from the newest marker would delete them as soon as
+/// the first new message arrived.) The walk costs at most 64 index probes per purge.
 ///
 /// ```
 /// use inbox_core::{BrokerRedelivery, RetentionPolicy};
@@ -67,6 +72,7 @@ pub struct BrokerRedelivery {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RetentionPolicy {
     window: Duration,
+    downtime_gap: Duration,
     batch_size: u32,
 }
 
@@ -74,6 +80,8 @@ impl RetentionPolicy {
     /// Rows one purge statement deletes unless [`with_batch_size`](Self::with_batch_size)
     /// says otherwise.
     pub const DEFAULT_BATCH_SIZE: u32 = 1_000;
+    /// The default downtime gap is the window divided by this.
+    pub const DEFAULT_GAPS_PER_WINDOW: u32 = 8;
     /// The largest batch accepted: bigger deletes hold locks long enough to stall writers.
     pub const MAX_BATCH_SIZE: u32 = 100_000;
     /// The longest window accepted: a hundred years.
@@ -119,7 +127,31 @@ impl RetentionPolicy {
         }
         Ok(Self {
             window,
+            downtime_gap: window / Self::DEFAULT_GAPS_PER_WINDOW,
             batch_size: Self::DEFAULT_BATCH_SIZE,
+        })
+    }
+
+    /// A silence between markers longer than `gap` counts as downtime, not receiving time
+    /// (see the downtime rule above). Shorter gaps keep markers a little longer after
+    /// outages and idle stretches; longer ones let an outage shorter than `gap` count
+    /// towards the window.
+    ///
+    /// # Errors
+    /// [`InboxError::InvalidRetention`] for a zero gap or one over
+    /// [`MAX_WINDOW`](Self::MAX_WINDOW).
+    pub fn with_downtime_gap(self, gap: Duration) -> Result<Self, InboxError> {
+        if gap.is_zero() || gap > Self::MAX_WINDOW {
+            return Err(InboxError::InvalidRetention {
+                reason: format!(
+                    "a downtime gap of {gap:?} is outside (0, {:?}]: a silence longer than the gap counts as downtime",
+                    Self::MAX_WINDOW
+                ),
+            });
+        }
+        Ok(Self {
+            downtime_gap: gap,
+            ..self
         })
     }
 
@@ -149,33 +181,89 @@ impl RetentionPolicy {
         self.batch_size
     }
 
-    /// The purge cutoff under the downtime rule: markers received strictly before it go.
-    ///
-    /// ```
-    /// use chrono::{TimeDelta, Utc};
-    /// use inbox_core::RetentionPolicy;
-    /// use std::time::Duration;
-    ///
-    /// let policy = RetentionPolicy::with_window(Duration::from_secs(3_600))?;
-    /// let now = Utc::now();
-    /// let newest = now - TimeDelta::days(30); // the process was down for a month
-    /// assert_eq!(policy.cutoff(newest, now), newest - TimeDelta::hours(1));
-    /// # Ok::<(), inbox_core::InboxError>(())
-    /// ```
-    pub fn cutoff(&self, newest_received_at: DateTime<Utc>, now: DateTime<Utc>) -> DateTime<Utc> {
-        // `with_window` bounds the window to a hundred years, so the conversion succeeds.
-        let window = TimeDelta::from_std(self.window).unwrap_or(TimeDelta::MAX);
-        newest_received_at
-            .min(now)
-            .checked_sub_signed(window)
-            .unwrap_or(DateTime::<Utc>::MIN_UTC)
+    /// The longest silence between markers still counted as receiving time.
+    pub fn downtime_gap(&self) -> Duration {
+        self.downtime_gap
+    }
+}
+
+/// The receiving-time walk of the downtime rule, one probe at a time, free of I/O.
+///
+/// Each probe asks for the newest marker at or before `at - step`; the stretch back to it
+/// counts in full when it is no longer than the downtime gap, and as one `step` otherwise
+/// (the probe cannot see into the last `step` before `at`, so that much may have been
+/// receiving). Every probe adds at least `step` = window / 64, so a walk makes at most 64.
+#[derive(Clone, Copy, Debug)]
+struct ReceivingWalk {
+    window: TimeDelta,
+    gap: TimeDelta,
+    step: TimeDelta,
+    at: DateTime<Utc>,
+    receiving: TimeDelta,
+}
+
+/// Where a walk goes next.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum WalkStep {
+    /// Probe for the newest marker at or before this instant.
+    Probe(DateTime<Utc>),
+    /// Markers received strictly before this instant are past the window.
+    Cutoff(DateTime<Utc>),
+    /// The walk left the range of representable time: nothing is old enough to delete.
+    Exhausted,
+}
+
+impl ReceivingWalk {
+    const PROBES_PER_WINDOW: i32 = 64;
+
+    fn start(
+        policy: &RetentionPolicy,
+        newest: DateTime<Utc>,
+        now: DateTime<Utc>,
+    ) -> (Self, WalkStep) {
+        // `with_window` bounds both durations to a hundred years: the conversions succeed.
+        let window = TimeDelta::from_std(policy.window).unwrap_or(TimeDelta::MAX);
+        let gap = TimeDelta::from_std(policy.downtime_gap).unwrap_or(window);
+        let step = (window / Self::PROBES_PER_WINDOW)
+            .min(gap)
+            .max(TimeDelta::microseconds(1));
+        let walk = Self {
+            window,
+            gap,
+            step,
+            at: newest.min(now),
+            receiving: TimeDelta::zero(),
+        };
+        (walk, walk.probe_before(walk.at))
+    }
+
+    /// Takes the answer to the last probe: the newest marker at or before it.
+    fn advance(&mut self, earlier: DateTime<Utc>) -> WalkStep {
+        let span = self.at - earlier;
+        let counted = if span <= self.gap { span } else { self.step };
+        let missing = self.window - self.receiving;
+        if counted >= missing {
+            return self
+                .at
+                .checked_sub_signed(missing)
+                .map_or(WalkStep::Exhausted, WalkStep::Cutoff);
+        }
+        self.receiving += counted;
+        self.at = earlier;
+        self.probe_before(earlier)
+    }
+
+    fn probe_before(&self, at: DateTime<Utc>) -> WalkStep {
+        at.checked_sub_signed(self.step)
+            .map_or(WalkStep::Exhausted, WalkStep::Probe)
     }
 }
 
 /// What one [`purge`] removed.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PurgeReport {
-    /// The cutoff used; `None` when the inbox was empty (nothing to measure from).
+    /// The cutoff used; `None` when no marker is a window of receiving time old (an empty
+    /// inbox, or one that has not yet received for a whole window).
     pub cutoff: Option<DateTime<Utc>>,
     /// Rows deleted.
     pub rows: u64,
@@ -191,7 +279,7 @@ pub struct PurgeReport {
 ///
 /// Never deletes an unfinished two-phase claim (a lease without `processed_at`, parked
 /// or not). The cutoff follows the downtime rule of [`RetentionPolicy`] and is computed
-/// once, before the first batch.
+/// once, before the first batch, with at most 64 index probes.
 ///
 /// # Errors
 /// [`InboxError::Query`] when a statement fails; batches before it stay deleted.
@@ -225,21 +313,9 @@ async fn purge_until(
 ) -> Result<PurgeReport, InboxError> {
     let backend = db.get_database_backend();
     let failed = |operation| move |source| InboxError::Query { operation, source };
-    let newest = db
-        .query_one_raw(Statement::from_string(
-            backend,
-            newest_received_at_sql(backend)?,
-        ))
-        .await
-        .map_err(failed("reading the newest received_at"))?
-        .map(|row| row.try_get_by_index::<Option<DateTime<Utc>>>(0))
-        .transpose()
-        .map_err(failed("reading the newest received_at"))?
-        .flatten();
-    let Some(newest) = newest else {
+    let Some(cutoff) = receiving_time_cutoff(db, policy).await? else {
         return Ok(PurgeReport::default());
     };
-    let cutoff = policy.cutoff(newest, now_micros());
     let delete = purge_batch_sql(backend)?;
     let mut report = PurgeReport {
         cutoff: Some(cutoff),
@@ -267,6 +343,53 @@ async fn purge_until(
         if deleted < batch_size || stop() {
             return Ok(report);
         }
+    }
+}
+
+/// The cutoff of the downtime rule, walking the markers' timeline back from the newest.
+async fn receiving_time_cutoff(
+    db: &DatabaseConnection,
+    policy: &RetentionPolicy,
+) -> Result<Option<DateTime<Utc>>, InboxError> {
+    let backend = db.get_database_backend();
+    let Some(newest) = read_timestamp(db, newest_received_at_sql(backend)?, None).await? else {
+        return Ok(None);
+    };
+    let probe_sql = latest_received_at_or_before_sql(backend)?;
+    let (mut walk, mut next) = ReceivingWalk::start(policy, newest, now_micros());
+    loop {
+        match next {
+            WalkStep::Cutoff(cutoff) => return Ok(Some(cutoff)),
+            WalkStep::Exhausted => return Ok(None),
+            WalkStep::Probe(at) => match read_timestamp(db, probe_sql.clone(), Some(at)).await? {
+                Some(earlier) => next = walk.advance(earlier),
+                None => return Ok(None),
+            },
+        }
+    }
+}
+
+/// Reads the one timestamp a `SELECT MAX(received_at) ...` returns, binding `at` if given.
+async fn read_timestamp(
+    db: &DatabaseConnection,
+    sql: String,
+    at: Option<DateTime<Utc>>,
+) -> Result<Option<DateTime<Utc>>, InboxError> {
+    let backend = db.get_database_backend();
+    let values = at.map(|at| timestamp_value(backend, at)).into_iter();
+    let failed = |source| InboxError::Query {
+        operation: "reading received_at for the retention cutoff",
+        source,
+    };
+    let row = db
+        .query_one_raw(Statement::from_sql_and_values(backend, sql, values))
+        .await
+        .map_err(failed)?;
+    match row {
+        Some(row) => row
+            .try_get_by_index::<Option<DateTime<Utc>>>(0)
+            .map_err(failed),
+        None => Ok(None),
     }
 }
 
@@ -375,4 +498,109 @@ pub fn spawn_purger(
         summary
     });
     Ok(Purger { stop, task })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs a walk over an in-memory timeline; returns the cutoff and the probes it took.
+    fn walk(
+        markers: &[DateTime<Utc>],
+        policy: &RetentionPolicy,
+        now: DateTime<Utc>,
+    ) -> (Option<DateTime<Utc>>, usize) {
+        let mut sorted = markers.to_vec();
+        sorted.sort();
+        let newest = *sorted.last().expect("a marker");
+        let (mut state, mut next) = ReceivingWalk::start(policy, newest, now);
+        let mut probes = 0;
+        loop {
+            match next {
+                WalkStep::Cutoff(cutoff) => return (Some(cutoff), probes),
+                WalkStep::Exhausted => return (None, probes),
+                WalkStep::Probe(at) => {
+                    probes += 1;
+                    match sorted.iter().rev().find(|m| **m <= at) {
+                        Some(earlier) => next = state.advance(*earlier),
+                        None => return (None, probes),
+                    }
+                }
+            }
+        }
+    }
+
+    fn every_minute(from: DateTime<Utc>, minutes: i64) -> Vec<DateTime<Utc>> {
+        (0..=minutes)
+            .map(|m| from + TimeDelta::minutes(m))
+            .collect()
+    }
+
+    fn hour_window() -> RetentionPolicy {
+        RetentionPolicy::with_window(Duration::from_secs(3_600)).expect("valid window")
+    }
+
+    #[test]
+    fn steady_traffic_keeps_exactly_one_window() {
+        let end = Utc::now();
+        let markers = every_minute(end - TimeDelta::hours(3), 180);
+        let (cutoff, probes) = walk(&markers, &hour_window(), end);
+        assert_eq!(cutoff, Some(end - TimeDelta::hours(1)));
+        assert!(probes <= 64, "{probes} probes");
+    }
+
+    #[test]
+    fn an_outage_does_not_count_towards_the_window() {
+        let now = Utc::now();
+        let outage_began = now - TimeDelta::days(30);
+        let mut markers = every_minute(outage_began - TimeDelta::hours(3), 180);
+        markers.extend(every_minute(now - TimeDelta::minutes(20), 20));
+        let (cutoff, _) = walk(&markers, &hour_window(), now);
+        let cutoff = cutoff.expect("a window of receiving time exists");
+        // 20 minutes after the outage, one probe step for the silence, the rest before it.
+        let step = TimeDelta::seconds(3_600) / 64;
+        assert_eq!(cutoff, outage_began - (TimeDelta::minutes(40) - step));
+    }
+
+    #[test]
+    fn less_than_a_window_of_receiving_deletes_nothing() {
+        let now = Utc::now();
+        let markers = every_minute(now - TimeDelta::minutes(50), 50);
+        assert_eq!(walk(&markers, &hour_window(), now).0, None);
+    }
+
+    #[test]
+    fn sparse_history_costs_at_most_64_probes() {
+        let now = Utc::now();
+        let markers: Vec<_> = (0..10_000).map(|d| now - TimeDelta::days(d)).collect();
+        let (cutoff, probes) = walk(&markers, &hour_window(), now);
+        assert!(probes <= 65, "{probes} probes");
+        assert!(
+            cutoff.is_some_and(|c| c < now - TimeDelta::days(60)),
+            "{cutoff:?}"
+        );
+    }
+
+    #[test]
+    fn a_clock_behind_the_newest_marker_walks_from_the_clock() {
+        let now = Utc::now();
+        let markers = every_minute(now - TimeDelta::hours(2), 180); // an hour in the future
+        assert_eq!(
+            walk(&markers, &hour_window(), now).0,
+            Some(now - TimeDelta::hours(1))
+        );
+    }
+
+    #[test]
+    fn the_downtime_gap_is_validated() {
+        let policy = hour_window();
+        assert_eq!(policy.downtime_gap(), Duration::from_secs(450));
+        assert!(policy.with_downtime_gap(Duration::ZERO).is_err());
+        assert!(
+            policy
+                .with_downtime_gap(RetentionPolicy::MAX_WINDOW * 2)
+                .is_err()
+        );
+        assert!(policy.with_downtime_gap(Duration::from_secs(7_200)).is_ok());
+    }
 }

@@ -1,6 +1,7 @@
 //! Issue 4, acceptance 6: retention. The purge removes exactly the rows received before
 //! the cutoff, in batches no larger than the configured size, never an unfinished
-//! two-phase claim, and measures the window from the newest marker (downtime rule).
+//! two-phase claim, and counts the window in receiving time, not across outages
+//! (downtime rule).
 
 use chrono::{DateTime, DurationRound, TimeDelta, Utc};
 use inbox_core::{
@@ -122,7 +123,10 @@ async fn purge_removes_exactly_the_old_finished_rows_in_bounded_batches(backend:
     .await;
     let at_cutoff = insert(&conn, Marker::OnePhase, cutoff, 1).await;
 
+    // The sparse timeline above is steady traffic, not outages: every gap counts.
     let policy = RetentionPolicy::with_window(Duration::from_secs(3600))
+        .unwrap()
+        .with_downtime_gap(Duration::from_secs(3600))
         .unwrap()
         .with_batch_size(10)
         .unwrap();
@@ -177,44 +181,74 @@ async fn live_leases_survive_a_purge(backend: Backend) {
     db.cleanup().await;
 }
 
+/// One marker a minute, `minutes + 1` of them, the last at `end`.
+async fn one_a_minute(
+    conn: &DatabaseConnection,
+    end: DateTime<Utc>,
+    minutes: i64,
+) -> Vec<Vec<Uuid>> {
+    let mut markers = Vec::new();
+    for back in (0..=minutes).rev() {
+        markers.push(insert(conn, Marker::OnePhase, end - TimeDelta::minutes(back), 1).await);
+    }
+    markers
+}
+
+async fn present_minutes(conn: &DatabaseConnection, minutes: &[Vec<Uuid>]) -> usize {
+    present(conn, &minutes.concat()).await
+}
+
 async fn purge_after_downtime_keeps_what_the_broker_may_redeliver(backend: Backend) {
     let Some(db) = migrated_db(backend).await else {
         return;
     };
     let conn = db.connect().await;
-    // The process went down 30 days ago; the window is 1 hour.
-    let last_seen = now() - TimeDelta::days(30);
-    let before_outage = insert(
-        &conn,
-        Marker::OnePhase,
-        last_seen - TimeDelta::minutes(50),
-        5,
-    )
-    .await;
-    let last = insert(&conn, Marker::OnePhase, last_seen, 1).await;
-    let long_before = insert(&conn, Marker::OnePhase, last_seen - TimeDelta::hours(2), 3).await;
-
     let policy = RetentionPolicy::with_window(Duration::from_secs(3600)).unwrap();
+    // Three hours of steady traffic, then the process went down 30 days ago.
+    let outage_began = now() - TimeDelta::days(30);
+    let before = one_a_minute(&conn, outage_began, 180).await; // index m: outage_began - (180 - m) min
+
     let report = purge(&conn, &policy).await.unwrap();
     assert_eq!(
         report.cutoff,
-        Some(last_seen - TimeDelta::hours(1)),
-        "measured from the newest marker, not the wall clock"
+        Some(outage_began - TimeDelta::hours(1)),
+        "a window of receiving time back from the newest marker, not from the wall clock"
     );
-    assert_eq!(report.rows, 3);
-    assert_eq!(present(&conn, &long_before).await, 0);
+    assert_eq!(report.rows, 120);
     assert_eq!(
-        present(&conn, &before_outage).await,
-        5,
+        present_minutes(&conn, &before[120..]).await,
+        61,
         "the last hour before the outage is kept"
     );
-    assert_eq!(present(&conn, &last).await, 1);
 
-    // Traffic resumes: once an hour of new markers exists, the pre-outage ones age out.
-    insert(&conn, Marker::OnePhase, now(), 1).await;
+    // The service is back: 20 minutes of new traffic are not yet a window of receiving
+    // time, so most of the last hour before the outage stays (a cutoff measured from the
+    // newest marker, or from the wall clock, would delete all of it now).
+    let after = one_a_minute(&conn, now(), 20).await;
     let report = purge(&conn, &policy).await.unwrap();
-    assert_eq!(report.rows, 6);
-    assert_eq!(count(&conn).await, 1);
+    let step = TimeDelta::seconds(3600) / 64;
+    assert_eq!(
+        report.cutoff,
+        Some(outage_began - (TimeDelta::minutes(40) - step)),
+        "20 minutes after, one probe step for the outage, the rest before it"
+    );
+    assert_eq!(report.rows, 21);
+    assert_eq!(
+        present_minutes(&conn, &before[141..]).await,
+        40,
+        "the last 39 minutes before the outage"
+    );
+    assert_eq!(present_minutes(&conn, &after).await, 21);
+
+    // A full window of traffic after the restart: now the pre-outage markers age out.
+    let earlier_after = one_a_minute(&conn, now() - TimeDelta::minutes(21), 60).await;
+    let report = purge(&conn, &policy).await.unwrap();
+    assert_eq!(present_minutes(&conn, &before).await, 0, "{report:?}");
+    assert_eq!(present_minutes(&conn, &after).await, 21);
+    assert!(
+        present_minutes(&conn, &earlier_after).await >= 39,
+        "{report:?}"
+    );
     conn.close().await.ok();
     db.cleanup().await;
 }
@@ -228,6 +262,8 @@ async fn background_purger_runs_and_shuts_down_cleanly(backend: Backend) {
     insert(&conn, Marker::OnePhase, newest - TimeDelta::hours(5), 12).await;
     insert(&conn, Marker::OnePhase, newest, 1).await;
     let policy = RetentionPolicy::with_window(Duration::from_secs(3600))
+        .unwrap()
+        .with_downtime_gap(Duration::from_secs(6 * 3600))
         .unwrap()
         .with_batch_size(5)
         .unwrap();
@@ -292,12 +328,6 @@ fn policy_from_broker_parameters() {
         policy
             .with_batch_size(RetentionPolicy::MAX_BATCH_SIZE + 1)
             .is_err()
-    );
-    // A clock behind the newest marker: the cutoff follows the clock.
-    let now = Utc::now();
-    assert_eq!(
-        policy.cutoff(now + TimeDelta::hours(1), now),
-        now - TimeDelta::seconds(1)
     );
 }
 
