@@ -1,0 +1,241 @@
+use crate::backend::{CLAIM_TRANSACTION, DbErrorKind, classify};
+use crate::claim::insert_marker;
+use crate::consumer::validate_consumer;
+use crate::metrics::{Counter, InboxMetrics};
+use crate::{Claim, InboxError, MessageId, Outcome, ProcessError, RetryPolicy};
+use sea_orm::{DatabaseConnection, DatabaseTransaction, DbErr, TransactionTrait};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Instant;
+use tracing::Instrument;
+
+/// The future a handler returns: it borrows the transaction and must be `Send`.
+pub type HandlerFuture<'t, T, E> = Pin<Box<dyn Future<Output = Result<T, E>> + Send + 't>>;
+
+/// The whole inbox protocol for one consumer, configured once and shared by every handler
+/// call (cloning is cheap and shares the metrics).
+///
+/// [`process`](Self::process) begins a transaction (IMMEDIATE on SQLite), claims the
+/// message *first*, runs the handler with the transaction only when the claim is new,
+/// commits, and tells you [`Outcome::Processed`] or [`Outcome::Duplicate`]; both mean ack.
+/// Transient database failures restart the whole attempt in a fresh transaction, so the
+/// handler may run more than once per delivery: it must do its work through the
+/// transaction it is given (which rolls back on every failed attempt) and nothing else
+/// that cannot be repeated.
+///
+/// ```
+/// use inbox_core::{Inbox, Outcome, Settlement};
+/// use sea_orm::{ConnectionTrait, DbErr};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// # use inbox_migration::{Migrator, MigratorTrait};
+/// # let db = sea_orm::Database::connect("sqlite::memory:").await?;
+/// # Migrator::up(&db, None).await?;
+/// # db.execute_unprepared("CREATE TABLE account (id INTEGER PRIMARY KEY, balance INTEGER NOT NULL)").await?;
+/// # db.execute_unprepared("INSERT INTO account VALUES (1, 0)").await?;
+/// let inbox = Inbox::new("billing.credit")?;
+/// let message_id = uuid::Uuid::new_v4(); // from the broker message: stable across redeliveries
+///
+/// for _delivery in 0..2 {
+///     let result = inbox
+///         .process(&db, message_id, |txn| {
+///             Box::pin(async move {
+///                 txn.execute_unprepared("UPDATE account SET balance = balance + 10 WHERE id = 1")
+///                     .await?;
+///                 Ok::<_, DbErr>("credited")
+///             })
+///         })
+///         .await;
+///     match Settlement::of(&result) {
+///         Settlement::Ack => { /* delivery.ack().await */ }
+///         Settlement::Nack => { /* delivery.nack().await */ }
+///     }
+/// }
+/// assert_eq!(inbox.metrics().snapshot().processed, 1);
+/// assert_eq!(inbox.metrics().snapshot().duplicates, 1);
+/// # Ok(()) }
+/// ```
+#[derive(Clone, Debug)]
+pub struct Inbox {
+    consumer: Arc<str>,
+    retry: RetryPolicy,
+    metrics: Arc<InboxMetrics>,
+}
+
+/// How one attempt ended short of an outcome.
+enum AttemptError<E> {
+    Handler(E),
+    Transient(InboxError),
+    Fatal(InboxError),
+}
+
+impl Inbox {
+    /// An inbox for `consumer`, the stable name of one handler (part of the dedup key:
+    /// two consumers of the same message each process it once).
+    ///
+    /// # Errors
+    /// [`InboxError::EmptyConsumer`] or [`InboxError::ConsumerTooLong`].
+    pub fn new(consumer: impl Into<String>) -> Result<Self, InboxError> {
+        let consumer = consumer.into();
+        validate_consumer(&consumer)?;
+        Ok(Self {
+            consumer: consumer.into(),
+            retry: RetryPolicy::default(),
+            metrics: Arc::default(),
+        })
+    }
+
+    /// Replaces the retry policy for transient database failures.
+    pub fn with_retry(mut self, retry: RetryPolicy) -> Self {
+        self.retry = retry;
+        self
+    }
+
+    /// The consumer name.
+    pub fn consumer(&self) -> &str {
+        &self.consumer
+    }
+
+    /// This inbox's counters (shared by its clones).
+    pub fn metrics(&self) -> &InboxMetrics {
+        &self.metrics
+    }
+
+    /// Handles one delivery of `message_id` exactly once for this consumer.
+    ///
+    /// `handler` gets the transaction and must do all its database work through it. It runs
+    /// only when this delivery wins the claim, and again on each retry after a transient
+    /// failure (the previous attempt's writes rolled back).
+    ///
+    /// # Errors
+    /// [`ProcessError::Handler`] when the handler fails (rolled back, not retried),
+    /// [`ProcessError::Inbox`] for failures a retry would not fix,
+    /// [`ProcessError::RetriesExhausted`] when every attempt met a transient failure. All
+    /// of them mean: nack the message.
+    pub async fn process<T, E, F>(
+        &self,
+        db: &DatabaseConnection,
+        message_id: impl Into<MessageId>,
+        mut handler: F,
+    ) -> Result<Outcome<T>, ProcessError<E>>
+    where
+        F: for<'t> FnMut(&'t DatabaseTransaction) -> HandlerFuture<'t, T, E> + Send,
+        T: Send,
+        E: Send,
+    {
+        let message_id = message_id.into();
+        let span = tracing::info_span!(
+            "inbox.process",
+            message_id = %message_id,
+            consumer = %self.consumer,
+            outcome = tracing::field::Empty,
+            attempts = tracing::field::Empty,
+            duration_ms = tracing::field::Empty,
+        );
+        let started = Instant::now();
+        async {
+            let mut attempt = 1;
+            let result = loop {
+                match self.attempt(db, message_id, &mut handler).await {
+                    Ok(outcome) => break Ok(outcome),
+                    Err(AttemptError::Handler(err)) => break Err(ProcessError::Handler(err)),
+                    Err(AttemptError::Fatal(err)) => break Err(ProcessError::Inbox(err)),
+                    Err(AttemptError::Transient(err)) if attempt < self.retry.attempts() => {
+                        self.metrics.count(Counter::TransientRetry);
+                        tracing::debug!(attempt, error = %err, "transient database failure; retrying in a fresh transaction");
+                        tokio::time::sleep(self.retry.delay_before(attempt + 1)).await;
+                        attempt += 1;
+                    }
+                    Err(AttemptError::Transient(err)) => {
+                        break Err(ProcessError::RetriesExhausted { attempts: attempt, source: err });
+                    }
+                }
+            };
+            self.record(&result, attempt, started);
+            result
+        }
+        .instrument(span)
+        .await
+    }
+
+    async fn attempt<T, E, F>(
+        &self,
+        db: &DatabaseConnection,
+        message_id: MessageId,
+        handler: &mut F,
+    ) -> Result<Outcome<T>, AttemptError<E>>
+    where
+        F: for<'t> FnMut(&'t DatabaseTransaction) -> HandlerFuture<'t, T, E> + Send,
+    {
+        let txn = db
+            .begin_with_options(CLAIM_TRANSACTION)
+            .await
+            .map_err(|err| self.database_failure(message_id, err))?;
+        match insert_marker(&txn, message_id, &self.consumer).await {
+            Ok(Claim::Claimed) => {}
+            Ok(Claim::Duplicate) => {
+                // Nothing to keep; a failed rollback only means the connection is gone.
+                txn.rollback().await.ok();
+                return Ok(Outcome::Duplicate);
+            }
+            Err(err) => return Err(sort_inbox_error(err)),
+        }
+        let value = match handler(&txn).await {
+            Ok(value) => value,
+            Err(err) => {
+                txn.rollback().await.ok();
+                return Err(AttemptError::Handler(err));
+            }
+        };
+        txn.commit()
+            .await
+            .map_err(|err| self.database_failure(message_id, err))?;
+        Ok(Outcome::Processed(value))
+    }
+
+    fn database_failure<E>(&self, message_id: MessageId, err: DbErr) -> AttemptError<E> {
+        sort_inbox_error(InboxError::Database {
+            message_id,
+            consumer: self.consumer.to_string(),
+            source: err,
+        })
+    }
+
+    fn record<T, E>(
+        &self,
+        result: &Result<Outcome<T>, ProcessError<E>>,
+        attempts: u32,
+        started: Instant,
+    ) {
+        let (counter, outcome) = match result {
+            Ok(Outcome::Processed(_)) => (Counter::Processed, "processed"),
+            Ok(Outcome::Duplicate) => (Counter::Duplicate, "duplicate"),
+            Err(ProcessError::Handler(_)) => (Counter::HandlerError, "handler_error"),
+            Err(ProcessError::Inbox(_)) => (Counter::Failure, "failed"),
+            Err(ProcessError::RetriesExhausted { .. }) => (Counter::Failure, "retries_exhausted"),
+        };
+        self.metrics.count(counter);
+        let span = tracing::Span::current();
+        span.record("outcome", outcome);
+        span.record("attempts", attempts);
+        span.record("duration_ms", started.elapsed().as_secs_f64() * 1e3);
+        match result {
+            Ok(_) => tracing::debug!(outcome, attempts, "delivery settled: ack"),
+            Err(err) => match err.inbox_error() {
+                Some(cause) => {
+                    tracing::warn!(outcome, attempts, error = %cause, "delivery failed: nack")
+                }
+                None => tracing::info!(outcome, attempts, "handler failed: nack"),
+            },
+        }
+    }
+}
+
+fn sort_inbox_error<E>(err: InboxError) -> AttemptError<E> {
+    match err.db_err().map(classify) {
+        Some(DbErrorKind::Transient) => AttemptError::Transient(err),
+        _ => AttemptError::Fatal(err),
+    }
+}

@@ -1,0 +1,128 @@
+use crate::InboxError;
+use std::fmt;
+
+/// What [`Inbox::process`](crate::Inbox::process) did with a delivery. Both variants mean
+/// the message is done: acknowledge it.
+#[must_use = "acknowledge the message: both Processed and Duplicate mean done"]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Outcome<T> {
+    /// This delivery claimed the message, the handler ran, and its transaction committed.
+    Processed(T),
+    /// The message was already processed by this consumer; the handler did not run.
+    Duplicate,
+}
+
+impl<T> Outcome<T> {
+    /// The handler's value, if this delivery ran it.
+    pub fn processed(self) -> Option<T> {
+        match self {
+            Outcome::Processed(value) => Some(value),
+            Outcome::Duplicate => None,
+        }
+    }
+
+    /// Whether the message had already been processed.
+    pub fn is_duplicate(&self) -> bool {
+        matches!(self, Outcome::Duplicate)
+    }
+}
+
+/// Why [`Inbox::process`](crate::Inbox::process) did not finish a delivery. Every variant
+/// means: do not acknowledge; nack or abandon the message so the broker redelivers it (or
+/// dead-letters it after its own limit). Nothing was committed.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum ProcessError<E> {
+    /// The handler returned an error; its transaction rolled back. Not retried here: the
+    /// broker's redelivery is the retry.
+    Handler(E),
+    /// A database or input failure that retrying would not fix (a missing table, a unique
+    /// violation on another index, a nil message id...).
+    Inbox(InboxError),
+    /// Every attempt met a transient database failure; `source` is the last one.
+    RetriesExhausted {
+        /// Attempts made, the first included.
+        attempts: u32,
+        /// The failure of the last attempt.
+        source: InboxError,
+    },
+}
+
+impl<E> ProcessError<E> {
+    /// The handler's error, if the handler failed.
+    pub fn handler_error(&self) -> Option<&E> {
+        match self {
+            ProcessError::Handler(err) => Some(err),
+            ProcessError::Inbox(_) | ProcessError::RetriesExhausted { .. } => None,
+        }
+    }
+
+    /// The inbox's own error, if the failure was not the handler's.
+    pub fn inbox_error(&self) -> Option<&InboxError> {
+        match self {
+            ProcessError::Inbox(err) | ProcessError::RetriesExhausted { source: err, .. } => {
+                Some(err)
+            }
+            ProcessError::Handler(_) => None,
+        }
+    }
+}
+
+impl<E: fmt::Display> fmt::Display for ProcessError<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ProcessError::Handler(err) => {
+                write!(
+                    f,
+                    "the handler failed and its transaction was rolled back: {err}"
+                )
+            }
+            ProcessError::Inbox(err) => err.fmt(f),
+            ProcessError::RetriesExhausted { attempts, source } => write!(
+                f,
+                "gave up after {attempts} attempts on transient database failures; nack the message so the broker redelivers it later. Last failure: {source}"
+            ),
+        }
+    }
+}
+
+impl<E: std::error::Error + 'static> std::error::Error for ProcessError<E> {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            ProcessError::Handler(err) => Some(err),
+            ProcessError::Inbox(err) | ProcessError::RetriesExhausted { source: err, .. } => {
+                Some(err)
+            }
+        }
+    }
+}
+
+/// What to tell the broker about a delivery: the one place that maps results to acks.
+///
+/// ```
+/// use inbox_core::{Outcome, ProcessError, Settlement};
+///
+/// let done: Result<Outcome<()>, ProcessError<String>> = Ok(Outcome::Duplicate);
+/// assert_eq!(Settlement::of(&done), Settlement::Ack);
+/// let failed: Result<Outcome<()>, ProcessError<String>> = Err(ProcessError::Handler("boom".into()));
+/// assert_eq!(Settlement::of(&failed), Settlement::Nack);
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Settlement {
+    /// Acknowledge: the message was processed now or before ([`Outcome::Processed`],
+    /// [`Outcome::Duplicate`]). Never nack a duplicate: it would bounce to the dead-letter
+    /// queue.
+    Ack,
+    /// Negative-acknowledge or abandon: nothing was committed; let the broker redeliver.
+    Nack,
+}
+
+impl Settlement {
+    /// The settlement for the result of [`Inbox::process`](crate::Inbox::process).
+    pub fn of<T, E>(result: &Result<Outcome<T>, ProcessError<E>>) -> Self {
+        match result {
+            Ok(Outcome::Processed(_) | Outcome::Duplicate) => Settlement::Ack,
+            Err(_) => Settlement::Nack,
+        }
+    }
+}

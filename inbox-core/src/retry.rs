@@ -1,0 +1,105 @@
+use std::collections::hash_map::RandomState;
+use std::hash::{BuildHasher, Hasher};
+use std::time::Duration;
+
+/// How [`Inbox::process`](crate::Inbox::process) retries transient database failures.
+///
+/// A transient failure (serialization failure, deadlock, lock wait timeout, SQLite
+/// busy/locked, a lost connection) is retried from the top with a fresh transaction: the
+/// failed one is never reused. Between attempts the call sleeps a random time up to an
+/// exponentially growing cap ("full jitter"), so replicas that collided do not collide
+/// again in step.
+///
+/// ```
+/// use inbox_core::RetryPolicy;
+/// use std::time::Duration;
+///
+/// let policy = RetryPolicy::default()
+///     .max_attempts(8)
+///     .backoff(Duration::from_millis(5), Duration::from_millis(500));
+/// assert_eq!(policy.attempts(), 8);
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RetryPolicy {
+    max_attempts: u32,
+    initial_backoff: Duration,
+    max_backoff: Duration,
+}
+
+impl Default for RetryPolicy {
+    /// 5 attempts, backoff growing from 10 ms to at most 1 s.
+    fn default() -> Self {
+        Self {
+            max_attempts: 5,
+            initial_backoff: Duration::from_millis(10),
+            max_backoff: Duration::from_secs(1),
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// Never retries: the first transient failure is returned.
+    pub fn no_retry() -> Self {
+        Self::default().max_attempts(1)
+    }
+
+    /// Total attempts, the first one included; `0` counts as `1`.
+    pub fn max_attempts(mut self, attempts: u32) -> Self {
+        self.max_attempts = attempts.max(1);
+        self
+    }
+
+    /// The backoff cap before the second attempt, and the cap it doubles up to.
+    pub fn backoff(mut self, initial: Duration, max: Duration) -> Self {
+        self.initial_backoff = initial;
+        self.max_backoff = max.max(initial);
+        self
+    }
+
+    /// Total attempts, the first one included.
+    pub fn attempts(&self) -> u32 {
+        self.max_attempts
+    }
+
+    /// The sleep before attempt `next_attempt` (2 for the first retry): uniformly random
+    /// up to `initial * 2^(next_attempt - 2)`, capped at the maximum.
+    pub(crate) fn delay_before(&self, next_attempt: u32) -> Duration {
+        let doublings = next_attempt.saturating_sub(2).min(20);
+        let cap = self
+            .initial_backoff
+            .saturating_mul(1 << doublings)
+            .min(self.max_backoff);
+        cap.mul_f64(random_unit())
+    }
+}
+
+/// A uniformly distributed number in `[0, 1)`, from the process's random hasher keys.
+fn random_unit() -> f64 {
+    let bits = RandomState::new().build_hasher().finish() >> 11;
+    bits as f64 / (1u64 << 53) as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_grows_and_stays_under_the_cap() {
+        let policy =
+            RetryPolicy::default().backoff(Duration::from_millis(10), Duration::from_millis(40));
+        for _ in 0..100 {
+            assert!(policy.delay_before(2) <= Duration::from_millis(10));
+            assert!(policy.delay_before(3) <= Duration::from_millis(20));
+            assert!(policy.delay_before(30) <= Duration::from_millis(40));
+        }
+        let spread: std::collections::HashSet<_> =
+            (0..20).map(|_| policy.delay_before(4)).collect();
+        assert!(spread.len() > 1, "jittered");
+    }
+
+    #[test]
+    fn at_least_one_attempt() {
+        assert_eq!(RetryPolicy::default().max_attempts(0).attempts(), 1);
+        assert_eq!(RetryPolicy::no_retry().attempts(), 1);
+    }
+}

@@ -1,0 +1,288 @@
+//! `Inbox::process`: exactly once under racing replicas, handler errors roll back and are
+//! not retried, transient lock failures are retried in a fresh transaction, exhaustion
+//! names its cause, and the metrics count it all.
+
+use inbox_core::prelude::*;
+use inbox_core::{DbErrorKind, classify};
+use inbox_tests::{Backend, create_accounts, credit, migrated_db, on_every_backend, scalar_i64};
+use sea_orm::{ConnectionTrait, DatabaseConnection, DbErr, TransactionTrait};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+use uuid::Uuid;
+
+async fn credit_once(
+    inbox: &Inbox,
+    db: &DatabaseConnection,
+    id: Uuid,
+) -> Result<Outcome<()>, ProcessError<DbErr>> {
+    inbox
+        .process(db, id, |txn| Box::pin(async move { credit(txn, 1).await }))
+        .await
+}
+
+async fn replicas_process_each_message_once(backend: Backend) {
+    let Some(db) = migrated_db(backend).await else {
+        return;
+    };
+    let replicas = [Arc::new(db.connect().await), Arc::new(db.connect().await)];
+    create_accounts(replicas[0].as_ref()).await;
+    let inbox = Inbox::new("billing.credit").expect("valid name");
+    let ids: Vec<Uuid> = (0..40).map(|_| Uuid::new_v4()).collect();
+
+    let mut tasks = Vec::new();
+    for replica in &replicas {
+        for id in ids.iter().copied() {
+            let (replica, inbox) = (Arc::clone(replica), inbox.clone());
+            tasks.push(tokio::spawn(async move {
+                credit_once(&inbox, &replica, id).await
+            }));
+        }
+    }
+    for task in tasks {
+        let result = task.await.expect("task");
+        assert_eq!(
+            Settlement::of(&result),
+            Settlement::Ack,
+            "{:?}",
+            result.err()
+        );
+    }
+    let counts = inbox.metrics().snapshot();
+    assert_eq!(
+        (counts.processed, counts.duplicates),
+        (40, 40),
+        "{counts:?}"
+    );
+    let conn = replicas[0].as_ref();
+    assert_eq!(
+        scalar_i64(conn, "SELECT balance FROM account WHERE id = 1").await,
+        40
+    );
+    assert_eq!(scalar_i64(conn, "SELECT COUNT(*) FROM inbox").await, 40);
+    db.cleanup().await;
+}
+
+async fn handler_error_rolls_back_and_is_not_retried(backend: Backend) {
+    let Some(db) = migrated_db(backend).await else {
+        return;
+    };
+    let conn = db.connect().await;
+    create_accounts(&conn).await;
+    let inbox = Inbox::new("billing.credit").expect("valid name");
+    let id = Uuid::new_v4();
+    let runs = AtomicU32::new(0);
+
+    let failed = inbox
+        .process(&conn, id, |txn| {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Box::pin(async move {
+                credit(txn, 1).await.map_err(|e| e.to_string())?;
+                Err::<(), _>("card declined".to_string())
+            })
+        })
+        .await;
+    assert!(
+        matches!(&failed, Err(ProcessError::Handler(msg)) if msg == "card declined"),
+        "{failed:?}"
+    );
+    assert_eq!(Settlement::of(&failed), Settlement::Nack);
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        1,
+        "handler errors are not retried"
+    );
+    assert_eq!(
+        scalar_i64(&conn, "SELECT COUNT(*) FROM inbox").await,
+        0,
+        "claim rolled back"
+    );
+    assert_eq!(
+        scalar_i64(&conn, "SELECT balance FROM account WHERE id = 1").await,
+        0
+    );
+
+    let redelivered = credit_once(&inbox, &conn, id).await;
+    assert!(
+        matches!(redelivered, Ok(Outcome::Processed(()))),
+        "{redelivered:?}"
+    );
+    let counts = inbox.metrics().snapshot();
+    assert_eq!(
+        (counts.handler_errors, counts.processed),
+        (1, 1),
+        "{counts:?}"
+    );
+    assert_eq!(
+        scalar_i64(&conn, "SELECT balance FROM account WHERE id = 1").await,
+        1
+    );
+    db.cleanup().await;
+}
+
+/// A pool of one connection whose lock waits give up quickly, so a claim blocked by
+/// another transaction fails with the backend's transient lock error.
+async fn impatient_replica(db: &inbox_tests::TestDb) -> DatabaseConnection {
+    let conn = db.connect_with(1).await;
+    let setting = match db.backend {
+        Backend::Postgres => "SET lock_timeout = '150ms'",
+        Backend::MySql => "SET SESSION innodb_lock_wait_timeout = 1",
+        Backend::Sqlite => "PRAGMA busy_timeout = 150",
+    };
+    inbox_tests::run(&conn, setting).await;
+    conn
+}
+
+/// Another replica claims `id` and holds its transaction open for `hold`, then rolls back.
+async fn hold_claim_then_roll_back(
+    db: &inbox_tests::TestDb,
+    id: Uuid,
+    hold: Duration,
+) -> tokio::task::JoinHandle<()> {
+    let holder = db.connect().await;
+    let txn = holder
+        .begin_with_options(CLAIM_TRANSACTION)
+        .await
+        .expect("begin holder");
+    assert_eq!(
+        txn.claim_message(id, "billing.credit")
+            .await
+            .expect("holder claim"),
+        Claim::Claimed
+    );
+    tokio::spawn(async move {
+        tokio::time::sleep(hold).await;
+        txn.rollback().await.expect("holder rollback");
+        holder.close().await.ok();
+    })
+}
+
+async fn transient_lock_failures_are_retried_in_a_fresh_transaction(backend: Backend) {
+    let Some(db) = migrated_db(backend).await else {
+        return;
+    };
+    let replica = impatient_replica(&db).await;
+    create_accounts(&replica).await;
+    let id = Uuid::new_v4();
+    let hold = if backend == Backend::MySql {
+        Duration::from_millis(2500)
+    } else {
+        Duration::from_millis(600)
+    };
+    let holder = hold_claim_then_roll_back(&db, id, hold).await;
+
+    let inbox = Inbox::new("billing.credit")
+        .expect("valid name")
+        .with_retry(
+            RetryPolicy::default()
+                .max_attempts(20)
+                .backoff(Duration::from_millis(50), Duration::from_millis(300)),
+        );
+    let runs = AtomicU32::new(0);
+    let result = inbox
+        .process(&replica, id, |txn| {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Box::pin(async move { credit(txn, 1).await })
+        })
+        .await;
+    holder.await.expect("holder");
+    assert!(matches!(result, Ok(Outcome::Processed(()))), "{result:?}");
+    let counts = inbox.metrics().snapshot();
+    assert!(
+        counts.transient_retries >= 1,
+        "the first attempt met the lock: {counts:?}"
+    );
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        1,
+        "the handler ran only in the attempt that claimed"
+    );
+    assert_eq!(
+        scalar_i64(&replica, "SELECT balance FROM account WHERE id = 1").await,
+        1
+    );
+    db.cleanup().await;
+}
+
+async fn exhausted_retries_name_the_last_transient_cause(backend: Backend) {
+    let Some(db) = migrated_db(backend).await else {
+        return;
+    };
+    let replica = impatient_replica(&db).await;
+    let id = Uuid::new_v4();
+    let holder = hold_claim_then_roll_back(&db, id, Duration::from_secs(4)).await;
+
+    let inbox = Inbox::new("billing.credit")
+        .expect("valid name")
+        .with_retry(
+            RetryPolicy::default()
+                .max_attempts(2)
+                .backoff(Duration::from_millis(1), Duration::from_millis(1)),
+        );
+    let result = credit_once(&inbox, &replica, id).await;
+    match &result {
+        Err(ProcessError::RetriesExhausted {
+            attempts: 2,
+            source,
+        }) => {
+            let cause = source.db_err().expect("a database cause");
+            assert_eq!(classify(cause), DbErrorKind::Transient, "{cause}");
+            assert!(
+                result
+                    .as_ref()
+                    .unwrap_err()
+                    .to_string()
+                    .contains("gave up after 2 attempts")
+            );
+        }
+        other => panic!("expected RetriesExhausted on {backend:?}, got {other:?}"),
+    }
+    assert_eq!(Settlement::of(&result), Settlement::Nack);
+    let counts = inbox.metrics().snapshot();
+    assert_eq!(
+        (counts.transient_retries, counts.failures),
+        (1, 1),
+        "{counts:?}"
+    );
+    holder.await.expect("holder");
+    db.cleanup().await;
+}
+
+async fn missing_table_is_reported_not_retried(backend: Backend) {
+    let Some(db) = inbox_tests::fresh_db(backend).await else {
+        return;
+    };
+    let conn = db.connect().await;
+    let inbox = Inbox::new("billing.credit").expect("valid name");
+    let result = credit_once(&inbox, &conn, Uuid::new_v4()).await;
+    assert!(
+        matches!(
+            &result,
+            Err(ProcessError::Inbox(InboxError::MissingTable { .. }))
+        ),
+        "{result:?}"
+    );
+    assert!(result.unwrap_err().to_string().contains("CreateInbox"));
+    assert_eq!(inbox.metrics().snapshot().transient_retries, 0);
+    conn.execute_unprepared("SELECT 1")
+        .await
+        .expect("connection still usable");
+    db.cleanup().await;
+}
+
+on_every_backend!(
+    replicas_process_each_message_once,
+    handler_error_rolls_back_and_is_not_retried,
+    transient_lock_failures_are_retried_in_a_fresh_transaction,
+    exhausted_retries_name_the_last_transient_cause,
+    missing_table_is_reported_not_retried,
+);
+
+#[test]
+fn invalid_consumer_names_are_refused_at_construction() {
+    assert!(matches!(Inbox::new(""), Err(InboxError::EmptyConsumer)));
+    assert!(matches!(
+        Inbox::new("x".repeat(201)),
+        Err(InboxError::ConsumerTooLong { chars: 201 })
+    ));
+}
