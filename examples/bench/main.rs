@@ -140,7 +140,7 @@ impl<'a> Bench<'a> {
         for account in 1..=max_workers {
             let conn = db.connect().await?;
             let processed = process_some(&conn, PROCESSED_PER_WORKER).await?;
-            workers.push(Arc::new(Worker::new(conn, account as i64, sql, processed)));
+            workers.push(Arc::new(Worker::new(conn, account as i64, sql, processed)?));
         }
         Ok(Self {
             args,

@@ -7,7 +7,7 @@ use chrono::Utc;
 use inbox_core::prelude::*;
 use sea_orm::sqlx;
 use sea_orm::{
-    ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend, Statement,
+    ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend, DbErr, Statement,
     TransactionTrait, Value,
 };
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -25,6 +25,8 @@ pub enum Mode {
     Sqlx,
     /// Through `txn.claim_message`.
     Claim,
+    /// Through the high-level `Inbox::process`.
+    Process,
     /// The marker INSERT inside a SAVEPOINT (a nested SeaORM transaction).
     Savepoint,
     /// The marker INSERT with ON CONFLICT DO NOTHING (MySQL: ON DUPLICATE KEY UPDATE).
@@ -35,11 +37,12 @@ pub enum Mode {
 
 impl Mode {
     /// Every mode of the main phase.
-    pub const ALL: [Mode; 7] = [
+    pub const ALL: [Mode; 8] = [
         Mode::Base,
         Mode::Raw,
         Mode::Sqlx,
         Mode::Claim,
+        Mode::Process,
         Mode::Savepoint,
         Mode::OnConflict,
         Mode::Duplicate,
@@ -51,6 +54,7 @@ impl Mode {
             Mode::Raw => "raw",
             Mode::Sqlx => "sqlx",
             Mode::Claim => "claim",
+            Mode::Process => "process",
             Mode::Savepoint => "savepoint",
             Mode::OnConflict => "on_conflict",
             Mode::Duplicate => "duplicate",
@@ -97,6 +101,8 @@ pub struct Worker {
     pub db: DatabaseConnection,
     pub account: i64,
     pub sql: &'static Sql,
+    /// The worker's own `Inbox`, as each replica would configure one.
+    inbox: Inbox,
     /// Messages this worker already processed, replayed by `duplicate`.
     processed: Vec<Uuid>,
     next_processed: AtomicUsize,
@@ -110,14 +116,15 @@ impl Worker {
         account: i64,
         sql: &'static Sql,
         processed: Vec<Uuid>,
-    ) -> Self {
-        Self {
+    ) -> Result<Self, BoxError> {
+        Ok(Self {
             db,
             account,
             sql,
+            inbox: Inbox::new(CONSUMER)?,
             processed,
             next_processed: AtomicUsize::new(0),
-        }
+        })
     }
 
     fn backend(&self) -> DbBackend {
@@ -131,6 +138,7 @@ impl Worker {
             Mode::Raw => self.raw().await,
             Mode::Sqlx => self.sqlx().await,
             Mode::Claim => self.claim().await,
+            Mode::Process => self.process().await,
             Mode::Savepoint => self.savepoint().await,
             Mode::OnConflict => self.on_conflict().await,
             Mode::Duplicate => self.duplicate().await,
@@ -144,12 +152,7 @@ impl Worker {
     }
 
     async fn credit(&self, txn: &DatabaseTransaction, amount: i64) -> Result<(), BoxError> {
-        let statement = Statement::from_sql_and_values(
-            self.backend(),
-            self.sql.credit,
-            [Value::from(amount), Value::from(self.account)],
-        );
-        txn.execute_raw(statement).await?;
+        credit(txn, self.sql, self.account, amount).await?;
         Ok(())
     }
 
@@ -192,6 +195,20 @@ impl Worker {
                 Ok(Done::CLAIMED_ONE)
             }
             Claim::Duplicate => Err("a fresh message id was reported as a duplicate".into()),
+        }
+    }
+
+    async fn process(&self) -> Result<Done, BoxError> {
+        let (sql, account) = (self.sql, self.account);
+        let outcome = self
+            .inbox
+            .process(&self.db, Uuid::new_v4(), |txn| {
+                Box::pin(async move { credit(txn, sql, account, 1).await })
+            })
+            .await?;
+        match outcome {
+            Outcome::Processed(()) => Ok(Done::CLAIMED_ONE),
+            Outcome::Duplicate => Err("a fresh message id was reported as a duplicate".into()),
         }
     }
 
@@ -284,4 +301,19 @@ impl Worker {
         }
         Ok(Done::CLAIMED_ONE)
     }
+}
+
+/// The business write of every mode: credit `account` by `amount` through `txn`.
+async fn credit(
+    txn: &DatabaseTransaction,
+    sql: &Sql,
+    account: i64,
+    amount: i64,
+) -> Result<(), DbErr> {
+    let statement = Statement::from_sql_and_values(
+        txn.get_database_backend(),
+        sql.credit,
+        [Value::from(amount), Value::from(account)],
+    );
+    txn.execute_raw(statement).await.map(|_| ())
 }
