@@ -33,11 +33,14 @@ pub enum Mode {
     OnConflict,
     /// `claim_message` of an already processed message, then the rollback.
     Duplicate,
+    /// The ON CONFLICT marker of an already processed message, then the rollback: what
+    /// the duplicate path would cost if the claim skipped conflicts instead of failing.
+    DuplicateOnConflict,
 }
 
 impl Mode {
     /// Every mode of the main phase.
-    pub const ALL: [Mode; 8] = [
+    pub const ALL: [Mode; 9] = [
         Mode::Base,
         Mode::Raw,
         Mode::Sqlx,
@@ -46,6 +49,7 @@ impl Mode {
         Mode::Savepoint,
         Mode::OnConflict,
         Mode::Duplicate,
+        Mode::DuplicateOnConflict,
     ];
 
     pub fn name(self) -> &'static str {
@@ -58,6 +62,7 @@ impl Mode {
             Mode::Savepoint => "savepoint",
             Mode::OnConflict => "on_conflict",
             Mode::Duplicate => "duplicate",
+            Mode::DuplicateOnConflict => "dup_on_conflict",
         }
     }
 }
@@ -142,6 +147,7 @@ impl Worker {
             Mode::Savepoint => self.savepoint().await,
             Mode::OnConflict => self.on_conflict().await,
             Mode::Duplicate => self.duplicate().await,
+            Mode::DuplicateOnConflict => self.duplicate_on_conflict().await,
         }
     }
 
@@ -226,16 +232,7 @@ impl Worker {
 
     async fn on_conflict(&self) -> Result<Done, BoxError> {
         let txn = self.begin().await?;
-        let result = txn
-            .execute_raw(self.marker(self.sql.marker_on_conflict, Uuid::new_v4()))
-            .await?;
-        // MySQL counts found rows as affected (sqlx sets CLIENT_FOUND_ROWS): only the
-        // insert id tells a new row from a skipped one there.
-        let inserted = match self.backend() {
-            DbBackend::MySql => result.last_insert_id() != 0,
-            _ => result.rows_affected() == 1,
-        };
-        if !inserted {
+        if !self.insert_on_conflict(&txn, Uuid::new_v4()).await? {
             return Err("a fresh message id conflicted".into());
         }
         self.credit(&txn, 1).await?;
@@ -243,14 +240,45 @@ impl Worker {
         Ok(Done::CLAIMED_ONE)
     }
 
-    async fn duplicate(&self) -> Result<Done, BoxError> {
+    /// The ON CONFLICT marker; whether it inserted a row.
+    async fn insert_on_conflict(
+        &self,
+        txn: &DatabaseTransaction,
+        id: Uuid,
+    ) -> Result<bool, BoxError> {
+        let result = txn
+            .execute_raw(self.marker(self.sql.marker_on_conflict, id))
+            .await?;
+        // MySQL counts found rows as affected (sqlx sets CLIENT_FOUND_ROWS): only the
+        // insert id tells a new row from a skipped one there.
+        Ok(match self.backend() {
+            DbBackend::MySql => result.last_insert_id() != 0,
+            _ => result.rows_affected() == 1,
+        })
+    }
+
+    /// The next message this worker already processed.
+    fn replay(&self) -> Result<Uuid, BoxError> {
         let next = self.next_processed.fetch_add(1, Ordering::Relaxed);
-        let id = *self
+        let id = self
             .processed
             .get(next % self.processed.len().max(1))
             .ok_or("this worker has no processed messages to replay")?;
+        Ok(*id)
+    }
+
+    async fn duplicate_on_conflict(&self) -> Result<Done, BoxError> {
         let txn = self.begin().await?;
-        match txn.claim_message(id, CONSUMER).await? {
+        if self.insert_on_conflict(&txn, self.replay()?).await? {
+            return Err("a processed message was inserted again".into());
+        }
+        txn.rollback().await?;
+        Ok(Done::DUPLICATE)
+    }
+
+    async fn duplicate(&self) -> Result<Done, BoxError> {
+        let txn = self.begin().await?;
+        match txn.claim_message(self.replay()?, CONSUMER).await? {
             Claim::Duplicate => {
                 txn.rollback().await?;
                 Ok(Done::DUPLICATE)
