@@ -1,5 +1,6 @@
 use crate::backend::{DbErrorKind, classify, insert_marker_sql, timestamp_value};
-use crate::consumer::validate_consumer;
+use crate::batch::{BatchClaim, insert_batch, sorted_batch};
+use crate::consumer::validate_claim;
 use crate::{InboxError, MessageId};
 use chrono::{DurationRound, TimeDelta, Utc};
 use sea_orm::{ConnectionTrait, DatabaseTransaction, DbErr, Statement, Value};
@@ -113,6 +114,63 @@ pub trait InboxTransactionExt: sealed::Sealed {
         message_id: impl Into<MessageId>,
         consumer: &str,
     ) -> impl Future<Output = Result<Claim, InboxError>> + Send;
+
+    /// Claims every id of `message_ids` for `consumer` in one statement in this
+    /// transaction, and reports which ids it newly claimed.
+    ///
+    /// The ids are deduplicated and sorted first, so replicas claiming overlapping batches
+    /// lock index entries in the same order (no deadlock between them). A row that exists
+    /// for an id leaves it unchanged and raises nothing (`ON CONFLICT DO NOTHING`; MySQL:
+    /// `ON DUPLICATE KEY UPDATE id = id`), so the transaction stays usable: process the
+    /// `claimed` ids through this transaction, then commit. An id another open transaction
+    /// holds makes the statement wait for it, as [`claim_message`](Self::claim_message) does.
+    ///
+    /// Needs PostgreSQL, SQLite, or MariaDB 10.5+ (`INSERT ... RETURNING`); MySQL 8 has no
+    /// `RETURNING` and gets [`InboxError::Database`].
+    ///
+    /// # Errors
+    /// Before any SQL: [`InboxError::EmptyBatch`], [`InboxError::BatchTooLarge`] (more than
+    /// [`crate::MAX_CLAIM_BATCH`] distinct ids), [`InboxError::NilMessageId`] for a nil id
+    /// anywhere in the batch, and the consumer errors of `claim_message`. Then
+    /// [`InboxError::MissingTable`] or [`InboxError::Database`].
+    ///
+    /// ```
+    /// use inbox_core::prelude::*;
+    /// use sea_orm::TransactionTrait;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    /// # use sea_orm_migration::MigratorTrait;
+    /// # let db = sea_orm::Database::connect("sqlite::memory:").await?;
+    /// # inbox_migration::Migrator::up(&db, None).await?;
+    /// let records = [("orders", 0, 41), ("orders", 0, 42)];
+    /// let ids = records
+    ///     .iter()
+    ///     .map(|(topic, partition, offset)| MessageId::from_kafka(topic, *partition, *offset))
+    ///     .collect::<Result<Vec<_>, _>>()?;
+    ///
+    /// let txn = db.begin_with_options(CLAIM_TRANSACTION).await?;
+    /// let batch = txn.claim_batch(ids.clone(), "projector").await?;
+    /// for id in &batch.claimed {
+    ///     // apply record `id` through `txn`
+    /// }
+    /// txn.commit().await?;
+    /// assert_eq!(batch.claimed.len(), 2);
+    ///
+    /// let txn = db.begin_with_options(CLAIM_TRANSACTION).await?;
+    /// let again = txn.claim_batch(ids, "projector").await?;
+    /// assert!(again.claimed.is_empty() && again.already_claimed.len() == 2);
+    /// txn.commit().await?;
+    /// # Ok(()) }
+    /// ```
+    fn claim_batch<I>(
+        &self,
+        message_ids: I,
+        consumer: &str,
+    ) -> impl Future<Output = Result<BatchClaim, InboxError>> + Send
+    where
+        I: IntoIterator,
+        I::Item: Into<MessageId>;
 }
 
 impl InboxTransactionExt for DatabaseTransaction {
@@ -123,6 +181,20 @@ impl InboxTransactionExt for DatabaseTransaction {
     ) -> impl Future<Output = Result<Claim, InboxError>> + Send {
         insert_marker(self, message_id.into(), consumer)
     }
+
+    fn claim_batch<I>(
+        &self,
+        message_ids: I,
+        consumer: &str,
+    ) -> impl Future<Output = Result<BatchClaim, InboxError>> + Send
+    where
+        I: IntoIterator,
+        I::Item: Into<MessageId>,
+    {
+        // Collected before the future, which must not hold a possibly non-Send iterator.
+        let ids = sorted_batch(message_ids.into_iter().map(Into::into).collect(), consumer);
+        insert_batch(self, ids, consumer)
+    }
 }
 
 /// The claim itself, for any connection the crate has already proven is a transaction.
@@ -131,10 +203,7 @@ pub(crate) async fn insert_marker<C: ConnectionTrait>(
     message_id: MessageId,
     consumer: &str,
 ) -> Result<Claim, InboxError> {
-    validate_consumer(consumer)?;
-    if message_id.is_nil() {
-        return Err(InboxError::NilMessageId);
-    }
+    validate_claim(message_id, consumer)?;
     let backend = conn.get_database_backend();
     let statement = Statement::from_sql_and_values(
         backend,
@@ -154,12 +223,7 @@ pub(crate) async fn insert_marker<C: ConnectionTrait>(
 fn claim_failure(err: DbErr, message_id: MessageId, consumer: &str) -> Result<Claim, InboxError> {
     match classify(&err) {
         DbErrorKind::InboxDuplicate => Ok(Claim::Duplicate),
-        DbErrorKind::MissingInboxTable => Err(InboxError::MissingTable { source: err }),
-        _ => Err(InboxError::Database {
-            message_id,
-            consumer: consumer.to_owned(),
-            source: err,
-        }),
+        _ => Err(InboxError::from_claim(err, message_id, consumer)),
     }
 }
 

@@ -1,14 +1,30 @@
-use crate::InboxError;
+use crate::{InboxError, MessageId};
 use inbox_entity::CONSUMER_MAX_CHARS;
 
-/// Checks a consumer name before it reaches SQL: non-empty and no longer than the column.
+/// Checks a consumer name before it reaches SQL: non-empty, no surrounding white space
+/// (MySQL's PAD SPACE comparison would make "billing" and "billing " one consumer), and no
+/// longer than the column.
 pub(crate) fn validate_consumer(consumer: &str) -> Result<(), InboxError> {
     if consumer.trim().is_empty() {
         return Err(InboxError::EmptyConsumer);
     }
+    if consumer.trim() != consumer {
+        return Err(InboxError::ConsumerNotTrimmed {
+            consumer: consumer.to_owned(),
+        });
+    }
     let chars = consumer.chars().count();
     if chars > CONSUMER_MAX_CHARS {
         return Err(InboxError::ConsumerTooLong { chars });
+    }
+    Ok(())
+}
+
+/// Checks the input of a single-message claim: the consumer name and a non-nil id.
+pub(crate) fn validate_claim(message_id: MessageId, consumer: &str) -> Result<(), InboxError> {
+    validate_consumer(consumer)?;
+    if message_id.is_nil() {
+        return Err(InboxError::NilMessageId);
     }
     Ok(())
 }
@@ -21,6 +37,17 @@ mod tests {
     fn accepts_names_up_to_the_column_width_in_characters() {
         assert!(validate_consumer("billing").is_ok());
         assert!(validate_consumer(&"é".repeat(200)).is_ok());
+    }
+
+    #[test]
+    fn rejects_names_with_surrounding_white_space() {
+        for name in [" billing", "billing ", "billing\n"] {
+            assert!(matches!(
+                validate_consumer(name),
+                Err(InboxError::ConsumerNotTrimmed { consumer }) if consumer == name
+            ));
+        }
+        assert!(validate_consumer("billing credit").is_ok());
     }
 
     #[test]

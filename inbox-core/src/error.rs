@@ -1,10 +1,12 @@
 use crate::MessageId;
+use crate::backend::{DbErrorKind, classify};
 use sea_orm::DbErr;
+use std::time::Duration;
 
 /// Everything that can go wrong when claiming a message.
 ///
 /// Input errors ([`EmptyConsumer`](Self::EmptyConsumer),
-/// [`ConsumerTooLong`](Self::ConsumerTooLong), [`NilMessageId`](Self::NilMessageId)) are
+/// [`ConsumerNotTrimmed`](Self::ConsumerNotTrimmed), [`ConsumerTooLong`](Self::ConsumerTooLong), [`NilMessageId`](Self::NilMessageId)) are
 /// returned before any SQL runs. Database failures keep the original [`DbErr`] so the
 /// caller can inspect it; [`crate::classify`] tells transient ones from the rest.
 ///
@@ -22,6 +24,15 @@ pub enum InboxError {
         "the consumer name is empty: give each handler a stable, non-empty name such as \"billing.credit-account\""
     )]
     EmptyConsumer,
+
+    /// The consumer name starts or ends with white space.
+    #[error(
+        "the consumer name {consumer:?} starts or ends with white space, which MySQL/MariaDB ignore when comparing: trim it"
+    )]
+    ConsumerNotTrimmed {
+        /// The rejected name.
+        consumer: String,
+    },
 
     /// The consumer name does not fit the `consumer` column.
     #[error(
@@ -50,7 +61,7 @@ pub enum InboxError {
 
     /// The connection's backend is none of PostgreSQL, MySQL/MariaDB and SQLite.
     #[error(
-        "the inbox supports PostgreSQL, MySQL/MariaDB and SQLite; this connection's backend is {backend}"
+        "the inbox supports PostgreSQL, MySQL/MariaDB and SQLite; this connection's backend is {backend}: connect the inbox to one of those"
     )]
     UnsupportedBackend {
         /// The backend SeaORM reported.
@@ -59,7 +70,11 @@ pub enum InboxError {
 
     /// The database failed for another reason: a connection problem, a lock timeout, or a
     /// unique violation on an index other than the inbox's (a real bug, never a duplicate).
-    #[error("claiming message {message_id} for consumer {consumer:?} failed: {source}")]
+    /// The message says which, and what to do.
+    #[error(
+        "handling message {message_id} for consumer {consumer:?}, the database failed: {source}. {}",
+        advice(.source)
+    )]
     Database {
         /// The message being claimed.
         message_id: MessageId,
@@ -69,17 +84,226 @@ pub enum InboxError {
         #[source]
         source: DbErr,
     },
+
+    /// A field a [`MessageId`] key is derived from is empty or only white space.
+    #[error(
+        "the {field} is empty: a key must come from a value the broker repeats on every redelivery of the message"
+    )]
+    EmptyKeyField {
+        /// Which field was empty.
+        field: &'static str,
+    },
+
+    /// A Kafka partition or offset is negative (librdkafka uses negative values as
+    /// "unset" markers, never as a record's position).
+    #[error(
+        "Kafka partition {partition} / offset {offset} is not a record position: pass the record's own partition and offset (both >= 0)"
+    )]
+    NegativeKafkaPosition {
+        /// The partition given.
+        partition: i32,
+        /// The offset given.
+        offset: i64,
+    },
+
+    /// A batch claim got no message ids.
+    #[error("the batch holds no message ids: skip the claim when the broker delivered nothing")]
+    EmptyBatch,
+
+    /// A batch claim got more distinct message ids than one statement may carry.
+    #[error(
+        "the batch holds {len} distinct message ids; claim at most {max} per call: split the batch"
+    )]
+    BatchTooLarge {
+        /// Distinct ids in the rejected batch.
+        len: usize,
+        /// The largest batch accepted, [`crate::MAX_CLAIM_BATCH`].
+        max: usize,
+    },
+
+    /// A lease duration outside the accepted range.
+    #[error(
+        "a lease of {lease:?} is outside {min:?}..={max:?}: choose a lease longer than the side effect takes, with margin for clock skew"
+    )]
+    LeaseOutOfRange {
+        /// The rejected duration.
+        lease: Duration,
+        /// The shortest lease accepted.
+        min: Duration,
+        /// The longest lease accepted.
+        max: Duration,
+    },
+
+    /// A maximum attempt count of zero.
+    #[error("max_attempts must be at least 1: a claim needs one attempt before it can be parked")]
+    ZeroMaxAttempts,
+
+    /// A two-phase completion whose lease is no longer the current one: after it expired,
+    /// another claimant took the message over (or it was parked as dead), so this
+    /// claimant must not record the outcome.
+    #[error(
+        "the lease of attempt {attempt} on message {message_id} for consumer {consumer:?} is stale: another claimant took over after it expired, or it was parked as dead; do not record the result (the side effect was called with the same idempotency key, so the provider can deduplicate it)"
+    )]
+    StaleLease {
+        /// The message of the stale lease.
+        message_id: MessageId,
+        /// The consumer of the stale lease.
+        consumer: String,
+        /// The attempt the stale lease belonged to.
+        attempt: u32,
+    },
+
+    /// A retention setting that cannot work.
+    #[error("invalid retention policy: {reason}")]
+    InvalidRetention {
+        /// What is wrong and what to change.
+        reason: String,
+    },
+
+    /// [`crate::spawn_purger`] was called outside a tokio runtime.
+    #[error("spawn_purger needs a tokio runtime: call it from async code running on tokio")]
+    NoTokioRuntime,
+
+    /// The background purger task ended abnormally.
+    #[error("the purger task ended abnormally: {reason}")]
+    PurgerStopped {
+        /// What the runtime reported.
+        reason: String,
+    },
+
+    /// A database operation not about one message (a purge, a listing) failed.
+    #[error("{operation} failed: {source}")]
+    Query {
+        /// What the library was doing.
+        operation: &'static str,
+        /// The database's own error.
+        #[source]
+        source: DbErr,
+    },
 }
 
 impl InboxError {
+    /// The error for a database failure while claiming `message_id` for `consumer`:
+    /// [`MissingTable`](Self::MissingTable) when the classifier says so, else
+    /// [`Database`](Self::Database).
+    pub(crate) fn from_claim(source: DbErr, message_id: MessageId, consumer: &str) -> Self {
+        match crate::classify(&source) {
+            crate::DbErrorKind::MissingInboxTable => Self::MissingTable { source },
+            _ => Self::Database {
+                message_id,
+                consumer: consumer.to_owned(),
+                source,
+            },
+        }
+    }
+
     /// The underlying database error, if this error came from the database.
     pub fn db_err(&self) -> Option<&DbErr> {
         match self {
-            Self::MissingTable { source } | Self::Database { source, .. } => Some(source),
+            Self::MissingTable { source }
+            | Self::Database { source, .. }
+            | Self::Query { source, .. } => Some(source),
             Self::EmptyConsumer
+            | Self::ConsumerNotTrimmed { .. }
             | Self::ConsumerTooLong { .. }
             | Self::NilMessageId
-            | Self::UnsupportedBackend { .. } => None,
+            | Self::UnsupportedBackend { .. }
+            | Self::EmptyKeyField { .. }
+            | Self::NegativeKafkaPosition { .. }
+            | Self::EmptyBatch
+            | Self::BatchTooLarge { .. }
+            | Self::LeaseOutOfRange { .. }
+            | Self::ZeroMaxAttempts
+            | Self::StaleLease { .. }
+            | Self::InvalidRetention { .. }
+            | Self::NoTokioRuntime
+            | Self::PurgerStopped { .. } => None,
         }
+    }
+}
+
+/// What to do about a database failure, by its kind.
+fn advice(err: &DbErr) -> &'static str {
+    match classify(err) {
+        DbErrorKind::Transient => {
+            "This failure is transient (lost connection, deadlock, lock timeout or busy database): nack the message so the broker redelivers it (Inbox::process already retried it per its RetryPolicy)"
+        }
+        DbErrorKind::OtherUniqueViolation => {
+            "This unique violation is on another index than the inbox's, so it is not a duplicate delivery: fix the handler's data or writes, and dead-letter the message meanwhile"
+        }
+        DbErrorKind::MissingInboxTable => {
+            "Add inbox_migration::CreateInbox to your Migrator (or run inbox_migration::Migrator::up)"
+        }
+        DbErrorKind::InboxDuplicate => "The message was already processed by this consumer: ack it",
+        _ => {
+            "Nack the message so the broker redelivers it; if it keeps failing, check the database error above (permissions, schema, server state)"
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sea_orm::{ConnAcquireErr, DbErr};
+
+    fn database(source: DbErr) -> String {
+        InboxError::Database {
+            message_id: MessageId::from(uuid::Uuid::from_u128(7)),
+            consumer: "billing".into(),
+            source,
+        }
+        .to_string()
+    }
+
+    /// Every error message says what to do, not only what went wrong.
+    #[test]
+    fn every_message_tells_the_user_what_to_do() {
+        let cases = [
+            (InboxError::EmptyConsumer.to_string(), "give each handler"),
+            (
+                InboxError::ConsumerTooLong { chars: 201 }.to_string(),
+                "use a shorter",
+            ),
+            (InboxError::NilMessageId.to_string(), "derive it from"),
+            (
+                InboxError::MissingTable {
+                    source: DbErr::Custom("no such table: inbox".into()),
+                }
+                .to_string(),
+                "add inbox_migration::CreateInbox",
+            ),
+            (
+                InboxError::UnsupportedBackend {
+                    backend: "Oracle".into(),
+                }
+                .to_string(),
+                "connect the inbox to one of those",
+            ),
+            (
+                database(DbErr::ConnectionAcquire(ConnAcquireErr::Timeout)),
+                "nack the message so the broker redelivers it",
+            ),
+            (
+                database(DbErr::Custom("permission denied".into())),
+                "Nack the message",
+            ),
+        ];
+        for (message, instruction) in cases {
+            assert!(
+                message.contains(instruction),
+                "{message:?} should say {instruction:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn database_errors_name_the_message_and_consumer() {
+        let message = database(DbErr::Custom("boom".into()));
+        assert!(
+            message.contains("00000000-0000-0000-0000-000000000007"),
+            "{message}"
+        );
+        assert!(message.contains("\"billing\""), "{message}");
+        assert!(message.contains("boom"), "{message}");
     }
 }

@@ -4,6 +4,8 @@ use crate::consumer::validate_consumer;
 use crate::metrics::{Counter, InboxMetrics};
 use crate::{Claim, InboxError, MessageId, Outcome, ProcessError, RetryPolicy};
 use sea_orm::{DatabaseConnection, DatabaseTransaction, DbErr, TransactionTrait};
+use std::any::Any;
+use std::fmt::Display;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -67,8 +69,34 @@ pub struct Inbox {
 /// How one attempt ended short of an outcome.
 enum AttemptError<E> {
     Handler(E),
+    /// The handler returned a transient database error (its own statement met a deadlock,
+    /// a lock timeout or a lost connection): retried like [`Self::Transient`], and returned
+    /// as the handler's error once the attempts run out.
+    HandlerTransient {
+        err: E,
+        cause: String,
+    },
     Transient(InboxError),
     Fatal(InboxError),
+}
+
+/// The transient [`DbErr`] behind a handler error, if there is one: the error itself is a
+/// `DbErr` (the handler used `?` on a statement), or a boxed error whose source chain
+/// holds one.
+fn transient_db_cause<E: 'static>(err: &E) -> Option<&DbErr> {
+    let any = err as &dyn Any;
+    let db_err = any.downcast_ref::<DbErr>().or_else(|| {
+        let boxed = any.downcast_ref::<Box<dyn std::error::Error + Send + Sync>>()?;
+        let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(boxed.as_ref());
+        while let Some(err) = cause {
+            if let Some(db_err) = err.downcast_ref::<DbErr>() {
+                return Some(db_err);
+            }
+            cause = err.source();
+        }
+        None
+    })?;
+    (classify(db_err) == DbErrorKind::Transient).then_some(db_err)
 }
 
 impl Inbox {
@@ -109,8 +137,16 @@ impl Inbox {
     /// only when this delivery wins the claim, and again on each retry after a transient
     /// failure (the previous attempt's writes rolled back).
     ///
+    /// A handler error is not retried, except a transient database error: when the error
+    /// is a [`DbErr`] (or a `Box<dyn Error + Send + Sync>` whose source chain holds one)
+    /// that [`classify`](crate::classify) calls transient, such as a deadlock in the
+    /// handler's own UPDATE or a dropped connection, the attempt restarts in a fresh
+    /// transaction like any other transient failure. A `DbErr` wrapped in an error type of
+    /// your own is not looked into: that error is returned, and the redelivery retries it.
+    ///
     /// # Errors
-    /// [`ProcessError::Handler`] when the handler fails (rolled back, not retried),
+    /// [`ProcessError::Handler`] when the handler fails (rolled back; not retried unless
+    /// transient, as above, and then returned when the attempts run out),
     /// [`ProcessError::Inbox`] for failures a retry would not fix,
     /// [`ProcessError::RetriesExhausted`] when every attempt met a transient failure. All
     /// of them mean: nack the message.
@@ -123,7 +159,7 @@ impl Inbox {
     where
         F: for<'t> FnMut(&'t DatabaseTransaction) -> HandlerFuture<'t, T, E> + Send,
         T: Send,
-        E: Send,
+        E: Send + 'static,
     {
         let message_id = message_id.into();
         let span = tracing::info_span!(
@@ -143,13 +179,23 @@ impl Inbox {
                     Err(AttemptError::Handler(err)) => break Err(ProcessError::Handler(err)),
                     Err(AttemptError::Fatal(err)) => break Err(ProcessError::Inbox(err)),
                     Err(AttemptError::Transient(err)) if attempt < self.retry.attempts() => {
-                        self.metrics.count(Counter::TransientRetry);
-                        tracing::debug!(attempt, error = %err, "transient database failure; retrying in a fresh transaction");
-                        tokio::time::sleep(self.retry.delay_before(attempt + 1)).await;
+                        self.before_retry(attempt, &err).await;
+                        attempt += 1;
+                    }
+                    Err(AttemptError::HandlerTransient { cause, .. })
+                        if attempt < self.retry.attempts() =>
+                    {
+                        self.before_retry(attempt, &cause).await;
                         attempt += 1;
                     }
                     Err(AttemptError::Transient(err)) => {
-                        break Err(ProcessError::RetriesExhausted { attempts: attempt, source: err });
+                        break Err(ProcessError::RetriesExhausted {
+                            attempts: attempt,
+                            source: err,
+                        });
+                    }
+                    Err(AttemptError::HandlerTransient { err, .. }) => {
+                        break Err(ProcessError::Handler(err));
                     }
                 }
             };
@@ -160,6 +206,12 @@ impl Inbox {
         .await
     }
 
+    async fn before_retry(&self, attempt: u32, cause: &(dyn Display + Sync)) {
+        self.metrics.count(Counter::TransientRetry);
+        tracing::debug!(attempt, error = %cause, "transient database failure; retrying in a fresh transaction");
+        tokio::time::sleep(self.retry.delay_before(attempt + 1)).await;
+    }
+
     async fn attempt<T, E, F>(
         &self,
         db: &DatabaseConnection,
@@ -168,6 +220,7 @@ impl Inbox {
     ) -> Result<Outcome<T>, AttemptError<E>>
     where
         F: for<'t> FnMut(&'t DatabaseTransaction) -> HandlerFuture<'t, T, E> + Send,
+        E: 'static,
     {
         let txn = db
             .begin_with_options(CLAIM_TRANSACTION)
@@ -186,7 +239,10 @@ impl Inbox {
             Ok(value) => value,
             Err(err) => {
                 txn.rollback().await.ok();
-                return Err(AttemptError::Handler(err));
+                return Err(match transient_db_cause(&err).map(ToString::to_string) {
+                    Some(cause) => AttemptError::HandlerTransient { err, cause },
+                    None => AttemptError::Handler(err),
+                });
             }
         };
         txn.commit()

@@ -24,22 +24,33 @@
 //! The table comes from the `inbox-migration` crate; its entity from `inbox-entity`.
 
 mod backend;
+mod batch;
 mod claim;
 mod consumer;
 mod error;
 mod inbox;
+mod lease;
 mod message_id;
 mod metrics;
 mod outcome;
 pub mod prelude;
+mod retention;
 mod retry;
 
 pub use backend::{CLAIM_TRANSACTION, DbErrorKind, classify, is_inbox_duplicate, timestamp_value};
+pub use batch::{BatchClaim, MAX_CLAIM_BATCH};
 pub use claim::{Claim, InboxTransactionExt};
 pub use error::InboxError;
 pub use inbox::{HandlerFuture, Inbox};
-pub use inbox_entity::{CONSUMER_MAX_CHARS, INDEX_NAME, TABLE_NAME};
-pub use message_id::MessageId;
+pub use inbox_entity::{CONSUMER_MAX_CHARS, INDEX_NAME, RECEIVED_AT_INDEX_NAME, TABLE_NAME};
+pub use lease::{
+    DeadClaim, ExpiredLease, Lease, LeaseClaim, LeaseOptions, claim_lease, complete_lease,
+    list_dead_claims, list_expired_leases, release_lease,
+};
+pub use message_id::{MESSAGE_ID_NAMESPACE, MessageId};
 pub use metrics::{InboxMetrics, MetricsSnapshot};
 pub use outcome::{Outcome, ProcessError, Settlement};
+pub use retention::{
+    BrokerRedelivery, PurgeReport, Purger, PurgerSummary, RetentionPolicy, purge, spawn_purger,
+};
 pub use retry::RetryPolicy;

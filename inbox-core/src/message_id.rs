@@ -1,3 +1,4 @@
+use crate::InboxError;
 use std::fmt;
 use uuid::Uuid;
 
@@ -52,5 +53,150 @@ impl From<MessageId> for Uuid {
 impl fmt::Display for MessageId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         fmt::Display::fmt(&self.0, f)
+    }
+}
+
+/// The fixed UUIDv5 namespace of every key this crate derives.
+///
+/// Part of the stable format: changing it would give every redelivery after an upgrade a
+/// new key and let it through. Golden vectors in the tests pin it.
+pub const MESSAGE_ID_NAMESPACE: Uuid = Uuid::from_u128(0x709d3c4c_2471_40b1_9e0d_6e29544bb19f);
+
+/// Builds the unambiguous name hashed under [`MESSAGE_ID_NAMESPACE`]: a kind label, then
+/// every field as a big-endian `u64` length followed by its bytes, so no two different
+/// field lists (`("ab", "c")` and `("a", "bc")`) share an encoding.
+struct KeyName(Vec<u8>);
+
+impl KeyName {
+    fn new(kind: &str) -> Self {
+        let mut name = Self(Vec::with_capacity(64));
+        name.field(kind.as_bytes());
+        name
+    }
+
+    fn field(&mut self, bytes: &[u8]) -> &mut Self {
+        self.0
+            .extend_from_slice(&(bytes.len() as u64).to_be_bytes());
+        self.0.extend_from_slice(bytes);
+        self
+    }
+
+    fn uuid(&self) -> Uuid {
+        Uuid::new_v5(&MESSAGE_ID_NAMESPACE, &self.0)
+    }
+}
+
+/// Trims the field and refuses it when nothing is left.
+fn key_field<'a>(field: &'static str, value: &'a str) -> Result<&'a str, InboxError> {
+    let trimmed = value.trim();
+    if trimmed.is_empty() {
+        return Err(InboxError::EmptyKeyField { field });
+    }
+    Ok(trimmed)
+}
+
+impl MessageId {
+    /// The key of a message identified by the broker's own string message id (RabbitMQ
+    /// `message_id`, SQS `MessageId`, Service Bus `MessageId`, a NATS `Nats-Msg-Id`).
+    ///
+    /// Deterministic across processes and versions: UUIDv5 under
+    /// [`MESSAGE_ID_NAMESPACE`] of the id with surrounding white space trimmed; the rest
+    /// is taken byte for byte (case matters).
+    ///
+    /// # Errors
+    /// [`InboxError::EmptyKeyField`] when the id is empty or only white space.
+    ///
+    /// ```
+    /// use inbox_core::MessageId;
+    ///
+    /// let a = MessageId::from_broker_id("order-42")?;
+    /// assert_eq!(a, MessageId::from_broker_id("  order-42\n")?);
+    /// assert_ne!(a, MessageId::from_broker_id("order-43")?);
+    /// # Ok::<(), inbox_core::InboxError>(())
+    /// ```
+    pub fn from_broker_id(broker_message_id: &str) -> Result<Self, InboxError> {
+        let id = key_field("broker message id", broker_message_id)?;
+        Ok(Self(KeyName::new("broker").field(id.as_bytes()).uuid()))
+    }
+
+    /// The key of a CloudEvent: its `source` and `id` attributes, which the CloudEvents
+    /// spec makes unique together (the same `id` from two sources is two events).
+    ///
+    /// Both are trimmed; each is encoded with its length, so `("ab", "c")` and
+    /// `("a", "bc")` give different keys.
+    ///
+    /// # Errors
+    /// [`InboxError::EmptyKeyField`] when either attribute is empty or only white space.
+    ///
+    /// ```
+    /// use inbox_core::MessageId;
+    ///
+    /// let a = MessageId::from_cloud_event("/orders", "e-1")?;
+    /// assert_ne!(a, MessageId::from_cloud_event("/payments", "e-1")?);
+    /// # Ok::<(), inbox_core::InboxError>(())
+    /// ```
+    pub fn from_cloud_event(source: &str, id: &str) -> Result<Self, InboxError> {
+        let source = key_field("CloudEvents source", source)?;
+        let id = key_field("CloudEvents id", id)?;
+        Ok(Self(
+            KeyName::new("cloudevents")
+                .field(source.as_bytes())
+                .field(id.as_bytes())
+                .uuid(),
+        ))
+    }
+
+    /// The key of a Kafka record: its `(topic, partition, offset)`, which a redelivery
+    /// (a consumer restarting from a committed offset) repeats exactly.
+    ///
+    /// A producer that retries writes a *new* record at a new offset; when producer
+    /// retries matter, use a producer-set header with [`MessageId::from_broker_id`].
+    ///
+    /// # Errors
+    /// [`InboxError::EmptyKeyField`] for an empty topic,
+    /// [`InboxError::NegativeKafkaPosition`] for a negative partition or offset.
+    ///
+    /// ```
+    /// use inbox_core::MessageId;
+    ///
+    /// let a = MessageId::from_kafka("payments", 3, 1_000)?;
+    /// assert_eq!(a, MessageId::from_kafka("payments", 3, 1_000)?);
+    /// assert_ne!(a, MessageId::from_kafka("payments", 3, 1_001)?);
+    /// # Ok::<(), inbox_core::InboxError>(())
+    /// ```
+    pub fn from_kafka(topic: &str, partition: i32, offset: i64) -> Result<Self, InboxError> {
+        let topic = key_field("Kafka topic", topic)?;
+        if partition < 0 || offset < 0 {
+            return Err(InboxError::NegativeKafkaPosition { partition, offset });
+        }
+        Ok(Self(
+            KeyName::new("kafka")
+                .field(topic.as_bytes())
+                .field(&partition.to_be_bytes())
+                .field(&offset.to_be_bytes())
+                .uuid(),
+        ))
+    }
+
+    /// The idempotency key to hand a downstream provider (payment API, mail service) for
+    /// this message and consumer.
+    ///
+    /// The same on every attempt, on every replica and after every takeover, so a provider
+    /// that saw a half-done attempt deduplicates the retry. Distinct per consumer, and
+    /// distinct from the message id itself.
+    ///
+    /// ```
+    /// use inbox_core::MessageId;
+    ///
+    /// let id = MessageId::from_broker_id("order-42")?;
+    /// assert_eq!(id.idempotency_key("mailer"), id.idempotency_key("mailer"));
+    /// assert_ne!(id.idempotency_key("mailer"), id.idempotency_key("billing"));
+    /// # Ok::<(), inbox_core::InboxError>(())
+    /// ```
+    pub fn idempotency_key(&self, consumer: &str) -> Uuid {
+        KeyName::new("idempotency-key")
+            .field(self.0.as_bytes())
+            .field(consumer.as_bytes())
+            .uuid()
     }
 }

@@ -33,8 +33,10 @@ impl<T> Outcome<T> {
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum ProcessError<E> {
-    /// The handler returned an error; its transaction rolled back. Not retried here: the
-    /// broker's redelivery is the retry.
+    /// The handler returned an error; its transaction rolled back. Not retried here (the
+    /// broker's redelivery is the retry), unless it was a transient database error (see
+    /// [`Inbox::process`](crate::Inbox::process)), which is returned here once the
+    /// attempts run out.
     Handler(E),
     /// A database or input failure that retrying would not fix (a missing table, a unique
     /// violation on another index, a nil message id...).
@@ -74,7 +76,7 @@ impl<E: fmt::Display> fmt::Display for ProcessError<E> {
             ProcessError::Handler(err) => {
                 write!(
                     f,
-                    "the handler failed and its transaction was rolled back: {err}"
+                    "the handler failed and its transaction was rolled back: {err}. Nack the message so the broker redelivers it (or dead-letters it after its delivery limit)"
                 )
             }
             ProcessError::Inbox(err) => err.fmt(f),

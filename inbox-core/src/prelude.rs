@@ -1,6 +1,7 @@
 //! Everything a handler needs: `use inbox_core::prelude::*;`.
 
 pub use crate::{
-    CLAIM_TRANSACTION, Claim, Inbox, InboxError, InboxTransactionExt, MessageId, Outcome,
-    ProcessError, RetryPolicy, Settlement, is_inbox_duplicate,
+    BatchClaim, CLAIM_TRANSACTION, Claim, Inbox, InboxError, InboxTransactionExt, Lease,
+    LeaseClaim, LeaseOptions, MessageId, Outcome, ProcessError, RetryPolicy, Settlement,
+    claim_lease, complete_lease, is_inbox_duplicate, release_lease,
 };

@@ -1,7 +1,8 @@
-//! The migration that creates the transactional inbox table.
+//! The migrations that create the transactional inbox table and extend it.
 //!
-//! Add [`CreateInbox`] to your own `Migrator` (its name is stable, so it runs once per
-//! database whatever else your migrator holds):
+//! Add [`CreateInbox`] and then [`AddInboxLeases`] to your own `Migrator` (their names are
+//! stable, so each runs once per database whatever else your migrator holds; a database
+//! that already ran `CreateInbox` is upgraded in place by `AddInboxLeases`):
 //!
 //! ```
 //! use sea_orm_migration::prelude::*;
@@ -14,6 +15,7 @@
 //!         vec![
 //!             // ... your own migrations ...
 //!             Box::new(inbox_migration::CreateInbox),
+//!             Box::new(inbox_migration::AddInboxLeases), // after CreateInbox
 //!         ]
 //!     }
 //! }
@@ -29,8 +31,10 @@
 //! ```
 
 mod m20261130_000001_create_inbox;
+mod m20261130_000002_add_inbox_leases;
 
 pub use m20261130_000001_create_inbox::CreateInbox;
+pub use m20261130_000002_add_inbox_leases::AddInboxLeases;
 /// Re-exported so `Migrator::up(&db, None)` needs no direct `sea-orm-migration` import.
 pub use sea_orm_migration::MigratorTrait;
 use sea_orm_migration::prelude::*;
@@ -41,6 +45,6 @@ pub struct Migrator;
 #[async_trait::async_trait]
 impl MigratorTrait for Migrator {
     fn migrations() -> Vec<Box<dyn MigrationTrait>> {
-        vec![Box::new(CreateInbox)]
+        vec![Box::new(CreateInbox), Box::new(AddInboxLeases)]
     }
 }

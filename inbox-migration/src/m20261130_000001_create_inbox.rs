@@ -19,12 +19,29 @@ impl MigrationName for CreateInbox {
 ///
 /// MySQL's `timestamp` (what SeaQuery emits for "timestamp with time zone" there) keeps
 /// whole seconds and ends in 2038, so MySQL/MariaDB get `datetime(6)` holding UTC.
-fn utc_timestamp(backend: DatabaseBackend, column: impl IntoIden) -> ColumnDef {
+pub(crate) fn utc_timestamp(backend: DatabaseBackend, column: impl IntoIden) -> ColumnDef {
     let mut def = ColumnDef::new(column);
     match backend {
         DatabaseBackend::MySql => def.custom(Alias::new("datetime(6)")),
         _ => def.timestamp_with_time_zone(),
     };
+    def
+}
+
+/// The consumer name, compared byte for byte on every backend.
+///
+/// MySQL/MariaDB's default collations ignore case (`utf8mb4_general_ci`), so "Billing" and
+/// "billing" would share one marker and one of the two consumers would skip every message
+/// as a duplicate. The binary collation compares like PostgreSQL and SQLite do.
+fn consumer_column(backend: DatabaseBackend, column: impl IntoIden, chars: u32) -> ColumnDef {
+    if backend != DatabaseBackend::MySql {
+        return string_len(column, chars);
+    }
+    let mut def = ColumnDef::new(column);
+    def.custom(Alias::new(format!(
+        "varchar({chars}) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin"
+    )))
+    .not_null();
     def
 }
 
@@ -39,7 +56,11 @@ impl MigrationTrait for CreateInbox {
                     .table(inbox::Entity)
                     .col(big_pk_auto(inbox::Column::Id))
                     .col(uuid(inbox::Column::MessageId))
-                    .col(string_len(inbox::Column::Consumer, consumer_len))
+                    .col(consumer_column(
+                        backend,
+                        inbox::Column::Consumer,
+                        consumer_len,
+                    ))
                     .col(utc_timestamp(backend, inbox::Column::ReceivedAt).not_null())
                     .col(utc_timestamp(backend, inbox::Column::ProcessedAt).null())
                     .to_owned(),

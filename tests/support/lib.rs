@@ -7,12 +7,20 @@
 //! be reached fails the test; it never skips. Each test creates its own database with a
 //! unique name, so tests run in parallel and on servers that earlier runs left dirty.
 
+use inbox_core::{CLAIM_TRANSACTION, Claim, InboxTransactionExt};
 use inbox_migration::Migrator;
 use sea_orm::{
     ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DbBackend, Statement,
+    TransactionTrait,
 };
 use sea_orm_migration::MigratorTrait;
 use std::time::Duration;
+
+mod stream;
+pub use stream::{
+    Broker, BrokerStats, HandlerError, Plan, Report, STREAM_CONSUMER, XorShift,
+    assert_exactly_once, create_effects, run_replicas,
+};
 
 /// The database servers a test can run on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -211,6 +219,43 @@ pub async fn credit(conn: &impl ConnectionTrait, amount: i64) -> Result<(), sea_
     .map(|_| ())
 }
 
+/// A pool of one connection whose lock waits give up quickly, so a claim blocked by
+/// another transaction fails with the backend's transient lock error.
+pub async fn impatient_replica(db: &TestDb) -> DatabaseConnection {
+    let conn = db.connect_with(1).await;
+    let setting = match db.backend {
+        Backend::Postgres => "SET lock_timeout = '150ms'",
+        Backend::MySql => "SET SESSION innodb_lock_wait_timeout = 1",
+        Backend::Sqlite => "PRAGMA busy_timeout = 150",
+    };
+    run(&conn, setting).await;
+    conn
+}
+
+/// Another replica claims `id` for `consumer` and holds its transaction open for `hold`,
+/// then rolls back.
+pub async fn hold_claim_then_roll_back(
+    db: &TestDb,
+    id: uuid::Uuid,
+    consumer: &str,
+    hold: Duration,
+) -> tokio::task::JoinHandle<()> {
+    let holder = db.connect().await;
+    let txn = holder
+        .begin_with_options(CLAIM_TRANSACTION)
+        .await
+        .expect("begin holder");
+    assert_eq!(
+        txn.claim_message(id, consumer).await.expect("holder claim"),
+        Claim::Claimed
+    );
+    tokio::spawn(async move {
+        tokio::time::sleep(hold).await;
+        txn.rollback().await.expect("holder rollback");
+        holder.close().await.ok();
+    })
+}
+
 /// Defines one `#[tokio::test]` per backend calling `$body(Backend)`, in modules named
 /// after the backend, so `cargo test sqlite::` or `postgres::` selects a suite.
 #[macro_export]
@@ -240,13 +285,9 @@ pub fn shuffled_deliveries(ids: &[uuid::Uuid], copies: usize, seed: u64) -> Vec<
         .iter()
         .flat_map(|id| std::iter::repeat_n(*id, copies))
         .collect();
-    let mut state = seed | 1;
+    let mut rng = XorShift::new(seed);
     for i in (1..deliveries.len()).rev() {
-        // xorshift64: enough randomness for an order, no dependency.
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        let j = (state % (i as u64 + 1)) as usize;
+        let j = (rng.next_u64() % (i as u64 + 1)) as usize;
         deliveries.swap(i, j);
     }
     deliveries

@@ -227,7 +227,15 @@ async fn other_unique_violations_are_errors_not_duplicates(backend: Backend) {
         .begin_with_options(CLAIM_TRANSACTION)
         .await
         .expect("begin");
-    match txn.claim_message(id, "second-consumer").await {
+    let result = txn.claim_message(id, "second-consumer").await;
+    if let Err(err) = &result {
+        let message = err.to_string();
+        assert!(
+            message.contains("not a duplicate delivery") && message.contains("fix the handler"),
+            "the error says what to do: {message}"
+        );
+    }
+    match result {
         Err(InboxError::Database {
             message_id,
             consumer,
@@ -266,6 +274,35 @@ async fn each_consumer_claims_the_same_message(backend: Backend) {
         Claim::Duplicate
     );
     assert_eq!(scalar_i64(&conn, "SELECT COUNT(*) FROM inbox").await, 3);
+    conn.close().await.ok();
+    db.cleanup().await;
+}
+
+/// Consumer names are compared exactly on every backend: MySQL's default case-insensitive
+/// collation would make "Billing" skip every message "billing" processed.
+async fn consumer_names_differing_in_case_are_distinct(backend: Backend) {
+    let Some(db) = migrated_db(backend).await else {
+        return;
+    };
+    let conn = db.connect().await;
+    let id = Uuid::new_v4();
+    for consumer in ["billing", "Billing", "BILLING", "billing-é", "billing-e"] {
+        assert_eq!(
+            claim_in_new_txn(&conn, id, consumer).await,
+            Claim::Claimed,
+            "{consumer} on {backend:?}"
+        );
+    }
+    let txn = conn
+        .begin_with_options(CLAIM_TRANSACTION)
+        .await
+        .expect("begin");
+    assert!(matches!(
+        txn.claim_message(id, "billing ").await,
+        Err(InboxError::ConsumerNotTrimmed { .. })
+    ));
+    drop(txn);
+    assert_eq!(scalar_i64(&conn, "SELECT COUNT(*) FROM inbox").await, 5);
     conn.close().await.ok();
     db.cleanup().await;
 }
@@ -419,6 +456,7 @@ on_every_backend!(
     failed_business_write_leaves_no_marker,
     other_unique_violations_are_errors_not_duplicates,
     each_consumer_claims_the_same_message,
+    consumer_names_differing_in_case_are_distinct,
     write_through_the_pool_bypasses_the_claim,
     bad_input_is_refused_before_any_sql,
     missing_table_says_to_run_the_migration,

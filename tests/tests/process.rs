@@ -1,11 +1,14 @@
 //! `Inbox::process`: exactly once under racing replicas, handler errors roll back and are
-//! not retried, transient lock failures are retried in a fresh transaction, exhaustion
-//! names its cause, and the metrics count it all.
+//! not retried (unless they are transient database errors), transient lock failures are
+//! retried in a fresh transaction, exhaustion names its cause, and the metrics count it all.
 
 use inbox_core::prelude::*;
 use inbox_core::{DbErrorKind, classify};
-use inbox_tests::{Backend, create_accounts, credit, migrated_db, on_every_backend, scalar_i64};
-use sea_orm::{ConnectionTrait, DatabaseConnection, DbErr, TransactionTrait};
+use inbox_tests::{
+    Backend, create_accounts, credit, hold_claim_then_roll_back, impatient_replica, migrated_db,
+    on_every_backend, run, scalar_i64,
+};
+use sea_orm::{ConnAcquireErr, ConnectionTrait, DatabaseConnection, DbErr};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
@@ -120,43 +123,6 @@ async fn handler_error_rolls_back_and_is_not_retried(backend: Backend) {
     db.cleanup().await;
 }
 
-/// A pool of one connection whose lock waits give up quickly, so a claim blocked by
-/// another transaction fails with the backend's transient lock error.
-async fn impatient_replica(db: &inbox_tests::TestDb) -> DatabaseConnection {
-    let conn = db.connect_with(1).await;
-    let setting = match db.backend {
-        Backend::Postgres => "SET lock_timeout = '150ms'",
-        Backend::MySql => "SET SESSION innodb_lock_wait_timeout = 1",
-        Backend::Sqlite => "PRAGMA busy_timeout = 150",
-    };
-    inbox_tests::run(&conn, setting).await;
-    conn
-}
-
-/// Another replica claims `id` and holds its transaction open for `hold`, then rolls back.
-async fn hold_claim_then_roll_back(
-    db: &inbox_tests::TestDb,
-    id: Uuid,
-    hold: Duration,
-) -> tokio::task::JoinHandle<()> {
-    let holder = db.connect().await;
-    let txn = holder
-        .begin_with_options(CLAIM_TRANSACTION)
-        .await
-        .expect("begin holder");
-    assert_eq!(
-        txn.claim_message(id, "billing.credit")
-            .await
-            .expect("holder claim"),
-        Claim::Claimed
-    );
-    tokio::spawn(async move {
-        tokio::time::sleep(hold).await;
-        txn.rollback().await.expect("holder rollback");
-        holder.close().await.ok();
-    })
-}
-
 async fn transient_lock_failures_are_retried_in_a_fresh_transaction(backend: Backend) {
     let Some(db) = migrated_db(backend).await else {
         return;
@@ -169,7 +135,7 @@ async fn transient_lock_failures_are_retried_in_a_fresh_transaction(backend: Bac
     } else {
         Duration::from_millis(600)
     };
-    let holder = hold_claim_then_roll_back(&db, id, hold).await;
+    let holder = hold_claim_then_roll_back(&db, id, "billing.credit", hold).await;
 
     let inbox = Inbox::new("billing.credit")
         .expect("valid name")
@@ -210,7 +176,7 @@ async fn exhausted_retries_name_the_last_transient_cause(backend: Backend) {
     };
     let replica = impatient_replica(&db).await;
     let id = Uuid::new_v4();
-    let holder = hold_claim_then_roll_back(&db, id, Duration::from_secs(4)).await;
+    let holder = hold_claim_then_roll_back(&db, id, "billing.credit", Duration::from_secs(4)).await;
 
     let inbox = Inbox::new("billing.credit")
         .expect("valid name")
@@ -248,6 +214,80 @@ async fn exhausted_retries_name_the_last_transient_cause(backend: Backend) {
     db.cleanup().await;
 }
 
+/// Runs a handler that credits, then fails its first `failing_runs` runs with `error()`;
+/// returns the result, the handler's runs and the balance.
+async fn credit_failing_first<E: Send + 'static>(
+    conn: &DatabaseConnection,
+    failing_runs: u32,
+    error: fn() -> E,
+) -> (Result<Outcome<()>, ProcessError<E>>, u32, i64) {
+    run(conn, "UPDATE account SET balance = 0 WHERE id = 1").await;
+    let inbox = Inbox::new("billing.credit")
+        .expect("valid name")
+        .with_retry(
+            RetryPolicy::default()
+                .max_attempts(3)
+                .backoff(Duration::from_millis(1), Duration::from_millis(5)),
+        );
+    let runs = AtomicU32::new(0);
+    let result = inbox
+        .process(conn, Uuid::new_v4(), |txn| {
+            let fail = runs.fetch_add(1, Ordering::SeqCst) < failing_runs;
+            Box::pin(async move {
+                credit(txn, 1).await.map_err(|_| error())?;
+                if fail { Err(error()) } else { Ok(()) }
+            })
+        })
+        .await;
+    let balance = scalar_i64(conn, "SELECT balance FROM account WHERE id = 1").await;
+    (result, runs.load(Ordering::SeqCst), balance)
+}
+
+fn lost_connection() -> DbErr {
+    DbErr::ConnectionAcquire(ConnAcquireErr::ConnectionClosed)
+}
+
+/// A transient `DbErr` returned by the handler itself (its statement met a deadlock or a
+/// dropped connection) restarts the attempt in a fresh transaction; so does one inside a
+/// boxed error. Other handler errors are not retried, and a transient one that outlasts
+/// the attempts comes back as the handler's error.
+async fn transient_handler_db_errors_are_retried(backend: Backend) {
+    type Boxed = Box<dyn std::error::Error + Send + Sync>;
+    let Some(db) = migrated_db(backend).await else {
+        return;
+    };
+    let conn = db.connect().await;
+    create_accounts(&conn).await;
+
+    let (result, runs, balance) = credit_failing_first(&conn, 1, lost_connection).await;
+    assert!(matches!(result, Ok(Outcome::Processed(()))), "{result:?}");
+    assert_eq!((runs, balance), (2, 1), "retried once, applied once");
+
+    let boxed = || -> Boxed { Box::new(lost_connection()) };
+    let (result, runs, balance) = credit_failing_first(&conn, 1, boxed).await;
+    assert!(matches!(result, Ok(Outcome::Processed(()))), "{result:?}");
+    assert_eq!((runs, balance), (2, 1));
+
+    let not_transient = || DbErr::Custom("constraint the handler broke".into());
+    let (result, runs, balance) = credit_failing_first(&conn, 1, not_transient).await;
+    assert!(
+        matches!(result, Err(ProcessError::Handler(DbErr::Custom(_)))),
+        "{result:?}"
+    );
+    assert_eq!((runs, balance), (1, 0), "not retried, rolled back");
+
+    let (result, runs, balance) = credit_failing_first(&conn, 10, lost_connection).await;
+    assert!(
+        matches!(
+            result,
+            Err(ProcessError::Handler(DbErr::ConnectionAcquire(_)))
+        ),
+        "{result:?}"
+    );
+    assert_eq!((runs, balance), (3, 0), "every attempt rolled back");
+    db.cleanup().await;
+}
+
 async fn missing_table_is_reported_not_retried(backend: Backend) {
     let Some(db) = inbox_tests::fresh_db(backend).await else {
         return;
@@ -276,6 +316,7 @@ on_every_backend!(
     transient_lock_failures_are_retried_in_a_fresh_transaction,
     exhausted_retries_name_the_last_transient_cause,
     missing_table_is_reported_not_retried,
+    transient_handler_db_errors_are_retried,
 );
 
 #[test]

@@ -1,0 +1,613 @@
+//! Two-phase claims for side effects that cannot join a transaction (an e-mail, a card
+//! charge, a blob write): claim and commit, call the side effect, then complete.
+
+use crate::backend::{
+    CLAIM_TRANSACTION, DbErrorKind, classify, complete_lease_sql, insert_lease_sql, park_lease_sql,
+    release_lease_sql, take_over_lease_sql, timestamp_value,
+};
+use crate::claim::now_micros;
+use crate::consumer::validate_claim;
+use crate::{InboxError, MessageId};
+use chrono::{DateTime, TimeDelta, Utc};
+use inbox_entity::inbox;
+use sea_orm::sea_query::ExprTrait;
+use sea_orm::{
+    ColumnTrait, ConnectionTrait, DatabaseConnection, DbErr, EntityTrait, QueryFilter, QueryOrder,
+    QuerySelect, Statement, TransactionTrait, Value,
+};
+use std::time::Duration;
+use uuid::Uuid;
+
+/// How long a two-phase claim holds a message, and how many attempts it gets.
+///
+/// **Clock rule:** every lease time (`lease_until`, the expiry check, `dead_at`) is read
+/// from the clock of the process that claims, in UTC, the same clock that writes
+/// `received_at`. Replicas must keep their clocks synchronised (NTP); a skew of `s` makes a
+/// lease look up to `s` shorter to a fast-clocked replica, so choose a lease well above the
+/// side effect's worst duration plus the skew you tolerate.
+///
+/// ```
+/// use inbox_core::LeaseOptions;
+/// use std::time::Duration;
+///
+/// let options = LeaseOptions::new(Duration::from_secs(30))?.with_max_attempts(3)?;
+/// assert_eq!(options.max_attempts(), 3);
+/// assert!(LeaseOptions::new(Duration::ZERO).is_err());
+/// # Ok::<(), inbox_core::InboxError>(())
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LeaseOptions {
+    lease: Duration,
+    max_attempts: u32,
+}
+
+impl LeaseOptions {
+    /// The shortest lease accepted (tests use leases of tens of milliseconds).
+    pub const MIN_LEASE: Duration = Duration::from_millis(1);
+    /// The longest lease accepted: a year.
+    pub const MAX_LEASE: Duration = Duration::from_secs(366 * 24 * 3600);
+    /// Attempts a claim gets unless [`with_max_attempts`](Self::with_max_attempts) says
+    /// otherwise.
+    pub const DEFAULT_MAX_ATTEMPTS: u32 = 5;
+
+    /// Leases of `lease`, with [`DEFAULT_MAX_ATTEMPTS`](Self::DEFAULT_MAX_ATTEMPTS).
+    ///
+    /// # Errors
+    /// [`InboxError::LeaseOutOfRange`] outside [`MIN_LEASE`](Self::MIN_LEASE)..=
+    /// [`MAX_LEASE`](Self::MAX_LEASE).
+    pub fn new(lease: Duration) -> Result<Self, InboxError> {
+        if !(Self::MIN_LEASE..=Self::MAX_LEASE).contains(&lease) {
+            return Err(InboxError::LeaseOutOfRange {
+                lease,
+                min: Self::MIN_LEASE,
+                max: Self::MAX_LEASE,
+            });
+        }
+        Ok(Self {
+            lease,
+            max_attempts: Self::DEFAULT_MAX_ATTEMPTS,
+        })
+    }
+
+    /// Parks a claim as dead when its lease expires on attempt `max_attempts`.
+    ///
+    /// # Errors
+    /// [`InboxError::ZeroMaxAttempts`] for 0.
+    pub fn with_max_attempts(self, max_attempts: u32) -> Result<Self, InboxError> {
+        if max_attempts == 0 {
+            return Err(InboxError::ZeroMaxAttempts);
+        }
+        Ok(Self {
+            max_attempts,
+            ..self
+        })
+    }
+
+    /// The lease duration.
+    pub fn lease(&self) -> Duration {
+        self.lease
+    }
+
+    /// The attempt after whose expiry the claim is parked.
+    pub fn max_attempts(&self) -> u32 {
+        self.max_attempts
+    }
+
+    fn expiry(&self, now: DateTime<Utc>) -> DateTime<Utc> {
+        // `new` bounds the lease to a year, so both conversions succeed.
+        let lease = TimeDelta::from_std(self.lease).unwrap_or(TimeDelta::MAX);
+        now.checked_add_signed(lease)
+            .unwrap_or(DateTime::<Utc>::MAX_UTC)
+    }
+}
+
+/// A live two-phase claim: the right to call the side effect and then
+/// [`complete_lease`] it, until `lease_until`.
+///
+/// ```
+/// use inbox_core::{Lease, MessageId};
+///
+/// fn provider_key(lease: &Lease) -> uuid::Uuid {
+///     lease.idempotency_key() // the same on every attempt, unlike the fencing token
+/// }
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Lease {
+    message_id: MessageId,
+    consumer: String,
+    token: Uuid,
+    attempt: u32,
+    lease_until: DateTime<Utc>,
+}
+
+impl Lease {
+    /// The claimed message.
+    pub fn message_id(&self) -> MessageId {
+        self.message_id
+    }
+
+    /// The consumer holding the claim.
+    pub fn consumer(&self) -> &str {
+        &self.consumer
+    }
+
+    /// The key to pass to the downstream provider: [`MessageId::idempotency_key`] of this
+    /// message and consumer, identical on every attempt and after every takeover, so the
+    /// provider deduplicates a retry of a half-done attempt.
+    pub fn idempotency_key(&self) -> Uuid {
+        self.message_id.idempotency_key(&self.consumer)
+    }
+
+    /// The fencing token of this attempt (the row's `claim_token`): a takeover replaces
+    /// it, and completion is a compare-and-set on it.
+    pub fn fencing_token(&self) -> Uuid {
+        self.token
+    }
+
+    /// Which attempt this is, from 1.
+    pub fn attempt(&self) -> u32 {
+        self.attempt
+    }
+
+    /// When the lease expires (claimant's clock, see [`LeaseOptions`]). Finish the side
+    /// effect and complete before it, or expect a takeover.
+    pub fn lease_until(&self) -> DateTime<Utc> {
+        self.lease_until
+    }
+}
+
+/// A claim parked as dead after its last allowed attempt, for a human to look at.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeadClaim {
+    /// The message.
+    pub message_id: MessageId,
+    /// The consumer.
+    pub consumer: String,
+    /// Attempts made.
+    pub attempts: u32,
+    /// When the first attempt claimed it.
+    pub received_at: DateTime<Utc>,
+    /// When it was parked.
+    pub dead_at: DateTime<Utc>,
+}
+
+/// The outcome of [`claim_lease`]. Every variant but the two that carry a [`Lease`] means
+/// "do not call the side effect now".
+#[must_use = "only Claimed and TakenOver allow the side effect"]
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LeaseClaim {
+    /// First attempt: call the side effect, then [`complete_lease`]. Ack the message once
+    /// completed.
+    Claimed(Lease),
+    /// A previous attempt's lease expired without completing (it crashed or hung): this is
+    /// attempt 2 or later. The side effect may have been half done; call it again with
+    /// the same [`Lease::idempotency_key`], then [`complete_lease`].
+    TakenOver(Lease),
+    /// Completed by an earlier attempt (or claimed by a one-phase `claim_message`):
+    /// ack the message.
+    AlreadyProcessed,
+    /// Another claimant holds a live lease: do not call the side effect. Let the broker
+    /// redeliver later (nack with a delay, or leave it to the visibility timeout); a
+    /// delivery after `lease_until` takes over if the holder never completes.
+    Held {
+        /// Attempts made so far.
+        attempts: u32,
+        /// When the holder's lease expires.
+        lease_until: DateTime<Utc>,
+    },
+    /// Parked as dead (now or earlier) after its last allowed attempt: ack the message
+    /// and alert a human ([`list_dead_claims`]).
+    Dead(DeadClaim),
+}
+
+/// Attempts of one short transaction before a transient failure (deadlock, busy SQLite)
+/// is returned to the caller.
+const TRANSIENT_RETRIES: u32 = 5;
+
+/// Runs `attempt` (one whole short transaction), again from the top on a transient
+/// failure, and turns the final database error into an [`InboxError`].
+async fn retry_transient<T, F, Fut>(
+    message_id: MessageId,
+    consumer: &str,
+    mut attempt: F,
+) -> Result<T, InboxError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, DbErr>>,
+{
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        match attempt().await {
+            Ok(value) => return Ok(value),
+            Err(err) if classify(&err) == DbErrorKind::Transient && tries < TRANSIENT_RETRIES => {
+                tokio::time::sleep(Duration::from_millis(5 * u64::from(tries))).await;
+            }
+            Err(err) => return Err(InboxError::from_claim(err, message_id, consumer)),
+        }
+    }
+}
+
+fn attempts_of(row: &inbox::Model) -> u32 {
+    u32::try_from(row.attempts).unwrap_or(0)
+}
+
+fn dead_claim(row: &inbox::Model, dead_at: DateTime<Utc>) -> DeadClaim {
+    DeadClaim {
+        message_id: MessageId::from_uuid(row.message_id),
+        consumer: row.consumer.clone(),
+        attempts: attempts_of(row),
+        received_at: row.received_at,
+        dead_at,
+    }
+}
+
+/// Phase one: claims `message_id` for `consumer` as a lease, in a short transaction of
+/// its own that commits before this returns.
+///
+/// Inserts the lease row (attempt 1) unless the pair has a row; otherwise locks that row
+/// and decides: processed, parked, held by a live lease, or expired. An expired lease is
+/// taken over (attempt + 1, a new fencing token) or, if it was the last allowed attempt,
+/// parked as dead. A transient failure (deadlock, busy SQLite) retries the transaction.
+///
+/// # Errors
+/// Bad input as for `claim_message` ([`InboxError::EmptyConsumer`],
+/// [`InboxError::ConsumerTooLong`], [`InboxError::NilMessageId`]);
+/// [`InboxError::MissingTable`]; [`InboxError::Database`] for other failures (including a
+/// database that lacks the second migration's columns).
+///
+/// ```
+/// use inbox_core::{LeaseClaim, LeaseOptions, claim_lease, complete_lease, MessageId};
+/// use std::time::Duration;
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// # use sea_orm_migration::MigratorTrait;
+/// # let db = sea_orm::Database::connect("sqlite::memory:").await?;
+/// # inbox_migration::Migrator::up(&db, None).await?;
+/// let options = LeaseOptions::new(Duration::from_secs(30))?;
+/// let id = MessageId::from_broker_id("welcome-mail-7")?;
+/// match claim_lease(&db, id, "mailer", &options).await? {
+///     LeaseClaim::Claimed(lease) | LeaseClaim::TakenOver(lease) => {
+///         // send_mail(idempotency_key = lease.idempotency_key()) ...
+///         complete_lease(&db, &lease).await?; // then ack
+///     }
+///     LeaseClaim::AlreadyProcessed | LeaseClaim::Dead(_) => {} // ack
+///     LeaseClaim::Held { .. } => {} // nack with a delay: someone is on it
+/// }
+/// assert_eq!(claim_lease(&db, id, "mailer", &options).await?, LeaseClaim::AlreadyProcessed);
+/// # Ok(()) }
+/// ```
+pub async fn claim_lease(
+    db: &DatabaseConnection,
+    message_id: impl Into<MessageId>,
+    consumer: &str,
+    options: &LeaseOptions,
+) -> Result<LeaseClaim, InboxError> {
+    let message_id = message_id.into();
+    validate_claim(message_id, consumer)?;
+    let backend = db.get_database_backend();
+    let sql = LeaseSql {
+        insert: insert_lease_sql(backend)?,
+        take_over: take_over_lease_sql(backend)?,
+        park: park_lease_sql(backend)?,
+    };
+    retry_transient(message_id, consumer, || {
+        claim_once(db, message_id, consumer, options, &sql)
+    })
+    .await
+}
+
+struct LeaseSql {
+    insert: String,
+    take_over: String,
+    park: String,
+}
+
+/// One claim transaction: insert-or-lock the row, decide, commit.
+async fn claim_once(
+    db: &DatabaseConnection,
+    message_id: MessageId,
+    consumer: &str,
+    options: &LeaseOptions,
+    sql: &LeaseSql,
+) -> Result<LeaseClaim, DbErr> {
+    let backend = db.get_database_backend();
+    let txn = db.begin_with_options(CLAIM_TRANSACTION).await?;
+    let now = now_micros();
+    let token = Uuid::new_v4();
+    let lease_until = options.expiry(now);
+    let id = Value::from(message_id.as_uuid());
+    txn.execute_raw(Statement::from_sql_and_values(
+        backend,
+        &sql.insert,
+        [
+            id.clone(),
+            Value::from(consumer),
+            timestamp_value(backend, now),
+            timestamp_value(backend, lease_until),
+            Value::from(token),
+        ],
+    ))
+    .await?;
+    let row = inbox::Entity::find()
+        .filter(inbox::Column::MessageId.eq(message_id.as_uuid()))
+        .filter(inbox::Column::Consumer.eq(consumer))
+        .lock_exclusive()
+        .one(&txn)
+        .await?
+        .ok_or_else(|| DbErr::RecordNotFound("the inbox row just claimed".into()))?;
+    let lease = |attempt| Lease {
+        message_id,
+        consumer: consumer.to_owned(),
+        token,
+        attempt,
+        lease_until,
+    };
+    let outcome = if row.claim_token == Some(token) {
+        LeaseClaim::Claimed(lease(1))
+    } else if let Some(dead_at) = row.dead_at {
+        LeaseClaim::Dead(dead_claim(&row, dead_at))
+    } else if let (None, Some(held_until), Some(old_token)) =
+        (row.processed_at, row.lease_until, row.claim_token)
+    {
+        let attempts = attempts_of(&row);
+        let current = [id, Value::from(consumer), Value::from(old_token)];
+        if held_until > now {
+            LeaseClaim::Held {
+                attempts,
+                lease_until: held_until,
+            }
+        } else if attempts >= options.max_attempts {
+            let mut values = vec![timestamp_value(backend, now)];
+            values.extend(current);
+            txn.execute_raw(Statement::from_sql_and_values(backend, &sql.park, values))
+                .await?;
+            LeaseClaim::Dead(dead_claim(&row, now))
+        } else {
+            let mut values = vec![timestamp_value(backend, lease_until), Value::from(token)];
+            values.extend(current);
+            txn.execute_raw(Statement::from_sql_and_values(
+                backend,
+                &sql.take_over,
+                values,
+            ))
+            .await?;
+            LeaseClaim::TakenOver(lease(attempts.saturating_add(1)))
+        }
+    } else {
+        // Completed; or a one-phase or batch marker, committed together with its work.
+        LeaseClaim::AlreadyProcessed
+    };
+    txn.commit().await?;
+    Ok(outcome)
+}
+
+/// Phase two: marks the lease's message processed, if `lease` is still the current claim
+/// (compare-and-set on its fencing token), in a short transaction of its own.
+///
+/// A lease that expired is still completed when nobody took it over in the meantime.
+///
+/// # Errors
+/// [`InboxError::StaleLease`] when another claimant took the message over after this
+/// lease expired, or it was parked as dead: do not ack as if this attempt had recorded
+/// the outcome; the current holder (or a human) finishes it. [`InboxError::Database`] for
+/// database failures.
+///
+/// ```
+/// # use inbox_core::{LeaseClaim, LeaseOptions, claim_lease, complete_lease};
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// # use sea_orm_migration::MigratorTrait;
+/// # let db = sea_orm::Database::connect("sqlite::memory:").await?;
+/// # inbox_migration::Migrator::up(&db, None).await?;
+/// # let options = LeaseOptions::new(std::time::Duration::from_secs(30))?;
+/// let LeaseClaim::Claimed(lease) = claim_lease(&db, uuid::Uuid::new_v4(), "mailer", &options).await? else {
+///     unreachable!("a new message")
+/// };
+/// complete_lease(&db, &lease).await?;
+/// # Ok(()) }
+/// ```
+pub async fn complete_lease(db: &DatabaseConnection, lease: &Lease) -> Result<(), InboxError> {
+    let backend = db.get_database_backend();
+    compare_and_set(db, lease, complete_lease_sql(backend)?).await
+}
+
+/// Gives a lease up early, after a side effect failed in a way worth retrying: the lease
+/// expires now, so the next delivery takes over at once (as attempt + 1) instead of
+/// waiting for `lease_until`. The attempt still counts towards
+/// [`LeaseOptions::max_attempts`].
+///
+/// # Errors
+/// [`InboxError::StaleLease`] when the lease is no longer the current claim;
+/// [`InboxError::Database`] for database failures.
+///
+/// ```
+/// # use inbox_core::{LeaseClaim, LeaseOptions, claim_lease, release_lease};
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// # use sea_orm_migration::MigratorTrait;
+/// # let db = sea_orm::Database::connect("sqlite::memory:").await?;
+/// # inbox_migration::Migrator::up(&db, None).await?;
+/// # let options = LeaseOptions::new(std::time::Duration::from_secs(30))?;
+/// let id = uuid::Uuid::new_v4();
+/// let LeaseClaim::Claimed(lease) = claim_lease(&db, id, "mailer", &options).await? else {
+///     unreachable!("a new message")
+/// };
+/// // the mail provider answered 503: give the message back
+/// release_lease(&db, &lease).await?;
+/// let again = claim_lease(&db, id, "mailer", &options).await?;
+/// assert!(matches!(again, LeaseClaim::TakenOver(ref l) if l.attempt() == 2));
+/// # Ok(()) }
+/// ```
+pub async fn release_lease(db: &DatabaseConnection, lease: &Lease) -> Result<(), InboxError> {
+    let backend = db.get_database_backend();
+    compare_and_set(db, lease, release_lease_sql(backend)?).await
+}
+
+/// Runs one of the lease's compare-and-set UPDATEs (binds: a timestamp of now, then the
+/// current-lease conditions) as a statement of its own, and reports a stale lease.
+///
+/// Its affected-row count is exact on every backend: on MySQL sqlx reports *found* rows,
+/// and the WHERE clause only finds a row the UPDATE changes.
+async fn compare_and_set(
+    db: &DatabaseConnection,
+    lease: &Lease,
+    sql: String,
+) -> Result<(), InboxError> {
+    let backend = db.get_database_backend();
+    let updated = retry_transient(lease.message_id, &lease.consumer, || async {
+        let result = db
+            .execute_raw(Statement::from_sql_and_values(
+                backend,
+                &sql,
+                [
+                    timestamp_value(backend, now_micros()),
+                    Value::from(lease.message_id.as_uuid()),
+                    Value::from(lease.consumer.as_str()),
+                    Value::from(lease.token),
+                ],
+            ))
+            .await?;
+        Ok(result.rows_affected())
+    })
+    .await?;
+    if updated == 1 {
+        Ok(())
+    } else {
+        Err(InboxError::StaleLease {
+            message_id: lease.message_id,
+            consumer: lease.consumer.clone(),
+            attempt: lease.attempt,
+        })
+    }
+}
+
+/// A two-phase claim whose lease expired without completing: a crashed or hung attempt,
+/// listed by [`list_expired_leases`] for a sweeper.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExpiredLease {
+    /// The message.
+    pub message_id: MessageId,
+    /// The consumer.
+    pub consumer: String,
+    /// Attempts made so far.
+    pub attempts: u32,
+    /// When the last lease expired.
+    pub lease_until: DateTime<Utc>,
+}
+
+/// Lists claims whose lease expired before now (the caller's clock) without completing
+/// and that are not parked, oldest expiry first, at most `limit`, for one consumer or
+/// (with `None`) for all.
+///
+/// A sweeper re-runs each one's side effect by calling [`claim_lease`] for it (which takes
+/// it over, or parks it after the last attempt) when it can rebuild the message; the
+/// broker's redelivery does the same otherwise.
+///
+/// # Errors
+/// [`InboxError::Query`] when the database fails.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// # use sea_orm_migration::MigratorTrait;
+/// # let db = sea_orm::Database::connect("sqlite::memory:").await?;
+/// # inbox_migration::Migrator::up(&db, None).await?;
+/// for stuck in inbox_core::list_expired_leases(&db, Some("mailer"), 100).await? {
+///     eprintln!("{} stuck after attempt {}", stuck.message_id, stuck.attempts);
+/// }
+/// # Ok(()) }
+/// ```
+pub async fn list_expired_leases(
+    db: &DatabaseConnection,
+    consumer: Option<&str>,
+    limit: u64,
+) -> Result<Vec<ExpiredLease>, InboxError> {
+    let now = timestamp_value(db.get_database_backend(), now_micros());
+    let expired = inbox::Column::ProcessedAt
+        .is_null()
+        .and(inbox::Column::DeadAt.is_null())
+        .and(inbox::Column::LeaseUntil.lt(now));
+    let rows = list_rows(
+        db,
+        expired,
+        inbox::Column::LeaseUntil,
+        consumer,
+        limit,
+        "listing expired leases",
+    )
+    .await?;
+    Ok(rows
+        .iter()
+        .filter_map(|row| {
+            row.lease_until.map(|lease_until| ExpiredLease {
+                message_id: MessageId::from_uuid(row.message_id),
+                consumer: row.consumer.clone(),
+                attempts: attempts_of(row),
+                lease_until,
+            })
+        })
+        .collect())
+}
+
+/// Lists claims parked as dead, oldest parking first, at most `limit`, for one consumer or
+/// (with `None`) for all.
+///
+/// # Errors
+/// [`InboxError::Query`] when the database fails.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// # use sea_orm_migration::MigratorTrait;
+/// # let db = sea_orm::Database::connect("sqlite::memory:").await?;
+/// # inbox_migration::Migrator::up(&db, None).await?;
+/// for dead in inbox_core::list_dead_claims(&db, Some("mailer"), 100).await? {
+///     eprintln!("{} failed {} times", dead.message_id, dead.attempts);
+/// }
+/// # Ok(()) }
+/// ```
+pub async fn list_dead_claims(
+    db: &DatabaseConnection,
+    consumer: Option<&str>,
+    limit: u64,
+) -> Result<Vec<DeadClaim>, InboxError> {
+    let dead = inbox::Column::DeadAt.is_not_null();
+    let rows = list_rows(
+        db,
+        dead,
+        inbox::Column::DeadAt,
+        consumer,
+        limit,
+        "listing dead claims",
+    )
+    .await?;
+    Ok(rows
+        .iter()
+        .filter_map(|row| row.dead_at.map(|dead_at| dead_claim(row, dead_at)))
+        .collect())
+}
+
+/// Rows matching `condition` (and `consumer`, if given), ordered by `order` then id;
+/// a failure is reported as `operation`.
+async fn list_rows(
+    db: &DatabaseConnection,
+    condition: sea_orm::sea_query::Expr,
+    order: inbox::Column,
+    consumer: Option<&str>,
+    limit: u64,
+    operation: &'static str,
+) -> Result<Vec<inbox::Model>, InboxError> {
+    let mut query = inbox::Entity::find().filter(condition);
+    if let Some(consumer) = consumer {
+        query = query.filter(inbox::Column::Consumer.eq(consumer));
+    }
+    query
+        .order_by_asc(order)
+        .order_by_asc(inbox::Column::Id)
+        .limit(limit)
+        .all(db)
+        .await
+        .map_err(|source| InboxError::Query { operation, source })
+}

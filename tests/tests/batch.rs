@@ -1,0 +1,196 @@
+//! Issue 4, acceptance 5: batch claims in one statement, in the caller's transaction;
+//! replicas with their own pools claiming overlapping batches get disjoint winners whose
+//! union is every id exactly once.
+
+use inbox_core::prelude::*;
+use inbox_core::{DbErrorKind, MAX_CLAIM_BATCH, classify};
+use inbox_tests::{Backend, migrated_db, on_every_backend, scalar_i64};
+use sea_orm::{DatabaseConnection, TransactionTrait};
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use tokio::sync::Barrier;
+use uuid::Uuid;
+
+const CONSUMER: &str = "projector";
+
+/// One pump iteration: claim the batch, commit; a transient failure (deadlock) re-runs the
+/// whole transaction, as retry loops at the pump level must.
+async fn claim_and_commit(db: &DatabaseConnection, ids: &[Uuid]) -> BatchClaim {
+    for _ in 0..20 {
+        let txn = db.begin_with_options(CLAIM_TRANSACTION).await.unwrap();
+        match txn.claim_batch(ids.iter().copied(), CONSUMER).await {
+            Ok(batch) => {
+                txn.commit()
+                    .await
+                    .unwrap_or_else(|err| panic!("commit of a claimed batch failed: {err:?}"));
+                return batch;
+            }
+            Err(err)
+                if err
+                    .db_err()
+                    .is_some_and(|db| classify(db) == DbErrorKind::Transient) =>
+            {
+                txn.rollback().await.ok();
+            }
+            Err(err) => panic!("batch claim failed: {err}"),
+        }
+    }
+    panic!("20 transient failures in a row");
+}
+
+async fn overlapping_batches_from_two_replicas_have_disjoint_winners(backend: Backend) {
+    // 30 rounds: ON DUPLICATE KEY UPDATE id = id lost ids on MariaDB in ~40% of 10-round runs.
+    const ROUNDS: usize = 30;
+    let Some(db) = migrated_db(backend).await else {
+        return;
+    };
+    let replicas = [Arc::new(db.connect().await), Arc::new(db.connect().await)];
+    for round in 0..ROUNDS {
+        let ids: Vec<Uuid> = (0..60).map(|_| Uuid::new_v4()).collect();
+        // A takes 0..40 in order, B takes 20..60 reversed: 20 ids overlap.
+        let a: Vec<Uuid> = ids[..40].to_vec();
+        let b: Vec<Uuid> = ids[20..].iter().rev().copied().collect();
+        let barrier = Arc::new(Barrier::new(2));
+        let tasks: Vec<_> = [(0, a), (1, b)]
+            .into_iter()
+            .map(|(replica, batch)| {
+                let (replica, barrier) = (Arc::clone(&replicas[replica]), Arc::clone(&barrier));
+                tokio::spawn(async move {
+                    barrier.wait().await;
+                    claim_and_commit(&replica, &batch).await
+                })
+            })
+            .collect();
+        let mut results = Vec::new();
+        for task in tasks {
+            results.push(task.await.expect("replica task"));
+        }
+        let won: Vec<BTreeSet<Uuid>> = results
+            .iter()
+            .map(|r| r.claimed.iter().map(|id| id.as_uuid()).collect())
+            .collect();
+        assert!(
+            won[0].is_disjoint(&won[1]),
+            "round {round} on {backend:?}: no id won twice"
+        );
+        let union: BTreeSet<Uuid> = won[0].union(&won[1]).copied().collect();
+        assert_eq!(
+            union,
+            ids.iter().copied().collect(),
+            "round {round} on {backend:?}: every id won once"
+        );
+        for result in &results {
+            assert_eq!(result.claimed.len() + result.already_claimed.len(), 40);
+        }
+    }
+    assert_eq!(
+        scalar_i64(replicas[0].as_ref(), "SELECT COUNT(*) FROM inbox").await,
+        (ROUNDS * 60) as i64
+    );
+    for replica in replicas {
+        replica.as_ref().clone().close().await.ok();
+    }
+    db.cleanup().await;
+}
+
+async fn batch_reports_new_and_old_ids_and_rolls_back_with_the_transaction(backend: Backend) {
+    let Some(db) = migrated_db(backend).await else {
+        return;
+    };
+    let conn = db.connect().await;
+    let mut ids: Vec<MessageId> = (0..5)
+        .map(|_| MessageId::from_uuid(Uuid::new_v4()))
+        .collect();
+    ids.sort();
+
+    // A one-phase claim of ids[1] commits first.
+    let txn = conn.begin_with_options(CLAIM_TRANSACTION).await.unwrap();
+    assert!(
+        txn.claim_message(ids[1], CONSUMER)
+            .await
+            .unwrap()
+            .is_claimed()
+    );
+    txn.commit().await.unwrap();
+
+    // A batch that rolls back leaves nothing behind.
+    let txn = conn.begin_with_options(CLAIM_TRANSACTION).await.unwrap();
+    let batch = txn.claim_batch([ids[0], ids[2]], CONSUMER).await.unwrap();
+    assert_eq!(batch.claimed, [ids[0], ids[2]]);
+    txn.rollback().await.unwrap();
+
+    // Duplicates inside the batch collapse; the transaction stays usable after conflicts.
+    let txn = conn.begin_with_options(CLAIM_TRANSACTION).await.unwrap();
+    let mut input = ids.clone();
+    input.extend(ids.iter().rev().copied());
+    let batch = txn.claim_batch(input, CONSUMER).await.unwrap();
+    let expected: Vec<MessageId> = ids.iter().copied().filter(|id| *id != ids[1]).collect();
+    assert_eq!(batch.claimed, expected);
+    assert_eq!(batch.already_claimed, [ids[1]]);
+    assert!(batch.is_claimed(ids[0]) && !batch.is_claimed(ids[1]));
+    assert!(
+        txn.claim_message(Uuid::new_v4(), CONSUMER)
+            .await
+            .unwrap()
+            .is_claimed(),
+        "the transaction still works after the conflicting row"
+    );
+    txn.commit().await.unwrap();
+    assert_eq!(scalar_i64(&conn, "SELECT COUNT(*) FROM inbox").await, 6);
+
+    // Another consumer claims the same ids independently.
+    let txn = conn.begin_with_options(CLAIM_TRANSACTION).await.unwrap();
+    let other = txn.claim_batch(ids.clone(), "auditor").await.unwrap();
+    assert_eq!(other.claimed, ids);
+    txn.commit().await.unwrap();
+    conn.close().await.ok();
+    db.cleanup().await;
+}
+
+async fn bad_batches_are_refused_before_any_sql(backend: Backend) {
+    let Some(db) = migrated_db(backend).await else {
+        return;
+    };
+    let conn = db.connect().await;
+    let txn = conn.begin_with_options(CLAIM_TRANSACTION).await.unwrap();
+    let none: Vec<Uuid> = Vec::new();
+    assert!(matches!(
+        txn.claim_batch(none, CONSUMER).await,
+        Err(InboxError::EmptyBatch)
+    ));
+    assert!(matches!(
+        txn.claim_batch([Uuid::new_v4(), Uuid::nil()], CONSUMER)
+            .await,
+        Err(InboxError::NilMessageId)
+    ));
+    assert!(matches!(
+        txn.claim_batch([Uuid::new_v4()], "").await,
+        Err(InboxError::EmptyConsumer)
+    ));
+    assert!(matches!(
+        txn.claim_batch([Uuid::new_v4()], &"x".repeat(201)).await,
+        Err(InboxError::ConsumerTooLong { chars: 201 })
+    ));
+    let too_many: Vec<Uuid> = (0..=MAX_CLAIM_BATCH).map(|_| Uuid::new_v4()).collect();
+    assert!(matches!(
+        txn.claim_batch(too_many, CONSUMER).await,
+        Err(InboxError::BatchTooLarge { .. })
+    ));
+    // The largest batch accepted works in one statement.
+    let largest: Vec<Uuid> = (0..MAX_CLAIM_BATCH).map(|_| Uuid::new_v4()).collect();
+    let batch = txn.claim_batch(largest, CONSUMER).await.unwrap();
+    assert_eq!(batch.claimed.len(), MAX_CLAIM_BATCH);
+    txn.commit().await.unwrap();
+    assert_eq!(
+        scalar_i64(&conn, "SELECT COUNT(*) FROM inbox").await,
+        MAX_CLAIM_BATCH as i64
+    );
+    conn.close().await.ok();
+    db.cleanup().await;
+}
+
+on_every_backend!(
+    overlapping_batches_from_two_replicas_have_disjoint_winners,
+    batch_reports_new_and_old_ids_and_rolls_back_with_the_transaction,
+    bad_batches_are_refused_before_any_sql,
+);

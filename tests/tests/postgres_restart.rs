@@ -1,0 +1,98 @@
+//! The PostgreSQL server restarts while 4 replicas consume a stream with duplicates and
+//! injected failures. Nobody intervenes: the pools reconnect, `Inbox::process` retries
+//! transient failures in fresh transactions, and deliveries that still fail are nacked and
+//! redelivered by the broker. Afterwards every message is applied exactly once and acked.
+//!
+//! Restarting the server disrupts every client of it, so this test runs only when
+//! `INBOX_TEST_RESTART_POSTGRES=1` (CI runs it in a step of its own after the other tests):
+//!
+//! ```sh
+//! INBOX_TEST_RESTART_POSTGRES=1 INBOX_TEST_POSTGRES_URL=postgres://postgres@127.0.0.1:5432/test \
+//!   cargo test -p inbox-tests --test postgres_restart -- --nocapture
+//! ```
+//!
+//! The restart command defaults to `pg_ctlcluster --skip-systemctl-redirect <version> main
+//! restart`; set `INBOX_TEST_RESTART_POSTGRES_COMMAND` (run by `sh -c`) for another setup.
+
+use inbox_tests::{
+    Backend, Broker, Plan, assert_exactly_once, create_effects, migrated_db, run_replicas,
+};
+use std::time::{Duration, Instant};
+
+const REPLICAS: usize = 4;
+const MESSAGES: usize = 4_000;
+const DEFAULT_RESTART: &str =
+    "pg_ctlcluster --skip-systemctl-redirect \"$(ls /etc/postgresql)\" main restart";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn replicas_recover_from_a_postgres_restart() {
+    if std::env::var("INBOX_TEST_RESTART_POSTGRES").as_deref() != Ok("1") {
+        eprintln!(
+            "skipped: restarting PostgreSQL disrupts every client of the server; set \
+             INBOX_TEST_RESTART_POSTGRES=1 (and INBOX_TEST_POSTGRES_URL) to run it"
+        );
+        return;
+    }
+    let Some(db) = migrated_db(Backend::Postgres).await else {
+        panic!("INBOX_TEST_RESTART_POSTGRES=1 needs INBOX_TEST_POSTGRES_URL");
+    };
+    let conn = db.connect().await;
+    create_effects(&conn).await;
+    conn.close().await.ok();
+    let plan = Plan::new(MESSAGES, 30, 5, 0xfa11);
+    let broker = Broker::new(&plan.deliveries);
+    let command =
+        std::env::var("INBOX_TEST_RESTART_POSTGRES_COMMAND").unwrap_or(DEFAULT_RESTART.into());
+
+    let restart = {
+        let broker = broker.clone();
+        tokio::spawn(async move {
+            let deadline = Instant::now() + Duration::from_secs(300);
+            while broker.stats().acks < MESSAGES as u64 / 4 {
+                assert!(
+                    Instant::now() < deadline,
+                    "the run never got going: {:?}",
+                    broker.stats()
+                );
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            let before = broker.stats();
+            let started = Instant::now();
+            let status = tokio::task::spawn_blocking(move || {
+                std::process::Command::new("sh")
+                    .arg("-c")
+                    .arg(&command)
+                    .status()
+            })
+            .await
+            .expect("restart task")
+            .expect("run the restart command");
+            assert!(status.success(), "the restart command failed: {status}");
+            (before, started.elapsed(), broker.stats())
+        })
+    };
+
+    let report = run_replicas(&db, &broker, &plan, REPLICAS, Duration::from_secs(600)).await;
+    let (before, took, after) = restart.await.expect("the restart ran");
+    println!(
+        "postgres restart after {} acks (took {took:.1?}; {} pending when it was back); \
+         {REPLICAS} replicas: {report}",
+        before.acks, after.pending
+    );
+    assert!(
+        after.pending > 0,
+        "the restart must land in the middle of the run: {after:?}"
+    );
+    assert!(
+        report.broker.nacks + report.transient_retries > plan.failing.len() as u64,
+        "the restart disrupted some deliveries: {report}"
+    );
+    assert_eq!(
+        report.inbox_errors, 0,
+        "every failure the restart caused is classified transient (retried or nacked as such): {report}"
+    );
+    let conn = db.connect().await;
+    assert_exactly_once(&conn, &plan, &report).await;
+    conn.close().await.ok();
+    db.cleanup().await;
+}

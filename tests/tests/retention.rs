@@ -1,0 +1,323 @@
+//! Issue 4, acceptance 6: retention. The purge removes exactly the rows received before
+//! the cutoff, in batches no larger than the configured size, never an unfinished
+//! two-phase claim, and measures the window from the newest marker (downtime rule).
+
+use chrono::{DateTime, DurationRound, TimeDelta, Utc};
+use inbox_core::{
+    BrokerRedelivery, InboxError, LeaseOptions, RetentionPolicy, claim_lease, purge, spawn_purger,
+    timestamp_value,
+};
+use inbox_tests::{Backend, migrated_db, on_every_backend, scalar_i64, stmt};
+use sea_orm::{ConnectionTrait, DatabaseConnection, Value};
+use std::time::Duration;
+use uuid::Uuid;
+
+/// The states a marker can be in, as the library writes them.
+#[derive(Clone, Copy)]
+enum Marker {
+    /// `claim_message` / `claim_batch`: no lease, committed with its work.
+    OnePhase,
+    /// A two-phase claim that completed.
+    Completed,
+    /// A two-phase claim still (or no longer) leased, without `processed_at`.
+    Unfinished,
+    /// A two-phase claim parked as dead.
+    Dead,
+}
+
+fn opt_ts(conn: &DatabaseConnection, at: Option<DateTime<Utc>>) -> Value {
+    at.map_or(Value::ChronoDateTimeUtc(None), |t| {
+        timestamp_value(conn.get_database_backend(), t)
+    })
+}
+
+/// Inserts `count` markers of `kind` received at `received_at`; returns their message ids.
+async fn insert(
+    conn: &DatabaseConnection,
+    kind: Marker,
+    received_at: DateTime<Utc>,
+    count: usize,
+) -> Vec<Uuid> {
+    let (processed, lease, dead) = match kind {
+        Marker::OnePhase => (None, None, None),
+        Marker::Completed => (Some(received_at), Some(received_at), None),
+        Marker::Unfinished => (None, Some(received_at + TimeDelta::seconds(1)), None),
+        Marker::Dead => (None, Some(received_at), Some(received_at)),
+    };
+    let mut ids = Vec::new();
+    for _ in 0..count {
+        let id = Uuid::new_v4();
+        let token = lease.map(|_| Uuid::new_v4());
+        conn.execute_raw(stmt(
+            conn.get_database_backend(),
+            "INSERT INTO inbox (message_id, consumer, received_at, processed_at, lease_until, claim_token, dead_at) \
+             VALUES (?, 'c', ?, ?, ?, ?, ?)",
+            vec![
+                id.into(),
+                timestamp_value(conn.get_database_backend(), received_at),
+                opt_ts(conn, processed),
+                opt_ts(conn, lease),
+                Value::Uuid(token),
+                opt_ts(conn, dead),
+            ],
+        ))
+        .await
+        .expect("insert a marker");
+        ids.push(id);
+    }
+    ids
+}
+
+/// Now, cut to the microseconds every backend stores.
+fn now() -> DateTime<Utc> {
+    Utc::now()
+        .duration_trunc(TimeDelta::microseconds(1))
+        .expect("truncate to microseconds")
+}
+
+async fn count(conn: &DatabaseConnection) -> i64 {
+    scalar_i64(conn, "SELECT COUNT(*) FROM inbox").await
+}
+
+async fn present(conn: &DatabaseConnection, ids: &[Uuid]) -> usize {
+    let mut found = 0;
+    for id in ids {
+        let row = conn
+            .query_one_raw(stmt(
+                conn.get_database_backend(),
+                "SELECT COUNT(*) FROM inbox WHERE message_id = ?",
+                vec![(*id).into()],
+            ))
+            .await
+            .unwrap()
+            .unwrap();
+        found += row.try_get_by_index::<i64>(0).unwrap() as usize;
+    }
+    found
+}
+
+async fn purge_removes_exactly_the_old_finished_rows_in_bounded_batches(backend: Backend) {
+    let Some(db) = migrated_db(backend).await else {
+        return;
+    };
+    let conn = db.connect().await;
+    let newest = now() - TimeDelta::minutes(1);
+    let old = newest - TimeDelta::hours(3);
+    let recent = newest - TimeDelta::minutes(30);
+
+    let old_one_phase = insert(&conn, Marker::OnePhase, old, 17).await;
+    let old_completed = insert(&conn, Marker::Completed, old, 8).await;
+    let old_unfinished = insert(&conn, Marker::Unfinished, old, 3).await;
+    let old_dead = insert(&conn, Marker::Dead, old, 2).await;
+    let recent_rows = insert(&conn, Marker::OnePhase, recent, 4).await;
+    let newest_row = insert(&conn, Marker::Completed, newest, 1).await;
+    // Just either side of the cutoff (newest - 1h): strictly older goes.
+    let cutoff = newest - TimeDelta::hours(1);
+    let just_before = insert(
+        &conn,
+        Marker::OnePhase,
+        cutoff - TimeDelta::microseconds(1),
+        1,
+    )
+    .await;
+    let at_cutoff = insert(&conn, Marker::OnePhase, cutoff, 1).await;
+
+    let policy = RetentionPolicy::with_window(Duration::from_secs(3600))
+        .unwrap()
+        .with_batch_size(10)
+        .unwrap();
+    let report = purge(&conn, &policy).await.expect("purge");
+    assert_eq!(report.cutoff, Some(cutoff));
+    assert_eq!(report.rows, 17 + 8 + 1, "exactly the old finished rows");
+    assert_eq!(report.batches, 3, "26 rows in batches of at most 10");
+    assert_eq!(report.largest_batch, 10);
+
+    assert_eq!(present(&conn, &old_one_phase).await, 0);
+    assert_eq!(present(&conn, &old_completed).await, 0);
+    assert_eq!(present(&conn, &just_before).await, 0);
+    assert_eq!(
+        present(&conn, &old_unfinished).await,
+        3,
+        "unfinished claims stay"
+    );
+    assert_eq!(
+        present(&conn, &old_dead).await,
+        2,
+        "dead claims stay for a human"
+    );
+    assert_eq!(present(&conn, &recent_rows).await, 4);
+    assert_eq!(present(&conn, &newest_row).await, 1);
+    assert_eq!(present(&conn, &at_cutoff).await, 1);
+    assert_eq!(count(&conn).await, 3 + 2 + 4 + 1 + 1);
+
+    let again = purge(&conn, &policy).await.expect("second purge");
+    assert_eq!((again.rows, again.batches), (0, 0));
+    conn.close().await.ok();
+    db.cleanup().await;
+}
+
+async fn live_leases_survive_a_purge(backend: Backend) {
+    let Some(db) = migrated_db(backend).await else {
+        return;
+    };
+    let conn = db.connect().await;
+    let options = LeaseOptions::new(Duration::from_millis(20)).unwrap();
+    let id = Uuid::new_v4();
+    let _ = claim_lease(&conn, id, "c", &options).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    insert(&conn, Marker::OnePhase, Utc::now() + TimeDelta::hours(2), 1).await;
+    let policy = RetentionPolicy::with_window(Duration::from_secs(60)).unwrap();
+    let report = purge(&conn, &policy).await.unwrap();
+    assert_eq!(
+        report.rows, 0,
+        "an expired but unfinished lease is not deleted"
+    );
+    assert_eq!(present(&conn, &[id]).await, 1);
+    conn.close().await.ok();
+    db.cleanup().await;
+}
+
+async fn purge_after_downtime_keeps_what_the_broker_may_redeliver(backend: Backend) {
+    let Some(db) = migrated_db(backend).await else {
+        return;
+    };
+    let conn = db.connect().await;
+    // The process went down 30 days ago; the window is 1 hour.
+    let last_seen = now() - TimeDelta::days(30);
+    let before_outage = insert(
+        &conn,
+        Marker::OnePhase,
+        last_seen - TimeDelta::minutes(50),
+        5,
+    )
+    .await;
+    let last = insert(&conn, Marker::OnePhase, last_seen, 1).await;
+    let long_before = insert(&conn, Marker::OnePhase, last_seen - TimeDelta::hours(2), 3).await;
+
+    let policy = RetentionPolicy::with_window(Duration::from_secs(3600)).unwrap();
+    let report = purge(&conn, &policy).await.unwrap();
+    assert_eq!(
+        report.cutoff,
+        Some(last_seen - TimeDelta::hours(1)),
+        "measured from the newest marker, not the wall clock"
+    );
+    assert_eq!(report.rows, 3);
+    assert_eq!(present(&conn, &long_before).await, 0);
+    assert_eq!(
+        present(&conn, &before_outage).await,
+        5,
+        "the last hour before the outage is kept"
+    );
+    assert_eq!(present(&conn, &last).await, 1);
+
+    // Traffic resumes: once an hour of new markers exists, the pre-outage ones age out.
+    insert(&conn, Marker::OnePhase, now(), 1).await;
+    let report = purge(&conn, &policy).await.unwrap();
+    assert_eq!(report.rows, 6);
+    assert_eq!(count(&conn).await, 1);
+    conn.close().await.ok();
+    db.cleanup().await;
+}
+
+async fn background_purger_runs_and_shuts_down_cleanly(backend: Backend) {
+    let Some(db) = migrated_db(backend).await else {
+        return;
+    };
+    let conn = db.connect().await;
+    let newest = now();
+    insert(&conn, Marker::OnePhase, newest - TimeDelta::hours(5), 12).await;
+    insert(&conn, Marker::OnePhase, newest, 1).await;
+    let policy = RetentionPolicy::with_window(Duration::from_secs(3600))
+        .unwrap()
+        .with_batch_size(5)
+        .unwrap();
+    let purger = spawn_purger(conn.clone(), policy, Duration::from_millis(50)).unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while count(&conn).await > 1 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the purger never ran"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Rows arriving later are purged by a later tick.
+    insert(&conn, Marker::OnePhase, newest - TimeDelta::hours(5), 2).await;
+    while count(&conn).await > 1 {
+        assert!(tokio::time::Instant::now() < deadline, "the purger stopped");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let summary = tokio::time::timeout(Duration::from_secs(10), purger.shutdown())
+        .await
+        .expect("shutdown is prompt")
+        .expect("the task ended normally");
+    assert!(summary.runs >= 2);
+    assert_eq!(summary.rows, 14);
+    assert!(summary.batches >= 4, "12 rows in batches of 5, then 2");
+    assert_eq!(summary.failures, 0, "{:?}", summary.last_error);
+    conn.close().await.ok();
+    db.cleanup().await;
+}
+
+#[test]
+fn policy_from_broker_parameters() {
+    let policy = RetentionPolicy::from_broker(&BrokerRedelivery {
+        lock_timeout: Duration::from_secs(30),
+        max_deliveries: 10,
+        message_ttl: Duration::from_secs(86_400),
+        dead_letter_replay_margin: Duration::from_secs(14 * 86_400),
+    })
+    .unwrap();
+    assert_eq!(policy.window(), Duration::from_secs(300 + 15 * 86_400));
+    assert_eq!(policy.batch_size(), RetentionPolicy::DEFAULT_BATCH_SIZE);
+    let zero_deliveries = BrokerRedelivery {
+        lock_timeout: Duration::from_secs(30),
+        max_deliveries: 0,
+        message_ttl: Duration::ZERO,
+        dead_letter_replay_margin: Duration::ZERO,
+    };
+    assert!(matches!(
+        RetentionPolicy::from_broker(&zero_deliveries),
+        Err(InboxError::InvalidRetention { .. })
+    ));
+    let overflow = BrokerRedelivery {
+        lock_timeout: Duration::MAX,
+        max_deliveries: 2,
+        ..zero_deliveries
+    };
+    assert!(RetentionPolicy::from_broker(&overflow).is_err());
+    assert!(RetentionPolicy::with_window(Duration::ZERO).is_err());
+    let policy = RetentionPolicy::with_window(Duration::from_secs(1)).unwrap();
+    assert!(policy.with_batch_size(0).is_err());
+    assert!(
+        policy
+            .with_batch_size(RetentionPolicy::MAX_BATCH_SIZE + 1)
+            .is_err()
+    );
+    // A clock behind the newest marker: the cutoff follows the clock.
+    let now = Utc::now();
+    assert_eq!(
+        policy.cutoff(now + TimeDelta::hours(1), now),
+        now - TimeDelta::seconds(1)
+    );
+}
+
+#[test]
+fn purger_needs_a_runtime_and_an_interval() {
+    let policy = RetentionPolicy::with_window(Duration::from_secs(1)).unwrap();
+    let db = sea_orm::DatabaseConnection::default();
+    assert!(matches!(
+        spawn_purger(db.clone(), policy, Duration::from_secs(1)),
+        Err(InboxError::NoTokioRuntime)
+    ));
+    assert!(matches!(
+        spawn_purger(db, policy, Duration::ZERO),
+        Err(InboxError::InvalidRetention { .. })
+    ));
+}
+
+on_every_backend!(
+    purge_removes_exactly_the_old_finished_rows_in_bounded_batches,
+    live_leases_survive_a_purge,
+    purge_after_downtime_keeps_what_the_broker_may_redeliver,
+    background_purger_runs_and_shuts_down_cleanly,
+);
