@@ -12,8 +12,8 @@ usage: cargo run --release --example bench -- [flags]
   --mysql URL         also run on MySQL/MariaDB (same rule)
   --no-sqlite         skip the default SQLite run (a file in a temporary directory)
   --quick             smoke run: short rounds, small growth and purge sets
-  --rounds N          interleaved rounds per measurement (default 5, quick 1)
-  --seconds S         seconds per mode per round (default 2, quick 0.25)
+  --rounds N          interleaved rounds per measurement (default 10, quick 1)
+  --seconds S         seconds per mode per round (default 1, quick 0.25)
   --concurrency LIST  worker counts, comma separated (default 1,8,32)
   --growth-rows N     rows in the inbox for the growth and purge phases
                       (default 5000000, quick 20000; 0 skips both phases)
@@ -90,11 +90,11 @@ struct RawArgs {
 impl RawArgs {
     fn resolve(self) -> Result<Args, BoxError> {
         let quick = self.quick;
-        let seconds = self.seconds.unwrap_or(pick(quick, 2.0, 0.25));
+        let seconds = self.seconds.unwrap_or(pick(quick, 1.0, 0.25));
         if !(seconds > 0.0 && seconds.is_finite()) {
             return Err("--seconds must be a positive number".into());
         }
-        let rounds = self.rounds.unwrap_or(pick(quick, 5, 1));
+        let rounds = self.rounds.unwrap_or(pick(quick, 10, 1));
         let concurrency = self.concurrency.unwrap_or_else(|| vec![1, 8, 32]);
         if rounds == 0 || concurrency.is_empty() {
             return Err("--rounds and --concurrency need at least one value".into());

@@ -47,12 +47,19 @@ async fn main() -> Result<(), BoxError> {
         return Ok(());
     };
     let mut reports = Vec::new();
+    let mut failures = Vec::new();
     for target in targets(&args) {
-        let report = bench_backend(&args, &target)
-            .await
-            .map_err(|e| format!("{}: {e}", target.name))?;
-        print_report(&report);
-        reports.push(report);
+        // One backend's failure is reported at the end; the others still run.
+        match bench_backend(&args, &target).await {
+            Ok(report) => {
+                print_report(&report);
+                reports.push(report);
+            }
+            Err(err) => {
+                eprintln!("[{}] FAILED: {err}", target.name);
+                failures.push(format!("{}: {err}", target.name));
+            }
+        }
     }
     if let Some(path) = &args.csv {
         let rows: String = reports.iter().map(Report::csv_rows).collect();
@@ -62,6 +69,9 @@ async fn main() -> Result<(), BoxError> {
     if let Some(path) = &args.svg {
         std::fs::write(path, svg::chart(&reports))?;
         println!("wrote {path}");
+    }
+    if !failures.is_empty() {
+        return Err(failures.join("\n").into());
     }
     Ok(())
 }

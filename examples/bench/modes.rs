@@ -33,6 +33,8 @@ pub enum Mode {
     OnConflict,
     /// `claim_message` of an already processed message, then the rollback.
     Duplicate,
+    /// `txn.claim_batch` of fresh ids, counted per id.
+    Batch,
     /// The ON CONFLICT marker of an already processed message, then the rollback: what
     /// the duplicate path would cost if the claim skipped conflicts instead of failing.
     DuplicateOnConflict,
@@ -40,7 +42,7 @@ pub enum Mode {
 
 impl Mode {
     /// Every mode of the main phase.
-    pub const ALL: [Mode; 9] = [
+    pub const ALL: [Mode; 10] = [
         Mode::Base,
         Mode::Raw,
         Mode::Sqlx,
@@ -50,6 +52,7 @@ impl Mode {
         Mode::OnConflict,
         Mode::Duplicate,
         Mode::DuplicateOnConflict,
+        Mode::Batch,
     ];
 
     pub fn name(self) -> &'static str {
@@ -63,9 +66,13 @@ impl Mode {
             Mode::OnConflict => "on_conflict",
             Mode::Duplicate => "duplicate",
             Mode::DuplicateOnConflict => "dup_on_conflict",
+            Mode::Batch => "batch",
         }
     }
 }
+
+/// Message ids per `batch` transaction.
+pub const BATCH_IDS: usize = 100;
 
 /// What one transaction did, for throughput and for the correctness check.
 #[derive(Clone, Copy, Debug, Default)]
@@ -148,6 +155,7 @@ impl Worker {
             Mode::OnConflict => self.on_conflict().await,
             Mode::Duplicate => self.duplicate().await,
             Mode::DuplicateOnConflict => self.duplicate_on_conflict().await,
+            Mode::Batch => self.batch().await,
         }
     }
 
@@ -265,6 +273,30 @@ impl Worker {
             .get(next % self.processed.len().max(1))
             .ok_or("this worker has no processed messages to replay")?;
         Ok(*id)
+    }
+
+    /// One batch of fresh ids, and one credit for all the claimed ones: the set-based
+    /// business write a Kafka-style batch handler does.
+    async fn batch(&self) -> Result<Done, BoxError> {
+        let ids: Vec<Uuid> = (0..BATCH_IDS).map(|_| Uuid::new_v4()).collect();
+        let txn = self.begin().await?;
+        let claim = txn.claim_batch(ids, CONSUMER).await?;
+        if claim.claimed.len() != BATCH_IDS {
+            return Err(format!(
+                "{} of {BATCH_IDS} fresh ids were claimed",
+                claim.claimed.len()
+            )
+            .into());
+        }
+        let claimed = i64::try_from(claim.claimed.len())?;
+        self.credit(&txn, claimed).await?;
+        txn.commit().await?;
+        Ok(Done {
+            messages: BATCH_IDS as u64,
+            claimed: BATCH_IDS as u64,
+            credited: claimed,
+            duplicates: 0,
+        })
     }
 
     async fn duplicate_on_conflict(&self) -> Result<Done, BoxError> {

@@ -9,6 +9,7 @@ use crate::growth::Cohorts;
 use crate::modes::Mode;
 use crate::run::{Stop, Tally, run_mode};
 use chrono::{TimeDelta, Utc};
+use inbox_core::{RetentionPolicy, purge};
 use sea_orm::{ConnectionTrait, DatabaseConnection, Statement, Value};
 use std::time::{Duration, Instant};
 
@@ -17,8 +18,8 @@ use std::time::{Duration, Instant};
 pub struct Purged {
     pub rows: u64,
     pub elapsed: Duration,
-    /// Latency of each batch, in microseconds.
-    pub batch_latencies_us: Vec<u32>,
+    /// How long the whole purge took, in microseconds (one sample per purge).
+    pub latencies_us: Vec<u32>,
 }
 
 impl Purged {
@@ -30,14 +31,18 @@ impl Purged {
 /// A way to purge: the library's, or the hand-written DELETE it is compared with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Purger {
+    /// `inbox_core::purge`, the library's batched purge.
+    Library,
+    /// The hand-written batched DELETE: the floor.
     HandDelete,
 }
 
 impl Purger {
-    pub const ALL: [Purger; 1] = [Purger::HandDelete];
+    pub const ALL: [Purger; 2] = [Purger::Library, Purger::HandDelete];
 
     fn labels(self) -> (&'static str, &'static str) {
         match self {
+            Purger::Library => ("purge rows", "claim + purge"),
             Purger::HandDelete => ("hand delete rows", "claim + hand delete"),
         }
     }
@@ -50,9 +55,29 @@ impl Purger {
         batch: u64,
     ) -> Result<Purged, BoxError> {
         match self {
+            Purger::Library => library_purge(conn, cutoff, batch).await,
             Purger::HandDelete => hand_delete(conn, sql, cutoff, batch).await,
         }
     }
+}
+
+/// The library's purge, with a window that puts its cutoff at `cutoff`: it measures the
+/// window back from the newest marker, which the running claimers keep at "now".
+async fn library_purge(
+    conn: &DatabaseConnection,
+    cutoff: chrono::DateTime<Utc>,
+    batch: u64,
+) -> Result<Purged, BoxError> {
+    let window = (Utc::now() - cutoff).to_std()?;
+    let policy = RetentionPolicy::with_window(window)?.with_batch_size(u32::try_from(batch)?)?;
+    let start = Instant::now();
+    let report = purge(conn, &policy).await?;
+    let elapsed = start.elapsed();
+    Ok(Purged {
+        rows: report.rows,
+        elapsed,
+        latencies_us: vec![micros(elapsed)],
+    })
 }
 
 /// The floor: `DELETE ... LIMIT batch` until a batch comes back short, each statement its
@@ -75,17 +100,14 @@ async fn hand_delete(
                 Value::from(i64::try_from(batch)?),
             ],
         );
-        let batch_start = Instant::now();
         let deleted = conn.execute_raw(statement).await?.rows_affected();
-        purged
-            .batch_latencies_us
-            .push(micros(batch_start.elapsed()));
         purged.rows += deleted;
         if deleted < batch {
             break;
         }
     }
     purged.elapsed = start.elapsed();
+    purged.latencies_us.push(micros(purged.elapsed));
     Ok(purged)
 }
 
@@ -195,7 +217,7 @@ impl Bench<'_> {
             purge_label,
             concurrency,
             purged.rate(),
-            purged.batch_latencies_us,
+            purged.latencies_us,
             purged.rows,
         );
         Ok(())
