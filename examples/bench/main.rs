@@ -29,7 +29,7 @@ use growth::Cohorts;
 use inbox_core::prelude::*;
 use modes::{Mode, Worker};
 use report::Report;
-use run::{Snapshot, Stop, run_mode};
+use run::{Snapshot, Stop, run_mode, shuffled};
 use sea_orm::{DatabaseConnection, TransactionTrait};
 use std::sync::Arc;
 use std::time::Instant;
@@ -54,6 +54,8 @@ async fn main() -> Result<(), BoxError> {
             Ok(report) => {
                 print_report(&report);
                 reports.push(report);
+                // Written after each backend, so a later failure keeps what was measured.
+                write_outputs(&args, &reports)?;
             }
             Err(err) => {
                 eprintln!("[{}] FAILED: {err}", target.name);
@@ -61,17 +63,22 @@ async fn main() -> Result<(), BoxError> {
             }
         }
     }
+    if !failures.is_empty() {
+        return Err(failures.join("\n").into());
+    }
+    Ok(())
+}
+
+/// Writes the CSV and the chart the flags ask for, for the backends measured so far.
+fn write_outputs(args: &Args, reports: &[Report]) -> Result<(), BoxError> {
     if let Some(path) = &args.csv {
         let rows: String = reports.iter().map(Report::csv_rows).collect();
         std::fs::write(path, format!("{}{rows}", report::CSV_HEADER))?;
-        println!("wrote {path}");
+        eprintln!("wrote {path}");
     }
     if let Some(path) = &args.svg {
-        std::fs::write(path, svg::chart(&reports))?;
-        println!("wrote {path}");
-    }
-    if !failures.is_empty() {
-        return Err(failures.join("\n").into());
+        std::fs::write(path, svg::chart(reports))?;
+        eprintln!("wrote {path}");
     }
     Ok(())
 }
@@ -189,11 +196,8 @@ impl<'a> Bench<'a> {
     async fn rounds(&mut self, phase: &'static str, modes: &[Mode]) -> Result<(), BoxError> {
         let levels = self.args.concurrency.clone();
         for round in 0..self.args.rounds {
-            for (i, &concurrency) in levels.iter().enumerate() {
-                // Rotate the order each time so no mode always runs first or last.
-                let mut order = modes.to_vec();
-                order.rotate_left((round + i) % modes.len());
-                for mode in order {
+            for &concurrency in &levels {
+                for mode in shuffled(modes) {
                     self.measure(phase, mode, concurrency).await?;
                 }
             }

@@ -7,7 +7,7 @@ use crate::BoxError;
 use crate::db::{Sql, timestamp};
 use crate::growth::Cohorts;
 use crate::modes::Mode;
-use crate::run::{Stop, Tally, run_mode};
+use crate::run::{Stop, Tally, run_mode, shuffled};
 use chrono::{TimeDelta, Utc};
 use inbox_core::{RetentionPolicy, purge};
 use sea_orm::{ConnectionTrait, DatabaseConnection, Statement, Value};
@@ -128,12 +128,10 @@ impl Bench<'_> {
         let purger_conn = self.db.connect().await?;
         let mut next_cohort = 0;
         for round in 0..self.args.rounds {
-            // Claimers alone, then during each purger, in an order that rotates by round.
+            // Claimers alone, and during each purger, in a random order each round.
             let mut steps: Vec<Option<Purger>> = vec![None];
             steps.extend(Purger::ALL.map(Some));
-            let shift = round % steps.len();
-            steps.rotate_left(shift);
-            for step in steps {
+            for step in shuffled(&steps) {
                 match step {
                     None => {
                         self.measure_as("purge", "claim alone", Mode::Claim, concurrency)

@@ -174,3 +174,15 @@ async fn total_balance(conn: &DatabaseConnection) -> Result<i64, BoxError> {
         .map(|row| row.try_get_by_index::<i64>(0).map_err(BoxError::from))
         .sum()
 }
+
+/// `items` in a fresh random order. Rotating a fixed order would keep every mode behind
+/// the same predecessor (and its WAL, checkpoint or vacuum debt) in every round.
+pub fn shuffled<T: Clone>(items: &[T]) -> Vec<T> {
+    let mut out = items.to_vec();
+    for i in (1..out.len()).rev() {
+        // A v4 UUID is 122 random bits: plenty for one index, and no extra crate.
+        let j = (uuid::Uuid::new_v4().as_u128() % (i as u128 + 1)) as usize;
+        out.swap(i, j);
+    }
+    out
+}
