@@ -136,3 +136,40 @@ fn parse_list(list: &str) -> Result<Vec<usize>, BoxError> {
 fn pick<T>(quick: bool, full: T, smoke: T) -> T {
     if quick { smoke } else { full }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(flags: &[&str]) -> Result<Option<Args>, BoxError> {
+        Args::parse(flags.iter().map(|flag| flag.to_string()))
+    }
+
+    #[test]
+    fn defaults_to_a_full_sqlite_run() -> Result<(), BoxError> {
+        let args = parse(&[])?.ok_or("usage instead of args")?;
+        assert!(args.sqlite && args.postgres.is_none() && args.mysql.is_none());
+        assert_eq!((args.rounds, args.concurrency), (10, vec![1, 8, 32]));
+        assert_eq!((args.growth_rows, args.purge_batch), (5_000_000, 10_000));
+        Ok(())
+    }
+
+    #[test]
+    fn quick_shrinks_the_run_and_flags_override_it() -> Result<(), BoxError> {
+        let args = parse(&["--quick", "--rounds", "2", "--concurrency", "1,4"])?
+            .ok_or("usage instead of args")?;
+        assert_eq!((args.rounds, args.concurrency), (2, vec![1, 4]));
+        assert_eq!(args.growth_rows, 20_000);
+        Ok(())
+    }
+
+    #[test]
+    fn refuses_bad_flags() {
+        assert!(parse(&["--bogus"]).is_err());
+        assert!(parse(&["--rounds"]).is_err());
+        assert!(parse(&["--concurrency", "0"]).is_err());
+        assert!(parse(&["--no-sqlite"]).is_err());
+        assert!(parse(&["--seconds", "-1"]).is_err());
+        assert!(matches!(parse(&["--help"]), Ok(None)));
+    }
+}

@@ -122,3 +122,28 @@ fn digit_offset(rows: u64) -> String {
         .collect::<Vec<_>>()
         .join(" + ")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cohorts_cover_every_row_once() {
+        let cohorts = Cohorts::new(1_000_003, 22);
+        let total: u64 = (0..cohorts.count)
+            .map(|k| cohorts.rows_in(k, 1_000_003))
+            .sum();
+        assert_eq!(total, 1_000_003);
+        assert_eq!(*cohorts.range(0, 1_000_003).start(), 1);
+        assert_eq!(cohorts.rows_in(cohorts.count, 1_000_003), 0);
+    }
+
+    #[test]
+    fn digit_tables_count_far_enough() {
+        assert_eq!(digits_for(1), 1);
+        assert_eq!(digits_for(10), 1);
+        assert_eq!(digits_for(11), 2);
+        assert_eq!(digits_for(227_273), 6);
+        assert_eq!(digit_offset(100), "1 * d0.d + 10 * d1.d");
+    }
+}

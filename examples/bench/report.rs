@@ -323,3 +323,42 @@ pub fn median(values: &[f64]) -> f64 {
         n => (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn medians_and_quantiles() {
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
+        let mut report = Report::new("test");
+        report.record(
+            "main",
+            "claim",
+            1,
+            10.0,
+            (1..=100).map(|ms| ms * 1000).collect(),
+            100,
+        );
+        let cell = report
+            .cell("main", "claim", 1)
+            .map(|cell| cell.latency_ms(0.99));
+        assert_eq!(cell, Some(99.0));
+    }
+
+    #[test]
+    fn ratios_pair_the_rounds() {
+        let mut report = Report::new("test");
+        for (claim, raw) in [(90.0, 100.0), (200.0, 100.0), (99.0, 100.0)] {
+            report.record("main", "claim", 8, claim, vec![], 1);
+            report.record("main", "raw", 8, raw, vec![], 1);
+        }
+        let target = report
+            .targets()
+            .into_iter()
+            .find(|t| t.name == "claim / raw")
+            .map(|t| (t.value, t.met));
+        assert_eq!(target, Some((0.99, true)));
+    }
+}
