@@ -195,6 +195,11 @@ impl<'a> Bench<'a> {
 
     async fn rounds(&mut self, phase: &'static str, modes: &[Mode]) -> Result<(), BoxError> {
         let levels = self.args.concurrency.clone();
+        for &concurrency in &levels {
+            for mode in modes {
+                self.report.declare(phase, mode.name(), concurrency);
+            }
+        }
         for round in 0..self.args.rounds {
             for &concurrency in &levels {
                 for mode in shuffled(modes) {

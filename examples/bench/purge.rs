@@ -126,6 +126,12 @@ impl Bench<'_> {
     pub(crate) async fn purge_phase(&mut self, cohorts: Cohorts) -> Result<(), BoxError> {
         let concurrency = 8.min(self.workers.len());
         let purger_conn = self.db.connect().await?;
+        self.report.declare("purge", "claim alone", concurrency);
+        for purger in Purger::ALL {
+            let (purge_label, claim_label) = purger.labels();
+            self.report.declare("purge", claim_label, concurrency);
+            self.report.declare("purge", purge_label, concurrency);
+        }
         let mut next_cohort = 0;
         for round in 0..self.args.rounds {
             // Claimers alone, and during each purger, in a random order each round.

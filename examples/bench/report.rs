@@ -47,6 +47,21 @@ impl Report {
         }
     }
 
+    /// Creates an empty series, so tables list series in declaration order rather than
+    /// in the random order of the first round.
+    pub fn declare(&mut self, phase: &'static str, label: &'static str, concurrency: usize) {
+        if self.cell(phase, label, concurrency).is_none() {
+            self.cells.push(Cell {
+                phase,
+                label,
+                concurrency,
+                rates: Vec::new(),
+                latencies_us: Vec::new(),
+                txns: 0,
+            });
+        }
+    }
+
     /// Adds one round's measurement to its series.
     pub fn record(
         &mut self,
