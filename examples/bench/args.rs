@@ -20,6 +20,8 @@ usage: cargo run --release --example bench -- [flags]
   --purge-batch N     rows per purge transaction (default 10000, quick 1000)
   --csv PATH          write every measurement as CSV
   --svg PATH          write the throughput chart as SVG
+  --replot CSV        measure nothing: redraw --svg from a CSV an earlier run wrote
+                      (with that run's --growth-rows)
 ";
 
 /// Everything the flags decide.
@@ -35,6 +37,7 @@ pub struct Args {
     pub purge_batch: u64,
     pub csv: Option<String>,
     pub svg: Option<String>,
+    pub replot: Option<String>,
 }
 
 impl Args {
@@ -64,6 +67,7 @@ impl Args {
                 "--purge-batch" => raw.purge_batch = Some(value()?.parse()?),
                 "--csv" => raw.csv = Some(value()?),
                 "--svg" => raw.svg = Some(value()?),
+                "--replot" => raw.replot = Some(value()?),
                 other => return Err(format!("unknown flag {other}\n\n{USAGE}").into()),
             }
         }
@@ -85,6 +89,7 @@ struct RawArgs {
     purge_batch: Option<u64>,
     csv: Option<String>,
     svg: Option<String>,
+    replot: Option<String>,
 }
 
 impl RawArgs {
@@ -117,6 +122,7 @@ impl RawArgs {
             purge_batch,
             csv: self.csv,
             svg: self.svg,
+            replot: self.replot,
         })
     }
 }

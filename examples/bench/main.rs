@@ -46,6 +46,16 @@ async fn main() -> Result<(), BoxError> {
         print!("{USAGE}");
         return Ok(());
     };
+    if let Some(csv) = &args.replot {
+        let reports = report::from_csv(&std::fs::read_to_string(csv)?, args.growth_rows)?;
+        return write_outputs(
+            &Args {
+                csv: None,
+                ..args.clone()
+            },
+            &reports,
+        );
+    }
     let mut reports = Vec::new();
     let mut failures = Vec::new();
     for target in targets(&args) {

@@ -292,6 +292,32 @@ impl Report {
     }
 }
 
+/// Reports rebuilt from CSV rows [`Report::csv_rows`] wrote: one rate per series (the
+/// median), no latencies; enough to redraw the chart.
+pub fn from_csv(csv: &str, growth_rows: u64) -> Result<Vec<Report>, String> {
+    let mut reports: Vec<Report> = Vec::new();
+    for (n, line) in csv.lines().enumerate().skip(1) {
+        let fields: Vec<&str> = line.split(',').collect();
+        let [backend, phase, label, concurrency, _, rate, ..] = fields[..] else {
+            return Err(format!("line {}: expected the bench's CSV columns", n + 1));
+        };
+        let bad = |what: &str| format!("line {}: bad {what}", n + 1);
+        let concurrency = concurrency.parse().map_err(|_| bad("concurrency"))?;
+        let rate = rate.parse().map_err(|_| bad("rate"))?;
+        // Labels are `&'static` in a report; a replot ends right after, so leak the few.
+        let leak = |text: &str| -> &'static str { Box::leak(text.to_owned().into_boxed_str()) };
+        if reports.last().is_none_or(|r| r.backend != backend) {
+            let mut report = Report::new(leak(backend));
+            report.growth_rows = growth_rows;
+            reports.push(report);
+        }
+        if let Some(report) = reports.last_mut() {
+            report.record(leak(phase), leak(label), concurrency, rate, Vec::new(), 0);
+        }
+    }
+    Ok(reports)
+}
+
 pub const CSV_HEADER: &str =
     "backend,phase,mode,concurrency,rounds,per_s_median,p50_ms,p99_ms,txns\n";
 
