@@ -108,11 +108,12 @@ fn panel(svg: &mut String, report: &Report, y0: f64) {
                 group.label,
             );
         }
+        // Every other label one line lower: long mode names would overlap their neighbours.
         let _ = writeln!(
             svg,
             r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">{}</text>"#,
             x0 + group_w * 0.4,
-            y0 + TOP + plot_h + 16.0,
+            y0 + TOP + plot_h + 16.0 + 13.0 * (g % 2) as f64,
             group.label
         );
     }
