@@ -1,0 +1,181 @@
+//! Command-line flags of the benchmark, parsed by hand: a dozen flags do not need a parser
+//! crate in the build.
+
+use crate::BoxError;
+use std::time::Duration;
+
+pub const USAGE: &str = "\
+usage: cargo run --release --example bench -- [flags]
+
+  --postgres URL      also run on PostgreSQL; URL of a database the user may create
+                      databases from (the bench creates and drops `inbox_bench`)
+  --mysql URL         also run on MySQL/MariaDB (same rule)
+  --no-sqlite         skip the default SQLite run (a file in a temporary directory)
+  --quick             smoke run: short rounds, small growth and purge sets
+  --rounds N          interleaved rounds per measurement (default 10, quick 1)
+  --seconds S         seconds per mode per round (default 1, quick 0.25)
+  --concurrency LIST  worker counts, comma separated (default 1,8,32)
+  --growth-rows N     rows in the inbox for the growth and purge phases
+                      (default 5000000, quick 20000; 0 skips both phases)
+  --purge-batch N     rows per purge transaction (default 10000, quick 1000)
+  --csv PATH          write every measurement as CSV
+  --svg PATH          write the throughput chart as SVG
+  --replot CSV        measure nothing: redraw --svg from a CSV an earlier run wrote
+                      (with that run's --growth-rows)
+";
+
+/// Everything the flags decide.
+#[derive(Clone, Debug)]
+pub struct Args {
+    pub postgres: Option<String>,
+    pub mysql: Option<String>,
+    pub sqlite: bool,
+    pub rounds: usize,
+    pub round_time: Duration,
+    pub concurrency: Vec<usize>,
+    pub growth_rows: u64,
+    pub purge_batch: u64,
+    pub csv: Option<String>,
+    pub svg: Option<String>,
+    pub replot: Option<String>,
+}
+
+impl Args {
+    /// Parses `std::env::args()`; `Ok(None)` when `--help` asked for the usage text.
+    pub fn from_env() -> Result<Option<Self>, BoxError> {
+        Self::parse(std::env::args().skip(1))
+    }
+
+    fn parse(mut flags: impl Iterator<Item = String>) -> Result<Option<Self>, BoxError> {
+        let mut raw = RawArgs::default();
+        while let Some(flag) = flags.next() {
+            let mut value = || {
+                flags
+                    .next()
+                    .ok_or_else(|| format!("{flag} needs a value\n\n{USAGE}"))
+            };
+            match flag.as_str() {
+                "--help" | "-h" => return Ok(None),
+                "--postgres" => raw.postgres = Some(value()?),
+                "--mysql" => raw.mysql = Some(value()?),
+                "--no-sqlite" => raw.no_sqlite = true,
+                "--quick" => raw.quick = true,
+                "--rounds" => raw.rounds = Some(value()?.parse()?),
+                "--seconds" => raw.seconds = Some(value()?.parse()?),
+                "--concurrency" => raw.concurrency = Some(parse_list(&value()?)?),
+                "--growth-rows" => raw.growth_rows = Some(value()?.parse()?),
+                "--purge-batch" => raw.purge_batch = Some(value()?.parse()?),
+                "--csv" => raw.csv = Some(value()?),
+                "--svg" => raw.svg = Some(value()?),
+                "--replot" => raw.replot = Some(value()?),
+                other => return Err(format!("unknown flag {other}\n\n{USAGE}").into()),
+            }
+        }
+        raw.resolve().map(Some)
+    }
+}
+
+/// Flags as given, before the `--quick` defaults fill the gaps.
+#[derive(Default)]
+struct RawArgs {
+    postgres: Option<String>,
+    mysql: Option<String>,
+    no_sqlite: bool,
+    quick: bool,
+    rounds: Option<usize>,
+    seconds: Option<f64>,
+    concurrency: Option<Vec<usize>>,
+    growth_rows: Option<u64>,
+    purge_batch: Option<u64>,
+    csv: Option<String>,
+    svg: Option<String>,
+    replot: Option<String>,
+}
+
+impl RawArgs {
+    fn resolve(self) -> Result<Args, BoxError> {
+        let quick = self.quick;
+        let seconds = self.seconds.unwrap_or(pick(quick, 1.0, 0.25));
+        if !(seconds > 0.0 && seconds.is_finite()) {
+            return Err("--seconds must be a positive number".into());
+        }
+        let rounds = self.rounds.unwrap_or(pick(quick, 10, 1));
+        let concurrency = self.concurrency.unwrap_or_else(|| vec![1, 8, 32]);
+        if rounds == 0 || concurrency.is_empty() {
+            return Err("--rounds and --concurrency need at least one value".into());
+        }
+        let purge_batch = self.purge_batch.unwrap_or(pick(quick, 10_000, 1_000));
+        if purge_batch == 0 {
+            return Err("--purge-batch must be positive".into());
+        }
+        if self.no_sqlite && self.postgres.is_none() && self.mysql.is_none() {
+            return Err("--no-sqlite leaves no backend: give --postgres or --mysql".into());
+        }
+        Ok(Args {
+            postgres: self.postgres,
+            mysql: self.mysql,
+            sqlite: !self.no_sqlite,
+            rounds,
+            round_time: Duration::from_secs_f64(seconds),
+            concurrency,
+            growth_rows: self.growth_rows.unwrap_or(pick(quick, 5_000_000, 20_000)),
+            purge_batch,
+            csv: self.csv,
+            svg: self.svg,
+            replot: self.replot,
+        })
+    }
+}
+
+fn parse_list(list: &str) -> Result<Vec<usize>, BoxError> {
+    let values = list
+        .split(',')
+        .map(|item| item.trim().parse::<usize>())
+        .collect::<Result<Vec<_>, _>>()?;
+    if values.contains(&0) {
+        return Err("--concurrency values must be positive".into());
+    }
+    Ok(values)
+}
+
+/// The full-run default, or the smoke-run one under `--quick`.
+fn pick<T>(quick: bool, full: T, smoke: T) -> T {
+    if quick { smoke } else { full }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(flags: &[&str]) -> Result<Option<Args>, BoxError> {
+        Args::parse(flags.iter().map(|flag| flag.to_string()))
+    }
+
+    #[test]
+    fn defaults_to_a_full_sqlite_run() -> Result<(), BoxError> {
+        let args = parse(&[])?.ok_or("usage instead of args")?;
+        assert!(args.sqlite && args.postgres.is_none() && args.mysql.is_none());
+        assert_eq!((args.rounds, args.concurrency), (10, vec![1, 8, 32]));
+        assert_eq!((args.growth_rows, args.purge_batch), (5_000_000, 10_000));
+        Ok(())
+    }
+
+    #[test]
+    fn quick_shrinks_the_run_and_flags_override_it() -> Result<(), BoxError> {
+        let args = parse(&["--quick", "--rounds", "2", "--concurrency", "1,4"])?
+            .ok_or("usage instead of args")?;
+        assert_eq!((args.rounds, args.concurrency), (2, vec![1, 4]));
+        assert_eq!(args.growth_rows, 20_000);
+        Ok(())
+    }
+
+    #[test]
+    fn refuses_bad_flags() {
+        assert!(parse(&["--bogus"]).is_err());
+        assert!(parse(&["--rounds"]).is_err());
+        assert!(parse(&["--concurrency", "0"]).is_err());
+        assert!(parse(&["--no-sqlite"]).is_err());
+        assert!(parse(&["--seconds", "-1"]).is_err());
+        assert!(matches!(parse(&["--help"]), Ok(None)));
+    }
+}

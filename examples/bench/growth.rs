@@ -1,0 +1,149 @@
+//! Fills the inbox with old, processed markers by set-based SQL, one statement per age
+//! cohort: millions of rows in seconds, not one INSERT per row.
+//!
+//! Cohort `k` is received `OLDEST_DAYS - k` days ago, so a purge with a cutoff between
+//! two cohorts deletes exactly the oldest remaining one (the purge phase relies on it).
+
+use crate::BoxError;
+use crate::db::CONSUMER;
+use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend};
+
+/// Age in days of the oldest cohort.
+pub const OLDEST_DAYS: u64 = 100;
+
+/// How the seeded rows are laid out.
+#[derive(Clone, Copy, Debug)]
+pub struct Cohorts {
+    pub count: u64,
+    pub rows_each: u64,
+}
+
+impl Cohorts {
+    /// `rows` split into `count` cohorts; the last may be smaller than the others.
+    pub fn new(rows: u64, count: u64) -> Self {
+        let count = count.clamp(1, OLDEST_DAYS - 1);
+        Self {
+            count,
+            rows_each: rows.div_ceil(count),
+        }
+    }
+
+    /// The row numbers of cohort `k` when `total` rows are seeded (empty past the end).
+    pub fn range(&self, k: u64, total: u64) -> std::ops::RangeInclusive<u64> {
+        (k * self.rows_each + 1)..=((k + 1) * self.rows_each).min(total)
+    }
+
+    /// How many rows cohort `k` holds when `total` rows are seeded.
+    pub fn rows_in(&self, k: u64, total: u64) -> u64 {
+        let range = self.range(k, total);
+        (range.end() + 1).saturating_sub(*range.start())
+    }
+
+    /// Age in days of cohort `k`.
+    pub fn age_days(k: u64) -> u64 {
+        OLDEST_DAYS - k
+    }
+}
+
+/// Inserts `rows` markers in `cohorts`, then refreshes the planner's statistics so the
+/// growth measurement does not meet a pending autovacuum or stale plans.
+pub async fn seed(db: &DatabaseConnection, rows: u64, cohorts: Cohorts) -> Result<(), BoxError> {
+    let backend = db.get_database_backend();
+    for k in 0..cohorts.count {
+        let range = cohorts.range(k, rows);
+        if range.is_empty() {
+            break;
+        }
+        let sql = cohort_sql(backend, *range.start(), *range.end(), Cohorts::age_days(k))?;
+        db.execute_unprepared(&sql).await?;
+    }
+    let settle = match backend {
+        DbBackend::Postgres => "VACUUM ANALYZE inbox",
+        DbBackend::MySql => "ANALYZE TABLE inbox",
+        _ => "PRAGMA wal_checkpoint(TRUNCATE)",
+    };
+    db.execute_unprepared(settle).await?;
+    Ok(())
+}
+
+/// One INSERT ... SELECT of rows `first..=last`, received (and processed) `age` days ago.
+/// Message ids are random 16-byte values derived from the row number.
+fn cohort_sql(backend: DbBackend, first: u64, last: u64, age: u64) -> Result<String, BoxError> {
+    const COLUMNS: &str = "INSERT INTO inbox (message_id, consumer, received_at, processed_at)";
+    match backend {
+        DbBackend::Postgres => Ok(format!(
+            "{COLUMNS} SELECT md5('seed-' || g)::uuid, '{CONSUMER}', t, t \
+             FROM generate_series({first}::bigint, {last}::bigint) g, \
+             (SELECT now() - interval '{age} days' AS t) at"
+        )),
+        DbBackend::MySql => Ok(format!(
+            "{COLUMNS} SELECT UNHEX(MD5(CONCAT('seed-', n))), '{CONSUMER}', t, t \
+             FROM (SELECT {first} + {offset} AS n, UTC_TIMESTAMP(6) - INTERVAL {age} DAY AS t \
+                   FROM {digits}) numbers WHERE n <= {last}",
+            offset = digit_offset(last - first + 1),
+            digits = digit_tables(last - first + 1),
+        )),
+        // The text form sqlx writes for a UTC DateTime, so the purge's cutoff compares
+        // with it correctly as text.
+        DbBackend::Sqlite => Ok(format!(
+            "WITH RECURSIVE seq(n) AS (SELECT {first} UNION ALL SELECT n + 1 FROM seq WHERE n < {last}) \
+             {COLUMNS} SELECT randomblob(16), '{CONSUMER}', t, t FROM seq, \
+             (SELECT strftime('%Y-%m-%dT%H:%M:%f+00:00', 'now', '-{age} days') AS t)"
+        )),
+        other => Err(format!("no seeding SQL for {other:?}").into()),
+    }
+}
+
+/// How many decimal digits it takes to count `rows` rows from 0.
+fn digits_for(rows: u64) -> u32 {
+    rows.saturating_sub(1)
+        .checked_ilog10()
+        .map_or(1, |log| log + 1)
+}
+
+/// MySQL has no generate_series: cross join one ten-row table per digit.
+fn digit_tables(rows: u64) -> String {
+    (0..digits_for(rows))
+        .map(|i| {
+            format!(
+                "(SELECT 0 AS d UNION ALL SELECT 1 UNION ALL SELECT 2 UNION ALL SELECT 3 \
+                 UNION ALL SELECT 4 UNION ALL SELECT 5 UNION ALL SELECT 6 UNION ALL SELECT 7 \
+                 UNION ALL SELECT 8 UNION ALL SELECT 9) d{i}"
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The row number the digit tables spell: `d0.d + 10 * d1.d + 100 * d2.d + ...`.
+fn digit_offset(rows: u64) -> String {
+    (0..digits_for(rows))
+        .map(|i| format!("{} * d{i}.d", 10_u64.pow(i)))
+        .collect::<Vec<_>>()
+        .join(" + ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cohorts_cover_every_row_once() {
+        let cohorts = Cohorts::new(1_000_003, 22);
+        let total: u64 = (0..cohorts.count)
+            .map(|k| cohorts.rows_in(k, 1_000_003))
+            .sum();
+        assert_eq!(total, 1_000_003);
+        assert_eq!(*cohorts.range(0, 1_000_003).start(), 1);
+        assert_eq!(cohorts.rows_in(cohorts.count, 1_000_003), 0);
+    }
+
+    #[test]
+    fn digit_tables_count_far_enough() {
+        assert_eq!(digits_for(1), 1);
+        assert_eq!(digits_for(10), 1);
+        assert_eq!(digits_for(11), 2);
+        assert_eq!(digits_for(227_273), 6);
+        assert_eq!(digit_offset(100), "1 * d0.d + 10 * d1.d");
+    }
+}

@@ -1,0 +1,229 @@
+//! The purge phase: `claim` runs at concurrency 8 alone, then during a batched purge of
+//! one seeded cohort, then during a hand-written batched DELETE of the next one, in
+//! rotating order. Each purge must delete exactly its cohort.
+
+use crate::Bench;
+use crate::BoxError;
+use crate::db::{Sql, timestamp};
+use crate::growth::Cohorts;
+use crate::modes::Mode;
+use crate::run::{Stop, Tally, run_mode, shuffled};
+use chrono::{TimeDelta, Utc};
+use inbox_core::{RetentionPolicy, purge};
+use sea_orm::{ConnectionTrait, DatabaseConnection, Statement, Value};
+use std::time::{Duration, Instant};
+
+/// What one purge did.
+#[derive(Debug, Default)]
+pub struct Purged {
+    pub rows: u64,
+    pub elapsed: Duration,
+    /// How long the whole purge took, in microseconds (one sample per purge).
+    pub latencies_us: Vec<u32>,
+}
+
+impl Purged {
+    fn rate(&self) -> f64 {
+        self.rows as f64 / self.elapsed.as_secs_f64().max(f64::EPSILON)
+    }
+}
+
+/// A way to purge: the library's, or the hand-written DELETE it is compared with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Purger {
+    /// `inbox_core::purge`, the library's batched purge.
+    Library,
+    /// The hand-written batched DELETE: the floor.
+    HandDelete,
+}
+
+impl Purger {
+    pub const ALL: [Purger; 2] = [Purger::Library, Purger::HandDelete];
+
+    fn labels(self) -> (&'static str, &'static str) {
+        match self {
+            Purger::Library => ("purge rows", "claim + purge"),
+            Purger::HandDelete => ("hand delete rows", "claim + hand delete"),
+        }
+    }
+
+    async fn purge(
+        self,
+        conn: &DatabaseConnection,
+        sql: &Sql,
+        cutoff: chrono::DateTime<Utc>,
+        batch: u64,
+    ) -> Result<Purged, BoxError> {
+        match self {
+            Purger::Library => library_purge(conn, cutoff, batch).await,
+            Purger::HandDelete => hand_delete(conn, sql, cutoff, batch).await,
+        }
+    }
+}
+
+/// The library's purge, with a window that puts its cutoff at `cutoff`: it measures the
+/// window back from the newest marker, which the running claimers keep at "now".
+async fn library_purge(
+    conn: &DatabaseConnection,
+    cutoff: chrono::DateTime<Utc>,
+    batch: u64,
+) -> Result<Purged, BoxError> {
+    let window = (Utc::now() - cutoff).to_std()?;
+    let policy = RetentionPolicy::with_window(window)?.with_batch_size(u32::try_from(batch)?)?;
+    let start = Instant::now();
+    let report = purge(conn, &policy).await?;
+    let elapsed = start.elapsed();
+    Ok(Purged {
+        rows: report.rows,
+        elapsed,
+        latencies_us: vec![micros(elapsed)],
+    })
+}
+
+/// The floor: `DELETE ... LIMIT batch` until a batch comes back short, each statement its
+/// own short transaction.
+async fn hand_delete(
+    conn: &DatabaseConnection,
+    sql: &Sql,
+    cutoff: chrono::DateTime<Utc>,
+    batch: u64,
+) -> Result<Purged, BoxError> {
+    let backend = conn.get_database_backend();
+    let mut purged = Purged::default();
+    let start = Instant::now();
+    loop {
+        let statement = Statement::from_sql_and_values(
+            backend,
+            sql.delete_batch,
+            [
+                timestamp(backend, cutoff),
+                Value::from(i64::try_from(batch)?),
+            ],
+        );
+        let deleted = conn.execute_raw(statement).await?.rows_affected();
+        purged.rows += deleted;
+        if deleted < batch {
+            break;
+        }
+    }
+    purged.elapsed = start.elapsed();
+    purged.latencies_us.push(micros(purged.elapsed));
+    Ok(purged)
+}
+
+fn micros(elapsed: Duration) -> u32 {
+    u32::try_from(elapsed.as_micros()).unwrap_or(u32::MAX)
+}
+
+/// The cutoff between cohort `k` and the next: half a day younger than cohort `k`.
+fn cutoff_after(k: u64) -> chrono::DateTime<Utc> {
+    let hours = i64::try_from(Cohorts::age_days(k) * 24).unwrap_or(i64::MAX) - 12;
+    Utc::now() - TimeDelta::hours(hours)
+}
+
+impl Bench<'_> {
+    /// Runs the purge phase on the cohorts `growth::seed` laid down.
+    pub(crate) async fn purge_phase(&mut self, cohorts: Cohorts) -> Result<(), BoxError> {
+        let concurrency = 8.min(self.workers.len());
+        let purger_conn = self.db.connect().await?;
+        self.report.declare("purge", "claim alone", concurrency);
+        for purger in Purger::ALL {
+            let (purge_label, claim_label) = purger.labels();
+            self.report.declare("purge", claim_label, concurrency);
+            self.report.declare("purge", purge_label, concurrency);
+        }
+        let mut next_cohort = 0;
+        for round in 0..self.args.rounds {
+            // Claimers alone, and during each purger, in a random order each round.
+            let mut steps: Vec<Option<Purger>> = vec![None];
+            steps.extend(Purger::ALL.map(Some));
+            for step in shuffled(&steps) {
+                match step {
+                    None => {
+                        self.measure_as("purge", "claim alone", Mode::Claim, concurrency)
+                            .await?
+                    }
+                    Some(purger) => {
+                        self.purge_during_claims(
+                            &purger_conn,
+                            purger,
+                            cohorts,
+                            next_cohort,
+                            concurrency,
+                        )
+                        .await?;
+                        next_cohort += 1;
+                    }
+                }
+            }
+            eprintln!(
+                "[{}] purge: round {}/{} done",
+                self.report.backend,
+                round + 1,
+                self.args.rounds
+            );
+        }
+        purger_conn.close().await?;
+        Ok(())
+    }
+
+    /// Purges cohort `k` while `concurrency` workers claim, and checks both.
+    async fn purge_during_claims(
+        &mut self,
+        purger_conn: &DatabaseConnection,
+        purger: Purger,
+        cohorts: Cohorts,
+        k: u64,
+        concurrency: usize,
+    ) -> Result<(), BoxError> {
+        let (purge_label, claim_label) = purger.labels();
+        let sql = crate::db::sql(self.db.backend)?;
+        let before = crate::run::Snapshot::take(&self.control).await?;
+        let stop = Stop::default();
+        let purge = async {
+            let purged = purger
+                .purge(purger_conn, sql, cutoff_after(k), self.args.purge_batch)
+                .await;
+            stop.set();
+            purged
+        };
+        let (claims, purged): (Result<Tally, BoxError>, _) = tokio::join!(
+            run_mode(&self.workers, Mode::Claim, concurrency, stop.clone()),
+            purge
+        );
+        let (claims, purged) = (claims?, purged?);
+        before
+            .verify(
+                &self.control,
+                sql,
+                &format!("purge {claim_label}"),
+                &claims.done,
+            )
+            .await?;
+        let expected = cohorts.rows_in(k, self.report.growth_rows);
+        if purged.rows != expected {
+            return Err(format!(
+                "CORRECTNESS FAILURE in {purge_label}: cohort {k} holds {expected} rows, {} deleted",
+                purged.rows
+            )
+            .into());
+        }
+        self.report.record(
+            "purge",
+            claim_label,
+            concurrency,
+            claims.rate(),
+            claims.latencies_us,
+            claims.txns,
+        );
+        self.report.record(
+            "purge",
+            purge_label,
+            concurrency,
+            purged.rate(),
+            purged.latencies_us,
+            purged.rows,
+        );
+        Ok(())
+    }
+}
