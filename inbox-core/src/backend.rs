@@ -215,6 +215,11 @@ pub(crate) fn newest_received_at_sql(backend: DbBackend) -> Result<String, Inbox
     dialect_sql(backend, "SELECT MAX(received_at) FROM inbox")
 }
 
+/// The oldest `received_at` in the inbox (NULL when it is empty).
+pub(crate) fn oldest_received_at_sql(backend: DbBackend) -> Result<String, InboxError> {
+    dialect_sql(backend, "SELECT MIN(received_at) FROM inbox")
+}
+
 /// The newest `received_at` at or before `?` (NULL when there is none): one probe of
 /// `ix_inbox_received_at` in the purge's receiving-time walk.
 pub(crate) fn latest_received_at_or_before_sql(backend: DbBackend) -> Result<String, InboxError> {

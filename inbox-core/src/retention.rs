@@ -2,7 +2,8 @@
 
 use crate::InboxError;
 use crate::backend::{
-    latest_received_at_or_before_sql, newest_received_at_sql, purge_batch_sql, timestamp_value,
+    latest_received_at_or_before_sql, newest_received_at_sql, oldest_received_at_sql,
+    purge_batch_sql, timestamp_value,
 };
 use crate::claim::now_micros;
 use chrono::{DateTime, TimeDelta, Utc};
@@ -253,6 +254,17 @@ impl ReceivingWalk {
         self.probe_before(earlier)
     }
 
+    /// Takes the oldest marker when no marker is at or before the last probe: every marker
+    /// left lies within one step of where the walk stands, a silence no longer than the
+    /// gap, so it all counts. `None` when that is still short of a window.
+    fn finish(&self, oldest: DateTime<Utc>) -> Option<DateTime<Utc>> {
+        let missing = self.window - self.receiving;
+        if self.at - oldest < missing {
+            return None;
+        }
+        self.at.checked_sub_signed(missing)
+    }
+
     fn probe_before(&self, at: DateTime<Utc>) -> WalkStep {
         at.checked_sub_signed(self.step)
             .map_or(WalkStep::Exhausted, WalkStep::Probe)
@@ -363,7 +375,10 @@ async fn receiving_time_cutoff(
             WalkStep::Exhausted => return Ok(None),
             WalkStep::Probe(at) => match read_timestamp(db, probe_sql.clone(), Some(at)).await? {
                 Some(earlier) => next = walk.advance(earlier),
-                None => return Ok(None),
+                None => {
+                    let oldest = read_timestamp(db, oldest_received_at_sql(backend)?, None).await?;
+                    return Ok(oldest.and_then(|oldest| walk.finish(oldest)));
+                }
             },
         }
     }
@@ -523,7 +538,7 @@ mod tests {
                     probes += 1;
                     match sorted.iter().rev().find(|m| **m <= at) {
                         Some(earlier) => next = state.advance(*earlier),
-                        None => return (None, probes),
+                        None => return (state.finish(sorted[0]), probes + 1),
                     }
                 }
             }
@@ -589,6 +604,21 @@ mod tests {
             walk(&markers, &hour_window(), now).0,
             Some(now - TimeDelta::hours(1))
         );
+    }
+
+    /// Daily cohorts 93 to 100 days old and today's traffic: with every silence counted
+    /// as receiving, the cutoff lands exactly one window back, even where the last coarse
+    /// probe steps past the oldest cohort.
+    #[test]
+    fn markers_within_the_last_step_still_count() {
+        let now = Utc::now();
+        let mut markers: Vec<_> = (93..=100).map(|d| now - TimeDelta::days(d)).collect();
+        markers.push(now);
+        let window = TimeDelta::days(100) - TimeDelta::hours(12);
+        let policy = RetentionPolicy::with_window(window.to_std().expect("positive"))
+            .and_then(|p| p.with_downtime_gap(RetentionPolicy::MAX_WINDOW))
+            .expect("valid policy");
+        assert_eq!(walk(&markers, &policy, now).0, Some(now - window));
     }
 
     #[test]
