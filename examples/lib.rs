@@ -10,7 +10,7 @@ pub mod scenario;
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
 
-use inbox_migration::{Migrator, MigratorTrait};
+use sea_orm_inbox_migration::{Migrator, MigratorTrait};
 use sea_orm::sea_query::{Alias, Expr, ExprTrait, Query};
 use sea_orm::{ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DbErr, Statement};
 use std::time::Duration;

@@ -3,7 +3,7 @@
 
 use crate::BoxError;
 use chrono::{DateTime, Utc};
-use inbox_migration::{Migrator, MigratorTrait};
+use sea_orm_inbox_migration::{Migrator, MigratorTrait};
 use sea_orm::{
     ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DbBackend, Statement, Value,
 };

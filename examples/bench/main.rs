@@ -26,7 +26,7 @@ mod svg;
 use args::{Args, USAGE};
 use db::{BenchDb, CONSUMER, Target};
 use growth::Cohorts;
-use inbox_core::prelude::*;
+use sea_orm_inbox::prelude::*;
 use modes::{Mode, Worker};
 use report::Report;
 use run::{Snapshot, Stop, run_mode, shuffled};

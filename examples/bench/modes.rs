@@ -4,7 +4,7 @@
 use crate::BoxError;
 use crate::db::{CONSUMER, Sql, timestamp};
 use chrono::Utc;
-use inbox_core::prelude::*;
+use sea_orm_inbox::prelude::*;
 use sea_orm::sqlx;
 use sea_orm::{
     ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend, DbErr, Statement,

@@ -9,7 +9,7 @@ use crate::growth::Cohorts;
 use crate::modes::Mode;
 use crate::run::{Stop, Tally, run_mode, shuffled};
 use chrono::{TimeDelta, Utc};
-use inbox_core::{RetentionPolicy, purge};
+use sea_orm_inbox::{RetentionPolicy, purge};
 use sea_orm::{ConnectionTrait, DatabaseConnection, Statement, Value};
 use std::time::{Duration, Instant};
 
@@ -31,7 +31,7 @@ impl Purged {
 /// A way to purge: the library's, or the hand-written DELETE it is compared with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Purger {
-    /// `inbox_core::purge`, the library's batched purge.
+    /// `sea_orm_inbox::purge`, the library's batched purge.
     Library,
     /// The hand-written batched DELETE: the floor.
     HandDelete,

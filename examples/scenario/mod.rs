@@ -13,7 +13,7 @@
 pub mod nats;
 pub mod rabbitmq;
 
-use inbox_core::prelude::*;
+use sea_orm_inbox::prelude::*;
 use sea_orm::sea_query::{Alias, Expr, ExprTrait, Query};
 use sea_orm::{ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbErr};
 use std::collections::HashSet;

@@ -16,7 +16,7 @@ use async_nats::jetstream::consumer::{PullConsumer, pull};
 use async_nats::jetstream::message::PublishMessage;
 use async_nats::jetstream::{self, AckKind, stream};
 use futures_util::StreamExt;
-use inbox_core::Settlement;
+use sea_orm_inbox::Settlement;
 use sea_orm::DatabaseConnection;
 use std::time::Duration;
 

@@ -5,7 +5,7 @@
 
 use super::{BoxError, Demo, Fate, Plan, Publication, Report};
 use futures_util::StreamExt;
-use inbox_core::Settlement;
+use sea_orm_inbox::Settlement;
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions, BasicQosOptions,
     ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,

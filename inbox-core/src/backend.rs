@@ -5,7 +5,7 @@
 
 use crate::InboxError;
 use chrono::{DateTime, Utc};
-use inbox_entity::{INDEX_NAME, TABLE_NAME};
+use sea_orm_inbox_entity::{INDEX_NAME, TABLE_NAME};
 use sea_orm::sqlx;
 use sea_orm::sqlx::error::DatabaseError;
 use sea_orm::sqlx::mysql::MySqlDatabaseError;
@@ -22,7 +22,7 @@ use sea_orm::{DbBackend, DbErr, RuntimeErr, SqliteTransactionMode, TransactionOp
 /// ignore the setting.
 ///
 /// ```no_run
-/// use inbox_core::prelude::*;
+/// use sea_orm_inbox::prelude::*;
 /// use sea_orm::{DatabaseConnection, TransactionTrait};
 ///
 /// # async fn run(db: &DatabaseConnection) -> Result<(), Box<dyn std::error::Error>> {
@@ -244,7 +244,7 @@ pub fn timestamp_value(backend: DbBackend, at: DateTime<Utc>) -> Value {
 /// What a database error means for a message handler.
 ///
 /// ```
-/// use inbox_core::{classify, DbErrorKind};
+/// use sea_orm_inbox::{classify, DbErrorKind};
 /// use sea_orm::DbErr;
 ///
 /// assert_eq!(classify(&DbErr::Custom("boom".into())), DbErrorKind::Other);
@@ -290,7 +290,7 @@ pub fn classify(err: &DbErr) -> DbErrorKind {
 /// duplicate to acknowledge.
 ///
 /// ```
-/// use inbox_core::is_inbox_duplicate;
+/// use sea_orm_inbox::is_inbox_duplicate;
 /// use sea_orm::DbErr;
 ///
 /// assert!(!is_inbox_duplicate(&DbErr::RecordNotInserted));

@@ -46,7 +46,7 @@ mod sealed {
 /// on its own, and does not compile:
 ///
 /// ```compile_fail
-/// use inbox_core::prelude::*;
+/// use sea_orm_inbox::prelude::*;
 /// # async fn handler(db: &sea_orm::DatabaseConnection) -> Result<(), InboxError> {
 /// let _ = db.claim_message(uuid::Uuid::new_v4(), "billing").await?;
 /// # Ok(()) }
@@ -55,7 +55,7 @@ mod sealed {
 /// A complete handler: claim first, then write through the same transaction, then commit.
 ///
 /// ```
-/// use inbox_core::prelude::*;
+/// use sea_orm_inbox::prelude::*;
 /// use sea_orm::{ConnectionTrait, DatabaseConnection, TransactionTrait};
 ///
 /// async fn handle_payment(
@@ -84,7 +84,7 @@ mod sealed {
 /// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 /// # use sea_orm_migration::MigratorTrait;
 /// # let db = sea_orm::Database::connect("sqlite::memory:").await?;
-/// # inbox_migration::Migrator::up(&db, None).await?;
+/// # sea_orm_inbox_migration::Migrator::up(&db, None).await?;
 /// # db.execute_unprepared("CREATE TABLE account (id INTEGER PRIMARY KEY, balance INTEGER NOT NULL)").await?;
 /// # db.execute_unprepared("INSERT INTO account VALUES (1, 0)").await?;
 /// # let id = uuid::Uuid::new_v4();
@@ -135,14 +135,14 @@ pub trait InboxTransactionExt: sealed::Sealed {
     /// [`InboxError::MissingTable`] or [`InboxError::Database`].
     ///
     /// ```
-    /// use inbox_core::prelude::*;
+    /// use sea_orm_inbox::prelude::*;
     /// use sea_orm::TransactionTrait;
     ///
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     /// # use sea_orm_migration::MigratorTrait;
     /// # let db = sea_orm::Database::connect("sqlite::memory:").await?;
-    /// # inbox_migration::Migrator::up(&db, None).await?;
+    /// # sea_orm_inbox_migration::Migrator::up(&db, None).await?;
     /// let records = [("orders", 0, 41), ("orders", 0, 42)];
     /// let ids = records
     ///     .iter()

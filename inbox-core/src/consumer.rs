@@ -1,5 +1,5 @@
 use crate::{InboxError, MessageId};
-use inbox_entity::CONSUMER_MAX_CHARS;
+use sea_orm_inbox_entity::CONSUMER_MAX_CHARS;
 
 /// Checks a consumer name before it reaches SQL: non-empty, no surrounding white space
 /// (MySQL's PAD SPACE comparison would make "billing" and "billing " one consumer), and no

@@ -11,7 +11,7 @@ use std::time::Duration;
 /// caller can inspect it; [`crate::classify`] tells transient ones from the rest.
 ///
 /// ```
-/// use inbox_core::InboxError;
+/// use sea_orm_inbox::InboxError;
 ///
 /// let err = InboxError::ConsumerTooLong { chars: 201 };
 /// assert!(err.to_string().contains("at most 200"));
@@ -51,7 +51,7 @@ pub enum InboxError {
 
     /// The inbox table does not exist in the database the transaction runs on.
     #[error(
-        "the inbox table does not exist: add inbox_migration::CreateInbox to your Migrator (or run inbox_migration::Migrator::up) before claiming messages ({source})"
+        "the inbox table does not exist: add sea_orm_inbox_migration::CreateInbox to your Migrator (or run sea_orm_inbox_migration::Migrator::up) before claiming messages ({source})"
     )]
     MissingTable {
         /// The database's own error.
@@ -232,7 +232,7 @@ fn advice(err: &DbErr) -> &'static str {
             "This unique violation is on another index than the inbox's, so it is not a duplicate delivery: fix the handler's data or writes, and dead-letter the message meanwhile"
         }
         DbErrorKind::MissingInboxTable => {
-            "Add inbox_migration::CreateInbox to your Migrator (or run inbox_migration::Migrator::up)"
+            "Add sea_orm_inbox_migration::CreateInbox to your Migrator (or run sea_orm_inbox_migration::Migrator::up)"
         }
         DbErrorKind::InboxDuplicate => "The message was already processed by this consumer: ack it",
         _ => {
@@ -270,7 +270,7 @@ mod tests {
                     source: DbErr::Custom("no such table: inbox".into()),
                 }
                 .to_string(),
-                "add inbox_migration::CreateInbox",
+                "add sea_orm_inbox_migration::CreateInbox",
             ),
             (
                 InboxError::UnsupportedBackend {

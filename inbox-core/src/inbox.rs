@@ -27,12 +27,12 @@ pub type HandlerFuture<'t, T, E> = Pin<Box<dyn Future<Output = Result<T, E>> + S
 /// that cannot be repeated.
 ///
 /// ```
-/// use inbox_core::{Inbox, Outcome, Settlement};
+/// use sea_orm_inbox::{Inbox, Outcome, Settlement};
 /// use sea_orm::{ConnectionTrait, DbErr};
 ///
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-/// # use inbox_migration::{Migrator, MigratorTrait};
+/// # use sea_orm_inbox_migration::{Migrator, MigratorTrait};
 /// # let db = sea_orm::Database::connect("sqlite::memory:").await?;
 /// # Migrator::up(&db, None).await?;
 /// # db.execute_unprepared("CREATE TABLE account (id INTEGER PRIMARY KEY, balance INTEGER NOT NULL)").await?;

@@ -9,7 +9,7 @@ use crate::claim::now_micros;
 use crate::consumer::validate_claim;
 use crate::{InboxError, MessageId};
 use chrono::{DateTime, TimeDelta, Utc};
-use inbox_entity::inbox;
+use sea_orm_inbox_entity::inbox;
 use sea_orm::sea_query::ExprTrait;
 use sea_orm::{
     ColumnTrait, ConnectionTrait, DatabaseConnection, DbErr, EntityTrait, QueryFilter, QueryOrder,
@@ -27,13 +27,13 @@ use uuid::Uuid;
 /// side effect's worst duration plus the skew you tolerate.
 ///
 /// ```
-/// use inbox_core::LeaseOptions;
+/// use sea_orm_inbox::LeaseOptions;
 /// use std::time::Duration;
 ///
 /// let options = LeaseOptions::new(Duration::from_secs(30))?.with_max_attempts(3)?;
 /// assert_eq!(options.max_attempts(), 3);
 /// assert!(LeaseOptions::new(Duration::ZERO).is_err());
-/// # Ok::<(), inbox_core::InboxError>(())
+/// # Ok::<(), sea_orm_inbox::InboxError>(())
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LeaseOptions {
@@ -105,7 +105,7 @@ impl LeaseOptions {
 /// [`complete_lease`] it, until `lease_until`.
 ///
 /// ```
-/// use inbox_core::{Lease, MessageId};
+/// use sea_orm_inbox::{Lease, MessageId};
 ///
 /// fn provider_key(lease: &Lease) -> uuid::Uuid {
 ///     lease.idempotency_key() // the same on every attempt, unlike the fencing token
@@ -257,14 +257,14 @@ fn dead_claim(row: &inbox::Model, dead_at: DateTime<Utc>) -> DeadClaim {
 /// database that lacks the second migration's columns).
 ///
 /// ```
-/// use inbox_core::{LeaseClaim, LeaseOptions, claim_lease, complete_lease, MessageId};
+/// use sea_orm_inbox::{LeaseClaim, LeaseOptions, claim_lease, complete_lease, MessageId};
 /// use std::time::Duration;
 ///
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 /// # use sea_orm_migration::MigratorTrait;
 /// # let db = sea_orm::Database::connect("sqlite::memory:").await?;
-/// # inbox_migration::Migrator::up(&db, None).await?;
+/// # sea_orm_inbox_migration::Migrator::up(&db, None).await?;
 /// let options = LeaseOptions::new(Duration::from_secs(30))?;
 /// let id = MessageId::from_broker_id("welcome-mail-7")?;
 /// match claim_lease(&db, id, "mailer", &options).await? {
@@ -395,12 +395,12 @@ async fn claim_once(
 /// database failures.
 ///
 /// ```
-/// # use inbox_core::{LeaseClaim, LeaseOptions, claim_lease, complete_lease};
+/// # use sea_orm_inbox::{LeaseClaim, LeaseOptions, claim_lease, complete_lease};
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 /// # use sea_orm_migration::MigratorTrait;
 /// # let db = sea_orm::Database::connect("sqlite::memory:").await?;
-/// # inbox_migration::Migrator::up(&db, None).await?;
+/// # sea_orm_inbox_migration::Migrator::up(&db, None).await?;
 /// # let options = LeaseOptions::new(std::time::Duration::from_secs(30))?;
 /// let LeaseClaim::Claimed(lease) = claim_lease(&db, uuid::Uuid::new_v4(), "mailer", &options).await? else {
 ///     unreachable!("a new message")
@@ -423,12 +423,12 @@ pub async fn complete_lease(db: &DatabaseConnection, lease: &Lease) -> Result<()
 /// [`InboxError::Database`] for database failures.
 ///
 /// ```
-/// # use inbox_core::{LeaseClaim, LeaseOptions, claim_lease, release_lease};
+/// # use sea_orm_inbox::{LeaseClaim, LeaseOptions, claim_lease, release_lease};
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 /// # use sea_orm_migration::MigratorTrait;
 /// # let db = sea_orm::Database::connect("sqlite::memory:").await?;
-/// # inbox_migration::Migrator::up(&db, None).await?;
+/// # sea_orm_inbox_migration::Migrator::up(&db, None).await?;
 /// # let options = LeaseOptions::new(std::time::Duration::from_secs(30))?;
 /// let id = uuid::Uuid::new_v4();
 /// let LeaseClaim::Claimed(lease) = claim_lease(&db, id, "mailer", &options).await? else {
@@ -513,8 +513,8 @@ pub struct ExpiredLease {
 /// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 /// # use sea_orm_migration::MigratorTrait;
 /// # let db = sea_orm::Database::connect("sqlite::memory:").await?;
-/// # inbox_migration::Migrator::up(&db, None).await?;
-/// for stuck in inbox_core::list_expired_leases(&db, Some("mailer"), 100).await? {
+/// # sea_orm_inbox_migration::Migrator::up(&db, None).await?;
+/// for stuck in sea_orm_inbox::list_expired_leases(&db, Some("mailer"), 100).await? {
 ///     eprintln!("{} stuck after attempt {}", stuck.message_id, stuck.attempts);
 /// }
 /// # Ok(()) }
@@ -562,8 +562,8 @@ pub async fn list_expired_leases(
 /// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 /// # use sea_orm_migration::MigratorTrait;
 /// # let db = sea_orm::Database::connect("sqlite::memory:").await?;
-/// # inbox_migration::Migrator::up(&db, None).await?;
-/// for dead in inbox_core::list_dead_claims(&db, Some("mailer"), 100).await? {
+/// # sea_orm_inbox_migration::Migrator::up(&db, None).await?;
+/// for dead in sea_orm_inbox::list_dead_claims(&db, Some("mailer"), 100).await? {
 ///     eprintln!("{} failed {} times", dead.message_id, dead.attempts);
 /// }
 /// # Ok(()) }

@@ -5,7 +5,7 @@
 //! replica) does the work:
 //!
 //! ```no_run
-//! use inbox_core::prelude::*;
+//! use sea_orm_inbox::prelude::*;
 //! use sea_orm::{DatabaseConnection, TransactionTrait};
 //!
 //! # async fn handle(db: &DatabaseConnection, message_id: uuid::Uuid) -> Result<(), Box<dyn std::error::Error>> {
@@ -21,7 +21,7 @@
 //! # Ok(()) }
 //! ```
 //!
-//! The table comes from the `inbox-migration` crate; its entity from `inbox-entity`.
+//! The table comes from the `sea-orm-inbox-migration` crate; its entity from `sea-orm-inbox-entity`.
 
 mod backend;
 mod batch;
@@ -42,7 +42,7 @@ pub use batch::{BatchClaim, MAX_CLAIM_BATCH};
 pub use claim::{Claim, InboxTransactionExt};
 pub use error::InboxError;
 pub use inbox::{HandlerFuture, Inbox};
-pub use inbox_entity::{CONSUMER_MAX_CHARS, INDEX_NAME, RECEIVED_AT_INDEX_NAME, TABLE_NAME};
+pub use sea_orm_inbox_entity::{CONSUMER_MAX_CHARS, INDEX_NAME, RECEIVED_AT_INDEX_NAME, TABLE_NAME};
 pub use lease::{
     DeadClaim, ExpiredLease, Lease, LeaseClaim, LeaseOptions, claim_lease, complete_lease,
     list_dead_claims, list_expired_leases, release_lease,

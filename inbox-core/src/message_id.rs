@@ -9,7 +9,7 @@ use uuid::Uuid;
 /// deliveries and let duplicates through).
 ///
 /// ```
-/// use inbox_core::MessageId;
+/// use sea_orm_inbox::MessageId;
 /// use uuid::Uuid;
 ///
 /// let raw = Uuid::parse_str("0b8f6a2e-5d3c-4f1a-9e7b-2c4d6e8f0a1b").unwrap();
@@ -107,12 +107,12 @@ impl MessageId {
     /// [`InboxError::EmptyKeyField`] when the id is empty or only white space.
     ///
     /// ```
-    /// use inbox_core::MessageId;
+    /// use sea_orm_inbox::MessageId;
     ///
     /// let a = MessageId::from_broker_id("order-42")?;
     /// assert_eq!(a, MessageId::from_broker_id("  order-42\n")?);
     /// assert_ne!(a, MessageId::from_broker_id("order-43")?);
-    /// # Ok::<(), inbox_core::InboxError>(())
+    /// # Ok::<(), sea_orm_inbox::InboxError>(())
     /// ```
     pub fn from_broker_id(broker_message_id: &str) -> Result<Self, InboxError> {
         let id = key_field("broker message id", broker_message_id)?;
@@ -129,11 +129,11 @@ impl MessageId {
     /// [`InboxError::EmptyKeyField`] when either attribute is empty or only white space.
     ///
     /// ```
-    /// use inbox_core::MessageId;
+    /// use sea_orm_inbox::MessageId;
     ///
     /// let a = MessageId::from_cloud_event("/orders", "e-1")?;
     /// assert_ne!(a, MessageId::from_cloud_event("/payments", "e-1")?);
-    /// # Ok::<(), inbox_core::InboxError>(())
+    /// # Ok::<(), sea_orm_inbox::InboxError>(())
     /// ```
     pub fn from_cloud_event(source: &str, id: &str) -> Result<Self, InboxError> {
         let source = key_field("CloudEvents source", source)?;
@@ -157,12 +157,12 @@ impl MessageId {
     /// [`InboxError::NegativeKafkaPosition`] for a negative partition or offset.
     ///
     /// ```
-    /// use inbox_core::MessageId;
+    /// use sea_orm_inbox::MessageId;
     ///
     /// let a = MessageId::from_kafka("payments", 3, 1_000)?;
     /// assert_eq!(a, MessageId::from_kafka("payments", 3, 1_000)?);
     /// assert_ne!(a, MessageId::from_kafka("payments", 3, 1_001)?);
-    /// # Ok::<(), inbox_core::InboxError>(())
+    /// # Ok::<(), sea_orm_inbox::InboxError>(())
     /// ```
     pub fn from_kafka(topic: &str, partition: i32, offset: i64) -> Result<Self, InboxError> {
         let topic = key_field("Kafka topic", topic)?;
@@ -186,12 +186,12 @@ impl MessageId {
     /// distinct from the message id itself.
     ///
     /// ```
-    /// use inbox_core::MessageId;
+    /// use sea_orm_inbox::MessageId;
     ///
     /// let id = MessageId::from_broker_id("order-42")?;
     /// assert_eq!(id.idempotency_key("mailer"), id.idempotency_key("mailer"));
     /// assert_ne!(id.idempotency_key("mailer"), id.idempotency_key("billing"));
-    /// # Ok::<(), inbox_core::InboxError>(())
+    /// # Ok::<(), sea_orm_inbox::InboxError>(())
     /// ```
     pub fn idempotency_key(&self, consumer: &str) -> Uuid {
         KeyName::new("idempotency-key")

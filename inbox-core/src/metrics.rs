@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// Read them with [`snapshot`](Self::snapshot) and export them to your metrics system.
 ///
 /// ```
-/// let inbox = inbox_core::Inbox::new("billing").unwrap();
+/// let inbox = sea_orm_inbox::Inbox::new("billing").unwrap();
 /// let counts = inbox.metrics().snapshot();
 /// assert_eq!(counts.processed, 0);
 /// ```

@@ -102,7 +102,7 @@ impl<E: std::error::Error + 'static> std::error::Error for ProcessError<E> {
 /// What to tell the broker about a delivery: the one place that maps results to acks.
 ///
 /// ```
-/// use inbox_core::{Outcome, ProcessError, Settlement};
+/// use sea_orm_inbox::{Outcome, ProcessError, Settlement};
 ///
 /// let done: Result<Outcome<()>, ProcessError<String>> = Ok(Outcome::Duplicate);
 /// assert_eq!(Settlement::of(&done), Settlement::Ack);

@@ -1,4 +1,4 @@
-//! Everything a handler needs: `use inbox_core::prelude::*;`.
+//! Everything a handler needs: `use sea_orm_inbox::prelude::*;`.
 
 pub use crate::{
     BatchClaim, CLAIM_TRANSACTION, Claim, Inbox, InboxError, InboxTransactionExt, Lease,

@@ -16,7 +16,7 @@ use tokio::task::JoinHandle;
 /// [`RetentionPolicy::from_broker`].
 ///
 /// ```
-/// use inbox_core::BrokerRedelivery;
+/// use sea_orm_inbox::BrokerRedelivery;
 /// use std::time::Duration;
 ///
 /// // Azure Service Bus: 1-minute lock, 10 deliveries, 14-day TTL, replays within 7 days.
@@ -57,7 +57,7 @@ pub struct BrokerRedelivery {
 /// the first new message arrived.) The walk costs at most 64 index probes per purge.
 ///
 /// ```
-/// use inbox_core::{BrokerRedelivery, RetentionPolicy};
+/// use sea_orm_inbox::{BrokerRedelivery, RetentionPolicy};
 /// use std::time::Duration;
 ///
 /// let policy = RetentionPolicy::from_broker(&BrokerRedelivery {
@@ -68,7 +68,7 @@ pub struct BrokerRedelivery {
 /// })?
 /// .with_batch_size(5_000)?;
 /// assert_eq!(policy.window(), Duration::from_secs(300 + 7 * 86_400));
-/// # Ok::<(), inbox_core::InboxError>(())
+/// # Ok::<(), sea_orm_inbox::InboxError>(())
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RetentionPolicy {
@@ -297,14 +297,14 @@ pub struct PurgeReport {
 /// [`InboxError::Query`] when a statement fails; batches before it stay deleted.
 ///
 /// ```
-/// use inbox_core::{RetentionPolicy, purge};
+/// use sea_orm_inbox::{RetentionPolicy, purge};
 /// use std::time::Duration;
 ///
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 /// # use sea_orm_migration::MigratorTrait;
 /// # let db = sea_orm::Database::connect("sqlite::memory:").await?;
-/// # inbox_migration::Migrator::up(&db, None).await?;
+/// # sea_orm_inbox_migration::Migrator::up(&db, None).await?;
 /// let policy = RetentionPolicy::with_window(Duration::from_secs(7 * 86_400))?;
 /// let report = purge(&db, &policy).await?;
 /// assert_eq!((report.rows, report.cutoff), (0, None)); // an empty inbox
@@ -457,14 +457,14 @@ impl Purger {
 /// when called outside a tokio runtime.
 ///
 /// ```
-/// use inbox_core::{RetentionPolicy, spawn_purger};
+/// use sea_orm_inbox::{RetentionPolicy, spawn_purger};
 /// use std::time::Duration;
 ///
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 /// # use sea_orm_migration::MigratorTrait;
 /// # let db = sea_orm::Database::connect("sqlite::memory:").await?;
-/// # inbox_migration::Migrator::up(&db, None).await?;
+/// # sea_orm_inbox_migration::Migrator::up(&db, None).await?;
 /// let policy = RetentionPolicy::with_window(Duration::from_secs(7 * 86_400))?;
 /// let purger = spawn_purger(db.clone(), policy, Duration::from_secs(600))?;
 /// // ... serve messages ...

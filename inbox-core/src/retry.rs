@@ -11,7 +11,7 @@ use std::time::Duration;
 /// again in step.
 ///
 /// ```
-/// use inbox_core::RetryPolicy;
+/// use sea_orm_inbox::RetryPolicy;
 /// use std::time::Duration;
 ///
 /// let policy = RetryPolicy::default()

@@ -4,11 +4,11 @@
 //! [`INDEX_NAME`]); the surrogate `id` keeps InnoDB's clustered index append-only, which a
 //! random UUID primary key would fragment.
 //!
-//! Most applications never touch this entity directly: `inbox-core` writes the markers.
+//! Most applications never touch this entity directly: `sea-orm-inbox` writes the markers.
 //! It is public so that dashboards, admin tools and tests can read the table with SeaORM.
 //!
 //! ```
-//! use inbox_entity::{inbox, INDEX_NAME, TABLE_NAME};
+//! use sea_orm_inbox_entity::{inbox, INDEX_NAME, TABLE_NAME};
 //! use sea_orm::EntityName;
 //!
 //! assert_eq!(inbox::Entity.table_name(), TABLE_NAME);

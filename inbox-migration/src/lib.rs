@@ -14,8 +14,8 @@
 //!     fn migrations() -> Vec<Box<dyn MigrationTrait>> {
 //!         vec![
 //!             // ... your own migrations ...
-//!             Box::new(inbox_migration::CreateInbox),
-//!             Box::new(inbox_migration::AddInboxLeases), // after CreateInbox
+//!             Box::new(sea_orm_inbox_migration::CreateInbox),
+//!             Box::new(sea_orm_inbox_migration::AddInboxLeases), // after CreateInbox
 //!         ]
 //!     }
 //! }
@@ -26,7 +26,7 @@
 //! ```no_run
 //! # async fn run(db: &sea_orm_migration::sea_orm::DatabaseConnection) -> Result<(), sea_orm_migration::sea_orm::DbErr> {
 //! use sea_orm_migration::MigratorTrait;
-//! inbox_migration::Migrator::up(db, None).await?;
+//! sea_orm_inbox_migration::Migrator::up(db, None).await?;
 //! # Ok(()) }
 //! ```
 

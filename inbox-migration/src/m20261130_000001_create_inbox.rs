@@ -1,4 +1,4 @@
-use inbox_entity::{CONSUMER_MAX_CHARS, INDEX_NAME, inbox};
+use sea_orm_inbox_entity::{CONSUMER_MAX_CHARS, INDEX_NAME, inbox};
 use sea_orm_migration::prelude::*;
 use sea_orm_migration::schema::{big_pk_auto, string_len, uuid};
 use sea_orm_migration::sea_orm::DatabaseBackend;

@@ -1,5 +1,5 @@
 use crate::m20261130_000001_create_inbox::utc_timestamp;
-use inbox_entity::{RECEIVED_AT_INDEX_NAME, inbox};
+use sea_orm_inbox_entity::{RECEIVED_AT_INDEX_NAME, inbox};
 use sea_orm_migration::prelude::*;
 use sea_orm_migration::sea_orm::DatabaseBackend;
 

@@ -8,7 +8,7 @@
 //! the plan.
 
 use crate::{TestDb, run, scalar_i64, stmt};
-use inbox_core::{Inbox, Outcome, ProcessError, RetryPolicy, Settlement};
+use sea_orm_inbox::{Inbox, Outcome, ProcessError, RetryPolicy, Settlement};
 use sea_orm::{ConnectionTrait, DatabaseConnection, DbErr};
 use std::collections::{HashSet, VecDeque};
 use std::fmt;

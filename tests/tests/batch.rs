@@ -2,8 +2,8 @@
 //! replicas with their own pools claiming overlapping batches get disjoint winners whose
 //! union is every id exactly once.
 
-use inbox_core::prelude::*;
-use inbox_core::{DbErrorKind, MAX_CLAIM_BATCH, classify};
+use sea_orm_inbox::prelude::*;
+use sea_orm_inbox::{DbErrorKind, MAX_CLAIM_BATCH, classify};
 use inbox_tests::{Backend, migrated_db, on_every_backend, scalar_i64};
 use sea_orm::{DatabaseConnection, TransactionTrait};
 use std::collections::BTreeSet;

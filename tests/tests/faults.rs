@@ -5,8 +5,8 @@
 //! (A handler that fails on its first attempt and succeeds on redelivery is
 //! `process.rs::handler_error_rolls_back_and_is_not_retried`, on every backend.)
 
-use inbox_core::prelude::*;
-use inbox_core::{DbErrorKind, classify};
+use sea_orm_inbox::prelude::*;
+use sea_orm_inbox::{DbErrorKind, classify};
 use inbox_tests::{
     Backend, TestDb, create_accounts, credit, migrated_db, on_every_backend, scalar_i64,
 };

@@ -1,7 +1,7 @@
 //! Acceptance 2 and 8: replicas with their own pools race for the same messages; the
 //! database lets exactly one of them apply each effect.
 
-use inbox_core::prelude::*;
+use sea_orm_inbox::prelude::*;
 use inbox_tests::{
     Backend, create_accounts, credit, migrated_db, on_every_backend, scalar_i64,
     shuffled_deliveries,

@@ -4,7 +4,7 @@
 //! (downtime rule).
 
 use chrono::{DateTime, DurationRound, TimeDelta, Utc};
-use inbox_core::{
+use sea_orm_inbox::{
     BrokerRedelivery, InboxError, LeaseOptions, RetentionPolicy, claim_lease, purge, spawn_purger,
     timestamp_value,
 };
