@@ -8,7 +8,7 @@ use crate::backend::{
 use crate::claim::now_micros;
 use chrono::{DateTime, TimeDelta, Utc};
 use sea_orm::{ConnectionTrait, DatabaseConnection, Statement, Value};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -56,6 +56,19 @@ pub struct BrokerRedelivery {
 /// after the outage; one measured from the newest marker would delete them as soon as
 /// the first new message arrived.) The walk costs at most 64 index probes per purge.
 ///
+/// **Clock rule:** the window is measured on `received_at`, which the claiming process
+/// writes from its own clock in UTC (the same clock the [lease rule](crate::LeaseOptions)
+/// reads), and the purge walks back from the newest `received_at` or from the purging
+/// process's clock if that is behind it. Keep replicas' clocks synchronised (NTP): a
+/// replica whose clock runs `s` ahead writes markers that look `s` younger, so they are
+/// kept `s` longer (safe); one whose clock runs `s` behind writes markers that go `s`
+/// early, so add the skew you tolerate to the window.
+///
+/// **Pacing:** each purge statement deletes at most
+/// [`batch_size`](Self::with_batch_size) rows; the [`PurgePacing`] (paced by default)
+/// shrinks the batches to a time budget and rests between them, so claimers sharing the
+/// database keep their latency. See [`PurgePacing`] for the trade-off.
+///
 /// ```
 /// use sea_orm_inbox::{BrokerRedelivery, RetentionPolicy};
 /// use std::time::Duration;
@@ -75,6 +88,7 @@ pub struct RetentionPolicy {
     window: Duration,
     downtime_gap: Duration,
     batch_size: u32,
+    pacing: PurgePacing,
 }
 
 impl RetentionPolicy {
@@ -130,6 +144,7 @@ impl RetentionPolicy {
             window,
             downtime_gap: window / Self::DEFAULT_GAPS_PER_WINDOW,
             batch_size: Self::DEFAULT_BATCH_SIZE,
+            pacing: PurgePacing::default(),
         })
     }
 
@@ -157,6 +172,8 @@ impl RetentionPolicy {
     }
 
     /// Deletes at most `batch_size` rows per statement (each its own short transaction).
+    /// With a [batch budget](PurgePacing::with_batch_budget) (the default) this is the
+    /// ceiling the adaptive batch never exceeds.
     ///
     /// # Errors
     /// [`InboxError::InvalidRetention`] outside `1..=`[`MAX_BATCH_SIZE`](Self::MAX_BATCH_SIZE).
@@ -172,6 +189,26 @@ impl RetentionPolicy {
         Ok(Self { batch_size, ..self })
     }
 
+    /// How the purge spaces its batches; [`PurgePacing::default`] unless set.
+    ///
+    /// ```
+    /// use sea_orm_inbox::{PurgePacing, RetentionPolicy};
+    /// use std::time::Duration;
+    ///
+    /// let unpaced = RetentionPolicy::with_window(Duration::from_secs(86_400))?
+    ///     .with_pacing(PurgePacing::UNPACED);
+    /// assert_eq!(unpaced.pacing(), PurgePacing::UNPACED);
+    /// # Ok::<(), sea_orm_inbox::InboxError>(())
+    /// ```
+    pub fn with_pacing(self, pacing: PurgePacing) -> Self {
+        Self { pacing, ..self }
+    }
+
+    /// How the purge spaces its batches.
+    pub fn pacing(&self) -> PurgePacing {
+        self.pacing
+    }
+
     /// How long markers are kept, in receiving time.
     pub fn window(&self) -> Duration {
         self.window
@@ -185,6 +222,176 @@ impl RetentionPolicy {
     /// The longest silence between markers still counted as receiving time.
     pub fn downtime_gap(&self) -> Duration {
         self.downtime_gap
+    }
+}
+
+/// How a purge spaces its DELETE statements so that claimers sharing the database keep
+/// their latency: a budget of time per batch, and the share of time spent deleting.
+///
+/// Every batch holds locks (on SQLite, the one write lock) and competes for CPU and the
+/// log with the claimers for as long as it runs, so a claimer that meets a batch waits up
+/// to the batch's duration. With a **batch budget** the purge measures each DELETE and
+/// sizes the next one to take about that long (never more rows than
+/// [`RetentionPolicy::batch_size`], never fewer than [`MIN_BATCH`](Self::MIN_BATCH), at
+/// most doubling or halving from one batch to the next). With a **busy share** below 100 %
+/// it then rests in proportion to the batch just run: at 80 % it rests a quarter of each
+/// batch's duration, so claimers get the database to themselves a fifth of the time.
+///
+/// The default, a 20 ms budget and 80 % busy, keeps a batch shorter than a typical
+/// claimer's worst wait and the purge near its unpaced rate (BENCHMARKS.md has the
+/// trade-off curve measured on the three backends). [`UNPACED`](Self::UNPACED) runs
+/// full batches back to back: the fastest purge, and the one claimers feel most.
+///
+/// ```
+/// use sea_orm_inbox::{PurgePacing, RetentionPolicy};
+/// use std::time::Duration;
+///
+/// // A nightly purge on a busy database: 10 ms batches, deleting half the time.
+/// let pacing = PurgePacing::default()
+///     .with_batch_budget(Duration::from_millis(10))?
+///     .with_busy_percent(50)?;
+/// let policy = RetentionPolicy::with_window(Duration::from_secs(7 * 86_400))?
+///     .with_batch_size(10_000)?
+///     .with_pacing(pacing);
+/// assert_eq!(policy.pacing().busy_percent(), 50);
+/// # Ok::<(), sea_orm_inbox::InboxError>(())
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PurgePacing {
+    batch_budget: Option<Duration>,
+    busy_percent: u8,
+}
+
+impl PurgePacing {
+    /// Full batches back to back, no budget, no rest: the purge before pacing existed.
+    pub const UNPACED: Self = Self {
+        batch_budget: None,
+        busy_percent: 100,
+    };
+    /// The default time budget of one batch.
+    pub const DEFAULT_BATCH_BUDGET: Duration = Duration::from_millis(20);
+    /// The default share of time spent deleting, in percent.
+    pub const DEFAULT_BUSY_PERCENT: u8 = 80;
+    /// The smallest batch the budget shrinks to: below it, the statement's fixed cost
+    /// dominates and the purge would fall behind the inflow.
+    pub const MIN_BATCH: u32 = 10;
+    /// The longest batch budget accepted.
+    pub const MAX_BATCH_BUDGET: Duration = Duration::from_secs(60);
+
+    /// Sizes each batch to take about `budget` (see above).
+    ///
+    /// # Errors
+    /// [`InboxError::InvalidRetention`] for a zero budget or one over
+    /// [`MAX_BATCH_BUDGET`](Self::MAX_BATCH_BUDGET).
+    pub fn with_batch_budget(self, budget: Duration) -> Result<Self, InboxError> {
+        if budget.is_zero() || budget > Self::MAX_BATCH_BUDGET {
+            return Err(InboxError::InvalidRetention {
+                reason: format!(
+                    "a batch budget of {budget:?} is outside (0, {:?}]: give the longest a claimer may wait behind one purge batch",
+                    Self::MAX_BATCH_BUDGET
+                ),
+            });
+        }
+        Ok(Self {
+            batch_budget: Some(budget),
+            ..self
+        })
+    }
+
+    /// Every batch takes [`RetentionPolicy::batch_size`] rows, however long it runs.
+    pub fn without_batch_budget(self) -> Self {
+        Self {
+            batch_budget: None,
+            ..self
+        }
+    }
+
+    /// Spends `percent` of the purge's time deleting and rests the remainder.
+    ///
+    /// # Errors
+    /// [`InboxError::InvalidRetention`] outside `1..=100`.
+    pub fn with_busy_percent(self, percent: u8) -> Result<Self, InboxError> {
+        if !(1..=100).contains(&percent) {
+            return Err(InboxError::InvalidRetention {
+                reason: format!(
+                    "a busy share of {percent} % is outside 1..=100: 100 never rests, lower values rest longer between batches"
+                ),
+            });
+        }
+        Ok(Self {
+            busy_percent: percent,
+            ..self
+        })
+    }
+
+    /// The time budget of one batch, if the batch size adapts to one.
+    pub fn batch_budget(&self) -> Option<Duration> {
+        self.batch_budget
+    }
+
+    /// The share of time spent deleting, in percent.
+    pub fn busy_percent(&self) -> u8 {
+        self.busy_percent
+    }
+}
+
+impl Default for PurgePacing {
+    /// A [`DEFAULT_BATCH_BUDGET`](Self::DEFAULT_BATCH_BUDGET) per batch,
+    /// [`DEFAULT_BUSY_PERCENT`](Self::DEFAULT_BUSY_PERCENT) busy.
+    fn default() -> Self {
+        Self {
+            batch_budget: Some(Self::DEFAULT_BATCH_BUDGET),
+            busy_percent: Self::DEFAULT_BUSY_PERCENT,
+        }
+    }
+}
+
+/// The pacing of one purge, free of I/O: the size of the next batch, and the rest after
+/// the last one.
+#[derive(Clone, Copy, Debug)]
+struct Pacer {
+    pacing: PurgePacing,
+    ceiling: u64,
+    next: u64,
+}
+
+impl Pacer {
+    fn new(policy: &RetentionPolicy) -> Self {
+        let ceiling = u64::from(policy.batch_size);
+        let next = match policy.pacing.batch_budget {
+            // Start small and grow: the first batch of a cold purge is its slowest.
+            Some(_) => ceiling.min(u64::from(PurgePacing::MIN_BATCH) * 10),
+            None => ceiling,
+        };
+        Self {
+            pacing: policy.pacing,
+            ceiling,
+            next,
+        }
+    }
+
+    /// Rows the next DELETE may remove.
+    fn batch(&self) -> u64 {
+        self.next
+    }
+
+    /// Takes a full batch that ran for `took`; returns how long to rest before the next.
+    fn full_batch(&mut self, took: Duration) -> Duration {
+        if let Some(budget) = self.pacing.batch_budget {
+            let floor = u64::from(PurgePacing::MIN_BATCH).min(self.ceiling);
+            let scaled = if took.is_zero() {
+                self.next.saturating_mul(2)
+            } else {
+                // Rows per second of the batch just run, times the budget.
+                let rows = self.next as f64 * budget.as_secs_f64() / took.as_secs_f64();
+                rows.clamp(0.0, u64::MAX as f64) as u64
+            };
+            self.next = scaled
+                .clamp(self.next / 2, self.next.saturating_mul(2))
+                .clamp(floor, self.ceiling);
+        }
+        let busy = u32::from(self.pacing.busy_percent.clamp(1, 100));
+        took * (100 - busy) / busy
     }
 }
 
@@ -283,11 +490,15 @@ pub struct PurgeReport {
     pub batches: u32,
     /// Rows the largest batch removed (never above the policy's batch size).
     pub largest_batch: u64,
+    /// Time spent in DELETE statements.
+    pub deleting: Duration,
+    /// Time spent resting between batches, as the [`PurgePacing`] asked.
+    pub resting: Duration,
 }
 
 /// Deletes the markers received before the policy's cutoff, in batches of at most
 /// [`RetentionPolicy::batch_size`] rows, each one DELETE statement committed on its own,
-/// until a batch comes back short.
+/// spaced as the policy's [`PurgePacing`] says, until a batch comes back short.
 ///
 /// Never deletes an unfinished two-phase claim (a lease without `processed_at`, parked
 /// or not). The cutoff follows the downtime rule of [`RetentionPolicy`] and is computed
@@ -314,14 +525,44 @@ pub async fn purge(
     db: &DatabaseConnection,
     policy: &RetentionPolicy,
 ) -> Result<PurgeReport, InboxError> {
-    purge_until(db, policy, || false).await
+    purge_until(db, policy, &mut StopSignal::Never).await
+}
+
+/// Whether a purge should stop between batches: never for [`purge`], on request (or when
+/// its [`Purger`] is dropped) for a background purger.
+enum StopSignal<'a> {
+    Never,
+    Watch(&'a mut watch::Receiver<bool>),
+}
+
+impl StopSignal<'_> {
+    fn requested(&self) -> bool {
+        match self {
+            Self::Never => false,
+            // `has_changed` fails once the sender is gone: the `Purger` was dropped.
+            Self::Watch(stopped) => *stopped.borrow() || stopped.has_changed().is_err(),
+        }
+    }
+
+    /// Sleeps `rest`, cut short by a stop request.
+    async fn rest(&mut self, rest: Duration) {
+        match self {
+            Self::Never => tokio::time::sleep(rest).await,
+            Self::Watch(stopped) => {
+                tokio::select! {
+                    _ = tokio::time::sleep(rest) => {}
+                    _ = stopped.changed() => {}
+                }
+            }
+        }
+    }
 }
 
 /// [`purge`] that also stops between batches once `stop` says so.
 async fn purge_until(
     db: &DatabaseConnection,
     policy: &RetentionPolicy,
-    stop: impl Fn() -> bool,
+    stop: &mut StopSignal<'_>,
 ) -> Result<PurgeReport, InboxError> {
     let backend = db.get_database_backend();
     let failed = |operation| move |source| InboxError::Query { operation, source };
@@ -333,27 +574,40 @@ async fn purge_until(
         cutoff: Some(cutoff),
         ..PurgeReport::default()
     };
-    let batch_size = u64::from(policy.batch_size);
+    let mut pacer = Pacer::new(policy);
     loop {
+        let batch = pacer.batch();
+        let started = Instant::now();
         let deleted = db
             .execute_raw(Statement::from_sql_and_values(
                 backend,
                 &delete,
                 [
                     timestamp_value(backend, cutoff),
-                    Value::from(i64::from(policy.batch_size)),
+                    Value::from(i64::try_from(batch).unwrap_or(i64::MAX)),
                 ],
             ))
             .await
             .map_err(failed("deleting a purge batch"))?
             .rows_affected();
+        let took = started.elapsed();
+        report.deleting += took;
         if deleted > 0 {
             report.rows += deleted;
             report.batches += 1;
             report.largest_batch = report.largest_batch.max(deleted);
         }
-        if deleted < batch_size || stop() {
+        if deleted < batch || stop.requested() {
             return Ok(report);
+        }
+        let rest = pacer.full_batch(took);
+        if !rest.is_zero() {
+            let resting_since = Instant::now();
+            stop.rest(rest).await;
+            report.resting += resting_since.elapsed();
+            if stop.requested() {
+                return Ok(report);
+            }
         }
     }
 }
@@ -426,7 +680,8 @@ pub struct PurgerSummary {
 /// A background task running [`purge`] at an interval; see [`spawn_purger`].
 ///
 /// Dropping it without [`shutdown`](Self::shutdown) also stops the task, after its
-/// current batch.
+/// current batch (or at once, when it is resting between batches or waiting for the
+/// next tick).
 #[derive(Debug)]
 pub struct Purger {
     stop: watch::Sender<bool>,
@@ -434,8 +689,8 @@ pub struct Purger {
 }
 
 impl Purger {
-    /// Stops the task after its current batch (never mid-statement) and returns its
-    /// totals.
+    /// Stops the task after its current batch (never mid-statement; a rest between
+    /// batches is cut short) and returns its totals.
     ///
     /// # Errors
     /// [`InboxError::PurgerStopped`] if the task ended abnormally (it was aborted or
@@ -494,12 +749,12 @@ pub fn spawn_purger(
                 _ = stopped.changed() => break,
                 _ = ticker.tick() => {}
             }
-            let stop_now = || *stopped.borrow();
-            if stop_now() {
+            let mut stop = StopSignal::Watch(&mut stopped);
+            if stop.requested() {
                 break;
             }
             summary.runs += 1;
-            match purge_until(&db, &policy, stop_now).await {
+            match purge_until(&db, &policy, &mut stop).await {
                 Ok(report) => {
                     summary.rows += report.rows;
                     summary.batches += u64::from(report.batches);
@@ -508,6 +763,11 @@ pub fn spawn_purger(
                     summary.failures += 1;
                     summary.last_error = Some(err);
                 }
+            }
+            // A stop seen during the purge was consumed there: `changed()` would not
+            // fire for it again.
+            if stop.requested() {
+                break;
             }
         }
         summary
@@ -632,5 +892,86 @@ mod tests {
                 .is_err()
         );
         assert!(policy.with_downtime_gap(Duration::from_secs(7_200)).is_ok());
+    }
+
+    fn paced(budget_ms: u64, busy: u8, ceiling: u32) -> Pacer {
+        let pacing = PurgePacing::default()
+            .with_batch_budget(Duration::from_millis(budget_ms))
+            .and_then(|p| p.with_busy_percent(busy))
+            .expect("valid pacing");
+        let policy = hour_window()
+            .with_batch_size(ceiling)
+            .expect("valid batch size")
+            .with_pacing(pacing);
+        Pacer::new(&policy)
+    }
+
+    #[test]
+    fn unpaced_purges_run_full_batches_back_to_back() {
+        let policy = hour_window()
+            .with_batch_size(5_000)
+            .expect("valid batch size")
+            .with_pacing(PurgePacing::UNPACED);
+        let mut pacer = Pacer::new(&policy);
+        assert_eq!(pacer.batch(), 5_000);
+        assert_eq!(pacer.full_batch(Duration::from_secs(3)), Duration::ZERO);
+        assert_eq!(pacer.batch(), 5_000);
+    }
+
+    #[test]
+    fn the_batch_follows_its_time_budget_within_bounds() {
+        let mut pacer = paced(20, 100, 10_000);
+        assert_eq!(pacer.batch(), 100, "a paced purge starts small");
+        // 100 rows in 5 ms: 400 fit the budget, but a batch at most doubles.
+        pacer.full_batch(Duration::from_millis(5));
+        assert_eq!(pacer.batch(), 200);
+        for _ in 0..20 {
+            pacer.full_batch(Duration::from_micros(1));
+        }
+        assert_eq!(pacer.batch(), 10_000, "never above the policy's batch size");
+        // 10,000 rows in 25 ms: 8,000 fit the budget.
+        pacer.full_batch(Duration::from_millis(25));
+        assert_eq!(pacer.batch(), 8_000);
+        // A stall: at most halved per batch, never below MIN_BATCH.
+        pacer.full_batch(Duration::from_secs(10));
+        assert_eq!(pacer.batch(), 4_000);
+        for _ in 0..20 {
+            pacer.full_batch(Duration::from_secs(10));
+        }
+        assert_eq!(pacer.batch(), u64::from(PurgePacing::MIN_BATCH));
+    }
+
+    #[test]
+    fn the_rest_is_in_proportion_to_the_batch() {
+        let mut pacer = paced(20, 80, 1_000);
+        assert_eq!(
+            pacer.full_batch(Duration::from_millis(100)),
+            Duration::from_millis(25)
+        );
+        let mut half = paced(20, 50, 1_000);
+        assert_eq!(
+            half.full_batch(Duration::from_millis(30)),
+            Duration::from_millis(30)
+        );
+        let mut tiny = paced(20, 100, 5);
+        assert_eq!(tiny.batch(), 5, "a ceiling below the start wins");
+        assert_eq!(tiny.full_batch(Duration::from_secs(1)), Duration::ZERO);
+        assert_eq!(tiny.batch(), 5, "and below MIN_BATCH too");
+    }
+
+    #[test]
+    fn pacing_settings_are_validated() {
+        let pacing = PurgePacing::default();
+        assert_eq!(
+            pacing.batch_budget(),
+            Some(PurgePacing::DEFAULT_BATCH_BUDGET)
+        );
+        assert_eq!(pacing.busy_percent(), PurgePacing::DEFAULT_BUSY_PERCENT);
+        assert!(pacing.with_batch_budget(Duration::ZERO).is_err());
+        assert!(pacing.with_batch_budget(Duration::from_secs(61)).is_err());
+        assert!(pacing.with_busy_percent(0).is_err());
+        assert!(pacing.with_busy_percent(101).is_err());
+        assert_eq!(pacing.without_batch_budget().batch_budget(), None);
+        assert_eq!(hour_window().pacing(), PurgePacing::default());
     }
 }

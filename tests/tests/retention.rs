@@ -4,12 +4,12 @@
 //! (downtime rule).
 
 use chrono::{DateTime, DurationRound, TimeDelta, Utc};
-use sea_orm_inbox::{
-    BrokerRedelivery, InboxError, LeaseOptions, RetentionPolicy, claim_lease, purge, spawn_purger,
-    timestamp_value,
-};
 use inbox_tests::{Backend, migrated_db, on_every_backend, scalar_i64, stmt};
 use sea_orm::{ConnectionTrait, DatabaseConnection, Value};
+use sea_orm_inbox::{
+    BrokerRedelivery, InboxError, LeaseOptions, PurgePacing, RetentionPolicy, claim_lease, purge,
+    spawn_purger, timestamp_value,
+};
 use std::time::Duration;
 use uuid::Uuid;
 
@@ -345,9 +345,109 @@ fn purger_needs_a_runtime_and_an_interval() {
     ));
 }
 
+/// Issue 11: a paced purge deletes exactly what an unpaced one would, and rests between
+/// its batches in proportion to them.
+async fn paced_purge_rests_between_batches(backend: Backend) {
+    let Some(db) = migrated_db(backend).await else {
+        return;
+    };
+    let conn = db.connect().await;
+    let newest = now();
+    insert(&conn, Marker::OnePhase, newest - TimeDelta::hours(5), 95).await;
+    insert(&conn, Marker::OnePhase, newest, 1).await;
+    // Deleting a fifth of the time: each full batch is followed by four times its length.
+    let pacing = PurgePacing::default()
+        .without_batch_budget()
+        .with_busy_percent(20)
+        .unwrap();
+    let policy = RetentionPolicy::with_window(Duration::from_secs(3600))
+        .unwrap()
+        .with_downtime_gap(Duration::from_secs(6 * 3600))
+        .unwrap()
+        .with_batch_size(10)
+        .unwrap()
+        .with_pacing(pacing);
+    let report = purge(&conn, &policy).await.expect("purge");
+    assert_eq!((report.rows, report.batches), (95, 10), "{report:?}");
+    assert_eq!(report.largest_batch, 10);
+    // Nine full batches rest 4x their time; only the last, short batch rests nothing.
+    assert!(
+        report.resting >= report.deleting,
+        "rested {:?} after {:?} of deleting",
+        report.resting,
+        report.deleting
+    );
+    assert_eq!(count(&conn).await, 1);
+    conn.close().await.ok();
+    db.cleanup().await;
+}
+
+/// Issue 8: a `Purger` dropped without `shutdown` stops after its current batch, as
+/// documented, instead of finishing the whole purge.
+async fn dropped_purger_stops_after_its_current_batch(backend: Backend) {
+    let Some(db) = migrated_db(backend).await else {
+        return;
+    };
+    let conn = db.connect().await;
+    let newest = now();
+    const OLD: i64 = 600;
+    insert(
+        &conn,
+        Marker::OnePhase,
+        newest - TimeDelta::hours(5),
+        OLD as usize,
+    )
+    .await;
+    insert(&conn, Marker::OnePhase, newest, 1).await;
+    let policy = RetentionPolicy::with_window(Duration::from_secs(3600))
+        .unwrap()
+        .with_downtime_gap(Duration::from_secs(6 * 3600))
+        .unwrap()
+        .with_batch_size(1)
+        .unwrap()
+        .with_pacing(PurgePacing::UNPACED);
+    // One tick now; the next an hour away.
+    let purger = spawn_purger(conn.clone(), policy, Duration::from_secs(3600)).unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while count(&conn).await > OLD {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the purger never ran"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    drop(purger);
+    // Wait until the count holds still, then make sure it keeps holding.
+    let mut last = count(&conn).await;
+    loop {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let now = count(&conn).await;
+        if now == last {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the dropped purger kept deleting"
+        );
+        last = now;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let remaining = count(&conn).await;
+    assert_eq!(remaining, last, "the dropped purger kept deleting");
+    assert!(
+        remaining - 1 >= OLD / 2,
+        "only {} of {OLD} old rows left: the dropped purger went on after its batch",
+        remaining - 1
+    );
+    conn.close().await.ok();
+    db.cleanup().await;
+}
+
 on_every_backend!(
     purge_removes_exactly_the_old_finished_rows_in_bounded_batches,
     live_leases_survive_a_purge,
     purge_after_downtime_keeps_what_the_broker_may_redeliver,
     background_purger_runs_and_shuts_down_cleanly,
+    paced_purge_rests_between_batches,
+    dropped_purger_stops_after_its_current_batch,
 );
