@@ -18,8 +18,13 @@ usage: cargo run --release --example bench -- [flags]
   --growth-rows N     rows in the inbox for the growth and purge phases
                       (default 5000000, quick 20000; 0 skips both phases)
   --purge-batch N     rows per purge transaction (default 10000, quick 1000)
+  --purge-concurrency LIST  claimers during the purge phase (default 8,32; quick 8)
+  --instructions N    first count client-side instructions per message of raw, claim
+                      and process under callgrind (needs valgrind), N and 2N messages
+                      on SQLite in memory; with --no-sqlite and no server, only that
   --csv PATH          write every measurement as CSV
-  --svg PATH          write the throughput chart as SVG
+  --svg PATH          write the chart (throughput as a fraction of base) as SVG
+  --tables PATH       write the tables and targets of every backend as Markdown
   --replot CSV        measure nothing: redraw --svg from a CSV an earlier run wrote
                       (with that run's --growth-rows)
 ";
@@ -38,6 +43,11 @@ pub struct Args {
     pub csv: Option<String>,
     pub svg: Option<String>,
     pub replot: Option<String>,
+    pub purge_concurrency: Vec<usize>,
+    pub instructions: Option<u64>,
+    /// `MODE:N`: the child process `--instructions` runs under callgrind.
+    pub count_only: Option<String>,
+    pub tables: Option<String>,
 }
 
 impl Args {
@@ -68,6 +78,10 @@ impl Args {
                 "--csv" => raw.csv = Some(value()?),
                 "--svg" => raw.svg = Some(value()?),
                 "--replot" => raw.replot = Some(value()?),
+                "--purge-concurrency" => raw.purge_concurrency = Some(parse_list(&value()?)?),
+                "--instructions" => raw.instructions = Some(value()?.parse()?),
+                "--count-only" => raw.count_only = Some(value()?),
+                "--tables" => raw.tables = Some(value()?),
                 other => return Err(format!("unknown flag {other}\n\n{USAGE}").into()),
             }
         }
@@ -90,6 +104,10 @@ struct RawArgs {
     csv: Option<String>,
     svg: Option<String>,
     replot: Option<String>,
+    purge_concurrency: Option<Vec<usize>>,
+    instructions: Option<u64>,
+    count_only: Option<String>,
+    tables: Option<String>,
 }
 
 impl RawArgs {
@@ -108,8 +126,18 @@ impl RawArgs {
         if purge_batch == 0 {
             return Err("--purge-batch must be positive".into());
         }
-        if self.no_sqlite && self.postgres.is_none() && self.mysql.is_none() {
+        let no_backend = self.no_sqlite && self.postgres.is_none() && self.mysql.is_none();
+        if no_backend && self.instructions.is_none() {
             return Err("--no-sqlite leaves no backend: give --postgres or --mysql".into());
+        }
+        if self.instructions == Some(0) {
+            return Err("--instructions needs a positive message count".into());
+        }
+        let purge_concurrency = self
+            .purge_concurrency
+            .unwrap_or_else(|| pick(quick, vec![8, 32], vec![8]));
+        if purge_concurrency.is_empty() {
+            return Err("--purge-concurrency needs at least one value".into());
         }
         Ok(Args {
             postgres: self.postgres,
@@ -123,6 +151,10 @@ impl RawArgs {
             csv: self.csv,
             svg: self.svg,
             replot: self.replot,
+            purge_concurrency,
+            instructions: self.instructions,
+            count_only: self.count_only,
+            tables: self.tables,
         })
     }
 }

@@ -3,10 +3,10 @@
 
 use crate::BoxError;
 use chrono::{DateTime, Utc};
-use sea_orm_inbox_migration::{Migrator, MigratorTrait};
 use sea_orm::{
     ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DbBackend, Statement, Value,
 };
+use sea_orm_inbox_migration::{Migrator, MigratorTrait};
 use std::time::Duration;
 
 /// The consumer every benchmark message is claimed for.
@@ -148,23 +148,45 @@ pub struct Sql {
     pub delete_batch: &'static str,
     /// Inbox rows with an id above `$1`, and their distinct message ids.
     pub rows_since: &'static str,
+    /// MassTransit: the marker of (`$1`, `$2`) under a row lock: its id and 1 if consumed.
+    pub lock_marker: &'static str,
+    /// NServiceBus: the outbox record of (`$1`, `$2`), read without a lock.
+    pub find_marker: &'static str,
+    /// MassTransit: a new lock id `$1` and one more receive on marker `$2`.
+    pub take_lock: &'static str,
+    /// MassTransit: marker `$2` consumed at `$1`.
+    pub mark_consumed: &'static str,
+    /// Wolverine: the envelope (`$2`, `$3`) handled at `$1`.
+    pub mark_handled: &'static str,
 }
 
 const POSTGRES: Sql = Sql {
     credit: "UPDATE bench_account SET balance = balance + $1 WHERE id = $2",
     marker: r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at") VALUES ($1, $2, $3)"#,
     marker_on_conflict: r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at") VALUES ($1, $2, $3) ON CONFLICT ("message_id", "consumer") DO NOTHING"#,
-    delete_batch: r#"DELETE FROM "inbox" WHERE "id" IN (SELECT "id" FROM "inbox" WHERE "received_at" < $1 ORDER BY "received_at" LIMIT $2)"#,
+    // `id = ANY(ARRAY(...))`: `id IN (subquery)` plans a sequential scan here.
+    delete_batch: r#"DELETE FROM "inbox" WHERE "id" = ANY(ARRAY(SELECT "id" FROM "inbox" WHERE "received_at" < $1 ORDER BY "received_at" LIMIT $2))"#,
     rows_since: "SELECT COUNT(*), COUNT(DISTINCT message_id) FROM inbox WHERE id > $1",
+    lock_marker: "SELECT id, CAST(CASE WHEN processed_at IS NULL THEN 0 ELSE 1 END AS BIGINT) FROM inbox WHERE message_id = $1 AND consumer = $2 FOR UPDATE",
+    find_marker: "SELECT id FROM inbox WHERE message_id = $1 AND consumer = $2",
+    take_lock: "UPDATE inbox SET claim_token = $1, attempts = attempts + 1 WHERE id = $2",
+    mark_consumed: "UPDATE inbox SET processed_at = $1 WHERE id = $2",
+    mark_handled: "UPDATE inbox SET processed_at = $1 WHERE message_id = $2 AND consumer = $3",
 };
 
 const MYSQL: Sql = Sql {
     credit: "UPDATE bench_account SET balance = balance + ? WHERE id = ?",
     marker: "INSERT INTO `inbox` (`message_id`, `consumer`, `received_at`) VALUES (?, ?, ?)",
-    // `id = id` changes nothing; sqlx then reports last_insert_id 0 for the skipped row.
-    marker_on_conflict: "INSERT INTO `inbox` (`message_id`, `consumer`, `received_at`) VALUES (?, ?, ?) ON DUPLICATE KEY UPDATE `id` = `id`",
+    // The library's no-op clause: `id = id` let MariaDB merge concurrent rows. It changes
+    // nothing; sqlx then reports last_insert_id 0 for the skipped row.
+    marker_on_conflict: "INSERT INTO `inbox` (`message_id`, `consumer`, `received_at`) VALUES (?, ?, ?) ON DUPLICATE KEY UPDATE `consumer` = `consumer`",
     delete_batch: "DELETE FROM `inbox` WHERE `received_at` < ? ORDER BY `received_at` LIMIT ?",
     rows_since: "SELECT COUNT(*), COUNT(DISTINCT message_id) FROM inbox WHERE id > ?",
+    lock_marker: "SELECT id, CAST(CASE WHEN processed_at IS NULL THEN 0 ELSE 1 END AS SIGNED) FROM inbox WHERE message_id = ? AND consumer = ? FOR UPDATE",
+    find_marker: "SELECT id FROM inbox WHERE message_id = ? AND consumer = ?",
+    take_lock: "UPDATE inbox SET claim_token = ?, attempts = attempts + 1 WHERE id = ?",
+    mark_consumed: "UPDATE inbox SET processed_at = ? WHERE id = ?",
+    mark_handled: "UPDATE inbox SET processed_at = ? WHERE message_id = ? AND consumer = ?",
 };
 
 const SQLITE: Sql = Sql {
@@ -173,6 +195,12 @@ const SQLITE: Sql = Sql {
     marker_on_conflict: r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at") VALUES (?, ?, ?) ON CONFLICT ("message_id", "consumer") DO NOTHING"#,
     delete_batch: r#"DELETE FROM "inbox" WHERE "id" IN (SELECT "id" FROM "inbox" WHERE "received_at" < ? ORDER BY "received_at" LIMIT ?)"#,
     rows_since: "SELECT COUNT(*), COUNT(DISTINCT message_id) FROM inbox WHERE id > ?",
+    // No FOR UPDATE: the IMMEDIATE transaction already holds the only write lock.
+    lock_marker: "SELECT id, CASE WHEN processed_at IS NULL THEN 0 ELSE 1 END FROM inbox WHERE message_id = ? AND consumer = ?",
+    find_marker: "SELECT id FROM inbox WHERE message_id = ? AND consumer = ?",
+    take_lock: "UPDATE inbox SET claim_token = ?, attempts = attempts + 1 WHERE id = ?",
+    mark_consumed: "UPDATE inbox SET processed_at = ? WHERE id = ?",
+    mark_handled: "UPDATE inbox SET processed_at = ? WHERE message_id = ? AND consumer = ?",
 };
 
 /// The benchmark's SQL for `backend`.
@@ -183,6 +211,41 @@ pub fn sql(backend: DbBackend) -> Result<&'static Sql, BoxError> {
         DbBackend::Sqlite => Ok(&SQLITE),
         other => Err(format!("no benchmark SQL for {other:?}").into()),
     }
+}
+
+/// The best hand-written multi-row marker INSERT of `rows` ids, returning what it
+/// inserted: `ON CONFLICT DO NOTHING RETURNING` on PostgreSQL and SQLite; on MariaDB
+/// `ON DUPLICATE KEY UPDATE consumer = consumer ... RETURNING`, which returns conflicting
+/// rows too, so each row also carries a tag (`claim_token`) that tells the new ones.
+pub fn batch_insert_sql(backend: DbBackend, rows: usize) -> Result<String, BoxError> {
+    let (columns, tuple, tail) = match backend {
+        DbBackend::Postgres | DbBackend::Sqlite => (
+            "message_id, consumer, received_at",
+            3,
+            " ON CONFLICT (message_id, consumer) DO NOTHING RETURNING message_id",
+        ),
+        DbBackend::MySql => (
+            "message_id, consumer, received_at, claim_token",
+            4,
+            " ON DUPLICATE KEY UPDATE consumer = consumer RETURNING message_id, claim_token",
+        ),
+        other => return Err(format!("no batch SQL for {other:?}").into()),
+    };
+    let mut sql = format!("INSERT INTO inbox ({columns}) VALUES ");
+    for row in 0..rows {
+        if row > 0 {
+            sql.push_str(", ");
+        }
+        let placeholders: Vec<String> = (1..=tuple)
+            .map(|col| match backend {
+                DbBackend::Postgres => format!("${}", row * tuple + col),
+                _ => "?".to_owned(),
+            })
+            .collect();
+        sql.push_str(&format!("({})", placeholders.join(", ")));
+    }
+    sql.push_str(tail);
+    Ok(sql)
 }
 
 /// A UTC timestamp as the inbox column takes it, written by hand for the floor modes:

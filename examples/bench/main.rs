@@ -17,7 +17,9 @@
 mod args;
 mod db;
 mod growth;
+mod instructions;
 mod modes;
+mod peers;
 mod purge;
 mod report;
 mod run;
@@ -26,11 +28,12 @@ mod svg;
 use args::{Args, USAGE};
 use db::{BenchDb, CONSUMER, Target};
 use growth::Cohorts;
-use sea_orm_inbox::prelude::*;
-use modes::{Mode, Worker};
+use modes::{Deliveries, Mode, Worker};
+use peers::Mixer;
 use report::Report;
 use run::{Snapshot, Stop, run_mode, shuffled};
 use sea_orm::{DatabaseConnection, TransactionTrait};
+use sea_orm_inbox::prelude::*;
 use std::sync::Arc;
 use std::time::Instant;
 use uuid::Uuid;
@@ -46,6 +49,17 @@ async fn main() -> Result<(), BoxError> {
         print!("{USAGE}");
         return Ok(());
     };
+    if let Some(run) = &args.count_only {
+        return instructions::count_only(run).await;
+    }
+    let counts = match args.instructions {
+        Some(messages) => {
+            let counts = instructions::measure(messages)?;
+            println!("instructions:\n\n{counts}");
+            Some(counts)
+        }
+        None => None,
+    };
     if let Some(csv) = &args.replot {
         let reports = report::from_csv(&std::fs::read_to_string(csv)?, args.growth_rows)?;
         return write_outputs(
@@ -54,6 +68,7 @@ async fn main() -> Result<(), BoxError> {
                 ..args.clone()
             },
             &reports,
+            None,
         );
     }
     let mut reports = Vec::new();
@@ -65,7 +80,7 @@ async fn main() -> Result<(), BoxError> {
                 print_report(&report);
                 reports.push(report);
                 // Written after each backend, so a later failure keeps what was measured.
-                write_outputs(&args, &reports)?;
+                write_outputs(&args, &reports, counts.as_ref())?;
             }
             Err(err) => {
                 eprintln!("[{}] FAILED: {err}", target.name);
@@ -73,21 +88,37 @@ async fn main() -> Result<(), BoxError> {
             }
         }
     }
+    if reports.is_empty() && failures.is_empty() {
+        write_outputs(&args, &reports, counts.as_ref())?;
+    }
     if !failures.is_empty() {
         return Err(failures.join("\n").into());
     }
     Ok(())
 }
 
-/// Writes the CSV and the chart the flags ask for, for the backends measured so far.
-fn write_outputs(args: &Args, reports: &[Report]) -> Result<(), BoxError> {
+/// Writes the CSV, the chart and the tables the flags ask for, for the backends measured
+/// so far.
+fn write_outputs(
+    args: &Args,
+    reports: &[Report],
+    counts: Option<&instructions::Counts>,
+) -> Result<(), BoxError> {
+    if let Some(path) = &args.tables {
+        let mut tables: String = reports.iter().map(Report::markdown).collect();
+        if let Some(counts) = counts {
+            tables.push_str(&format!("### Instructions per message\n\n{counts}\n"));
+        }
+        std::fs::write(path, tables)?;
+        eprintln!("wrote {path}");
+    }
     if let Some(path) = &args.csv {
         let rows: String = reports.iter().map(Report::csv_rows).collect();
         std::fs::write(path, format!("{}{rows}", report::CSV_HEADER))?;
         eprintln!("wrote {path}");
     }
     if let Some(path) = &args.svg {
-        std::fs::write(path, svg::chart(reports))?;
+        std::fs::write(path, svg::chart(reports)?)?;
         eprintln!("wrote {path}");
     }
     Ok(())
@@ -117,13 +148,7 @@ fn targets(args: &Args) -> Vec<Target> {
 }
 
 fn print_report(report: &Report) {
-    println!("\n## {}\n", report.backend);
-    for phase in ["main", "growth", "purge"] {
-        if !report.labels(phase).is_empty() {
-            println!("{phase}:\n\n{}", report.table(phase));
-        }
-    }
-    println!("targets:\n\n{}", report.targets_table());
+    println!("{}", report.markdown());
 }
 
 /// Everything one backend needs during a run.
@@ -163,11 +188,18 @@ impl<'a> Bench<'a> {
         let max_workers = args.concurrency.iter().copied().max().unwrap_or(1);
         db::create_accounts(&control, max_workers).await?;
         let sql = db::sql(db.backend)?;
+        let mixer = Arc::new(Mixer::default());
         let mut workers = Vec::with_capacity(max_workers);
         for account in 1..=max_workers {
             let conn = db.connect().await?;
             let processed = process_some(&conn, PROCESSED_PER_WORKER).await?;
-            workers.push(Arc::new(Worker::new(conn, account as i64, sql, processed)?));
+            workers.push(Arc::new(Worker::new(
+                conn,
+                account as i64,
+                sql,
+                processed,
+                Arc::clone(&mixer),
+            )?));
         }
         Ok(Self {
             args,
@@ -178,9 +210,11 @@ impl<'a> Bench<'a> {
         })
     }
 
-    /// Every mode at every concurrency, in interleaved rounds.
+    /// Every mode at every concurrency, in interleaved rounds; then ours and the peers'
+    /// protocols again in the duplicate-heavy mix.
     async fn main_phase(&mut self) -> Result<(), BoxError> {
-        self.rounds("main", &Mode::ALL).await
+        self.rounds("main", &Mode::ALL).await?;
+        self.rounds("mix", &Mode::MIX).await
     }
 
     /// `claim` and `raw` again with `--growth-rows` old markers in the inbox, seeded in
@@ -190,7 +224,9 @@ impl<'a> Bench<'a> {
         let started = Instant::now();
         eprintln!("[{}] seeding {rows} inbox rows", self.report.backend);
         // Enough cohorts that each purge run takes one of its own, with some left over.
-        let purges = (purge::Purger::ALL.len() * self.args.rounds) as u64;
+        let purges = (purge::Purger::all().len()
+            * self.args.rounds
+            * self.args.purge_concurrency.len()) as u64;
         let cohorts = Cohorts::new(rows, purges + 2);
         growth::seed(&self.control, rows, cohorts).await?;
         eprintln!(
@@ -245,9 +281,15 @@ impl<'a> Bench<'a> {
         concurrency: usize,
     ) -> Result<(), BoxError> {
         let before = Snapshot::take(&self.control).await?;
+        let deliveries = if phase == "mix" {
+            Deliveries::Mixed
+        } else {
+            Deliveries::Fresh
+        };
         let tally = run_mode(
             &self.workers,
             mode,
+            deliveries,
             concurrency,
             Stop::after(self.args.round_time),
         )

@@ -3,14 +3,16 @@
 
 use crate::BoxError;
 use crate::db::{CONSUMER, Sql, timestamp};
+use crate::peers::{Handled, Mixer};
 use chrono::Utc;
-use sea_orm_inbox::prelude::*;
 use sea_orm::sqlx;
 use sea_orm::{
     ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend, DbErr, Statement,
     TransactionTrait, Value,
 };
+use sea_orm_inbox::prelude::*;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use uuid::Uuid;
 
 /// What the benchmark measures, in the order the table prints it.
@@ -38,11 +40,26 @@ pub enum Mode {
     /// The ON CONFLICT marker of an already processed message, then the rollback: what
     /// the duplicate path would cost if the claim skipped conflicts instead of failing.
     DuplicateOnConflict,
+    /// The best hand-written multi-row marker INSERT (ON CONFLICT DO NOTHING RETURNING)
+    /// of the same fresh ids as `batch`: the batch's floor.
+    BatchRaw,
+    /// MassTransit's EF Core inbox, by hand: lock-insert-commit, then lock, count the
+    /// receive, do the work, mark consumed, commit.
+    MassTransit,
+    /// NServiceBus's optimistic outbox, by hand: look up, do the work, insert the record
+    /// at the end of the same transaction.
+    NServiceBus,
+    /// Wolverine's durable inbox, by hand: persist the envelope and commit, then do the
+    /// work and mark it handled in a second transaction.
+    Wolverine,
+    /// The seed article's EF Core shape: the work first, the marker added at the end of
+    /// the same transaction.
+    Seed,
 }
 
 impl Mode {
     /// Every mode of the main phase.
-    pub const ALL: [Mode; 10] = [
+    pub const ALL: [Mode; 15] = [
         Mode::Base,
         Mode::Raw,
         Mode::Sqlx,
@@ -53,6 +70,28 @@ impl Mode {
         Mode::Duplicate,
         Mode::DuplicateOnConflict,
         Mode::Batch,
+        Mode::BatchRaw,
+        Mode::MassTransit,
+        Mode::NServiceBus,
+        Mode::Wolverine,
+        Mode::Seed,
+    ];
+
+    /// The peers' protocols, written by hand over the same schema and business write.
+    pub const PEERS: [Mode; 4] = [
+        Mode::MassTransit,
+        Mode::NServiceBus,
+        Mode::Wolverine,
+        Mode::Seed,
+    ];
+
+    /// The modes of the duplicate-heavy mix: ours, then the peers'.
+    pub const MIX: [Mode; 5] = [
+        Mode::Process,
+        Mode::MassTransit,
+        Mode::NServiceBus,
+        Mode::Wolverine,
+        Mode::Seed,
     ];
 
     pub fn name(self) -> &'static str {
@@ -67,8 +106,29 @@ impl Mode {
             Mode::Duplicate => "duplicate",
             Mode::DuplicateOnConflict => "dup_on_conflict",
             Mode::Batch => "batch",
+            Mode::BatchRaw => "batch_raw",
+            Mode::MassTransit => "masstransit",
+            Mode::NServiceBus => "nservicebus",
+            Mode::Wolverine => "wolverine",
+            Mode::Seed => "seed",
         }
     }
+
+    /// Whether the mode takes one message id per transaction from [`Deliveries`]: ours
+    /// through `Inbox::process` and the peers' protocols.
+    fn delivers(self) -> bool {
+        self == Mode::Process || Mode::PEERS.contains(&self)
+    }
+}
+
+/// Which message ids the delivering modes see.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Deliveries {
+    /// A fresh id every time: a duplicate is a correctness failure.
+    Fresh,
+    /// The duplicate-heavy mix: 30 % of deliveries are duplicates, a third of them racing
+    /// the original on another worker (see [`Mixer`]).
+    Mixed,
 }
 
 /// Message ids per `batch` transaction.
@@ -94,13 +154,13 @@ impl Done {
         credited: 1,
         duplicates: 0,
     };
-    const CLAIMED_ONE: Done = Done {
+    pub(crate) const CLAIMED_ONE: Done = Done {
         messages: 1,
         claimed: 1,
         credited: 1,
         duplicates: 0,
     };
-    const DUPLICATE: Done = Done {
+    pub(crate) const DUPLICATE: Done = Done {
         messages: 1,
         claimed: 0,
         credited: 0,
@@ -114,10 +174,16 @@ pub struct Worker {
     pub account: i64,
     pub sql: &'static Sql,
     /// The worker's own `Inbox`, as each replica would configure one.
-    inbox: Inbox,
+    pub(crate) inbox: Inbox,
     /// Messages this worker already processed, replayed by `duplicate`.
     processed: Vec<Uuid>,
     next_processed: AtomicUsize,
+    /// The hand-written multi-row INSERT of `batch_raw`, built once.
+    batch_insert: String,
+    /// The duplicate-heavy mix, shared by all workers.
+    pub(crate) mixer: Arc<Mixer>,
+    /// Ids this worker applied in the current mix run, replayed as duplicates.
+    pub(crate) applied: Mutex<Vec<Uuid>>,
 }
 
 impl Worker {
@@ -128,7 +194,9 @@ impl Worker {
         account: i64,
         sql: &'static Sql,
         processed: Vec<Uuid>,
+        mixer: Arc<Mixer>,
     ) -> Result<Self, BoxError> {
+        let batch_insert = crate::db::batch_insert_sql(db.get_database_backend(), BATCH_IDS)?;
         Ok(Self {
             db,
             account,
@@ -136,42 +204,89 @@ impl Worker {
             inbox: Inbox::new(CONSUMER)?,
             processed,
             next_processed: AtomicUsize::new(0),
+            batch_insert,
+            mixer,
+            applied: Mutex::new(Vec::new()),
         })
     }
 
-    fn backend(&self) -> DbBackend {
+    pub(crate) fn backend(&self) -> DbBackend {
         self.db.get_database_backend()
     }
 
-    /// Runs one transaction of `mode`.
-    pub async fn run(&self, mode: Mode) -> Result<Done, BoxError> {
+    /// Runs one transaction of `mode` (one delivery, for the delivering modes).
+    pub async fn run(&self, mode: Mode, deliveries: Deliveries) -> Result<Done, BoxError> {
+        if mode.delivers() {
+            return self.deliver(mode, deliveries).await;
+        }
         match mode {
             Mode::Base => self.base().await,
             Mode::Raw => self.raw().await,
             Mode::Sqlx => self.sqlx().await,
             Mode::Claim => self.claim().await,
-            Mode::Process => self.process().await,
             Mode::Savepoint => self.savepoint().await,
             Mode::OnConflict => self.on_conflict().await,
             Mode::Duplicate => self.duplicate().await,
             Mode::DuplicateOnConflict => self.duplicate_on_conflict().await,
             Mode::Batch => self.batch().await,
+            Mode::BatchRaw => self.batch_raw().await,
+            Mode::Process
+            | Mode::MassTransit
+            | Mode::NServiceBus
+            | Mode::Wolverine
+            | Mode::Seed => self.deliver(mode, deliveries).await,
+        }
+    }
+
+    /// One delivery of a message id chosen by `deliveries` through `mode`'s protocol.
+    async fn deliver(&self, mode: Mode, deliveries: Deliveries) -> Result<Done, BoxError> {
+        let id = match deliveries {
+            Deliveries::Fresh => Uuid::new_v4(),
+            Deliveries::Mixed => self.mixer.next_delivery(self)?,
+        };
+        let handled = match mode {
+            Mode::Process => self.process(id).await?,
+            Mode::MassTransit => self.masstransit(id).await?,
+            Mode::NServiceBus => self.nservicebus(id).await?,
+            Mode::Wolverine => self.wolverine(id).await?,
+            Mode::Seed => self.seed(id).await?,
+            other => return Err(format!("{} does not deliver messages", other.name()).into()),
+        };
+        match (handled, deliveries) {
+            (Handled::Applied, Deliveries::Mixed) => {
+                self.applied
+                    .lock()
+                    .map_err(|_| "a worker panicked holding the applied ids")?
+                    .push(id);
+                Ok(Done::CLAIMED_ONE)
+            }
+            (Handled::Applied, Deliveries::Fresh) => Ok(Done::CLAIMED_ONE),
+            (Handled::Duplicate, Deliveries::Mixed) => Ok(Done::DUPLICATE),
+            (Handled::Duplicate, Deliveries::Fresh) => Err(format!(
+                "{}: a fresh message id was reported as a duplicate",
+                mode.name()
+            )
+            .into()),
         }
     }
 
     /// Every mode begins the same way: IMMEDIATE on SQLite, so concurrent claimers wait
     /// for the write lock instead of failing; a plain BEGIN elsewhere.
-    async fn begin(&self) -> Result<DatabaseTransaction, BoxError> {
+    pub(crate) async fn begin(&self) -> Result<DatabaseTransaction, BoxError> {
         Ok(self.db.begin_with_options(CLAIM_TRANSACTION).await?)
     }
 
-    async fn credit(&self, txn: &DatabaseTransaction, amount: i64) -> Result<(), BoxError> {
+    pub(crate) async fn credit(
+        &self,
+        txn: &DatabaseTransaction,
+        amount: i64,
+    ) -> Result<(), BoxError> {
         credit(txn, self.sql, self.account, amount).await?;
         Ok(())
     }
 
     /// The marker INSERT by hand: `sql` with the id, the consumer and the time bound.
-    fn marker(&self, sql: &'static str, id: Uuid) -> Statement {
+    pub(crate) fn marker(&self, sql: &'static str, id: Uuid) -> Statement {
         let backend = self.backend();
         Statement::from_sql_and_values(
             backend,
@@ -212,18 +327,18 @@ impl Worker {
         }
     }
 
-    async fn process(&self) -> Result<Done, BoxError> {
+    async fn process(&self, id: Uuid) -> Result<Handled, BoxError> {
         let (sql, account) = (self.sql, self.account);
         let outcome = self
             .inbox
-            .process(&self.db, Uuid::new_v4(), |txn| {
+            .process(&self.db, id, |txn| {
                 Box::pin(async move { credit(txn, sql, account, 1).await })
             })
             .await?;
-        match outcome {
-            Outcome::Processed(()) => Ok(Done::CLAIMED_ONE),
-            Outcome::Duplicate => Err("a fresh message id was reported as a duplicate".into()),
-        }
+        Ok(match outcome {
+            Outcome::Processed(()) => Handled::Applied,
+            Outcome::Duplicate => Handled::Duplicate,
+        })
     }
 
     async fn savepoint(&self) -> Result<Done, BoxError> {
@@ -299,6 +414,53 @@ impl Worker {
         })
     }
 
+    /// The same fresh ids as `batch`, claimed by the best hand-written statement: one
+    /// multi-row INSERT ... ON CONFLICT DO NOTHING RETURNING (MariaDB: ON DUPLICATE KEY
+    /// UPDATE consumer = consumer, tagged, since it returns conflicting rows too).
+    async fn batch_raw(&self) -> Result<Done, BoxError> {
+        let backend = self.backend();
+        let now = timestamp(backend, Utc::now());
+        let tag = Uuid::new_v4();
+        let tagged = backend == DbBackend::MySql;
+        let mut values = Vec::with_capacity(BATCH_IDS * 4);
+        for _ in 0..BATCH_IDS {
+            values.extend([
+                Value::from(Uuid::new_v4()),
+                Value::from(CONSUMER),
+                now.clone(),
+            ]);
+            if tagged {
+                values.push(Value::from(tag));
+            }
+        }
+        let txn = self.begin().await?;
+        let rows = txn
+            .query_all_raw(Statement::from_sql_and_values(
+                backend,
+                self.batch_insert.as_str(),
+                values,
+            ))
+            .await?;
+        let mut claimed = 0_u64;
+        for row in &rows {
+            if !tagged || row.try_get_by_index::<Uuid>(1)? == tag {
+                claimed += 1;
+            }
+        }
+        if claimed != BATCH_IDS as u64 {
+            return Err(format!("{claimed} of {BATCH_IDS} fresh ids were inserted").into());
+        }
+        let credited = i64::try_from(claimed)?;
+        self.credit(&txn, credited).await?;
+        txn.commit().await?;
+        Ok(Done {
+            messages: claimed,
+            claimed,
+            credited,
+            duplicates: 0,
+        })
+    }
+
     async fn duplicate_on_conflict(&self) -> Result<Done, BoxError> {
         let txn = self.begin().await?;
         if self.insert_on_conflict(&txn, self.replay()?).await? {
@@ -364,7 +526,7 @@ impl Worker {
 }
 
 /// The business write of every mode: credit `account` by `amount` through `txn`.
-async fn credit(
+pub(crate) async fn credit(
     txn: &DatabaseTransaction,
     sql: &Sql,
     account: i64,

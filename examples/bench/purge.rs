@@ -1,6 +1,6 @@
-//! The purge phase: `claim` runs at concurrency 8 alone, then during a batched purge of
-//! one seeded cohort, then during a hand-written batched DELETE of the next one, in
-//! rotating order. Each purge must delete exactly its cohort.
+//! The purge phase: `claim` runs at 8 and 32 workers alone, during the library's purge
+//! of one seeded cohort at each pacing setting, and during a hand-written batched DELETE
+//! of another, in a random order each round. Each purge must delete exactly its cohort.
 
 use crate::Bench;
 use crate::BoxError;
@@ -9,8 +9,8 @@ use crate::growth::Cohorts;
 use crate::modes::Mode;
 use crate::run::{Stop, Tally, run_mode, shuffled};
 use chrono::{TimeDelta, Utc};
-use sea_orm_inbox::{RetentionPolicy, purge};
 use sea_orm::{ConnectionTrait, DatabaseConnection, Statement, Value};
+use sea_orm_inbox::{PurgePacing, RetentionPolicy, purge};
 use std::time::{Duration, Instant};
 
 /// What one purge did.
@@ -28,21 +28,74 @@ impl Purged {
     }
 }
 
-/// A way to purge: the library's, or the hand-written DELETE it is compared with.
+/// A pacing of the library's purge measured in the purge phase: the default, and the
+/// points of the trade-off curve around it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Setting {
+    /// `PurgePacing::default()`: the setting the targets judge.
+    Default,
+    /// `PurgePacing::UNPACED`: full batches back to back, as before pacing.
+    Unpaced,
+    /// A 50 ms batch budget, never resting.
+    LongBatches,
+    /// A 5 ms batch budget, busy half the time.
+    Gentle,
+}
+
+impl Setting {
+    const ALL: [Setting; 4] = [
+        Setting::Default,
+        Setting::Unpaced,
+        Setting::LongBatches,
+        Setting::Gentle,
+    ];
+
+    fn pacing(self) -> Result<PurgePacing, BoxError> {
+        Ok(match self {
+            Setting::Default => PurgePacing::default(),
+            Setting::Unpaced => PurgePacing::UNPACED,
+            Setting::LongBatches => PurgePacing::default()
+                .with_batch_budget(Duration::from_millis(50))?
+                .with_busy_percent(100)?,
+            Setting::Gentle => PurgePacing::default()
+                .with_batch_budget(Duration::from_millis(5))?
+                .with_busy_percent(50)?,
+        })
+    }
+
+    /// The purge's row label and the claimers' label.
+    fn labels(self) -> (&'static str, &'static str) {
+        match self {
+            Setting::Default => ("purge rows", "claim + purge"),
+            Setting::Unpaced => ("purge rows unpaced", "claim + purge unpaced"),
+            Setting::LongBatches => ("purge rows 50ms/100%", "claim + purge 50ms/100%"),
+            Setting::Gentle => ("purge rows 5ms/50%", "claim + purge 5ms/50%"),
+        }
+    }
+}
+
+/// A way to purge: the library's at one pacing, or the hand-written DELETE it is
+/// compared with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Purger {
     /// `sea_orm_inbox::purge`, the library's batched purge.
-    Library,
+    Library(Setting),
     /// The hand-written batched DELETE: the floor.
     HandDelete,
 }
 
 impl Purger {
-    pub const ALL: [Purger; 2] = [Purger::Library, Purger::HandDelete];
+    /// Every purger of the phase.
+    pub fn all() -> Vec<Purger> {
+        let mut all: Vec<Purger> = Setting::ALL.into_iter().map(Purger::Library).collect();
+        all.push(Purger::HandDelete);
+        all
+    }
 
-    fn labels(self) -> (&'static str, &'static str) {
+    /// The purge's row label and the claimers' label.
+    pub fn labels(self) -> (&'static str, &'static str) {
         match self {
-            Purger::Library => ("purge rows", "claim + purge"),
+            Purger::Library(setting) => setting.labels(),
             Purger::HandDelete => ("hand delete rows", "claim + hand delete"),
         }
     }
@@ -55,7 +108,7 @@ impl Purger {
         batch: u64,
     ) -> Result<Purged, BoxError> {
         match self {
-            Purger::Library => library_purge(conn, cutoff, batch).await,
+            Purger::Library(setting) => library_purge(conn, cutoff, batch, setting.pacing()?).await,
             Purger::HandDelete => hand_delete(conn, sql, cutoff, batch).await,
         }
     }
@@ -70,11 +123,13 @@ async fn library_purge(
     conn: &DatabaseConnection,
     cutoff: chrono::DateTime<Utc>,
     batch: u64,
+    pacing: PurgePacing,
 ) -> Result<Purged, BoxError> {
     let window = (Utc::now() - cutoff).to_std()?;
     let policy = RetentionPolicy::with_window(window)?
         .with_downtime_gap(RetentionPolicy::MAX_WINDOW)?
-        .with_batch_size(u32::try_from(batch)?)?;
+        .with_batch_size(u32::try_from(batch)?)?
+        .with_pacing(pacing);
     let start = Instant::now();
     let report = purge(conn, &policy).await?;
     let elapsed = start.elapsed();
@@ -127,37 +182,46 @@ fn cutoff_after(k: u64) -> chrono::DateTime<Utc> {
 }
 
 impl Bench<'_> {
-    /// Runs the purge phase on the cohorts `growth::seed` laid down.
+    /// Runs the purge phase on the cohorts `growth::seed` laid down: at each purge
+    /// concurrency, claimers alone and during each purger, in a random order each round.
     pub(crate) async fn purge_phase(&mut self, cohorts: Cohorts) -> Result<(), BoxError> {
-        let concurrency = 8.min(self.workers.len());
+        let levels: Vec<usize> = self
+            .args
+            .purge_concurrency
+            .iter()
+            .map(|&c| c.min(self.workers.len()))
+            .collect();
         let purger_conn = self.db.connect().await?;
-        self.report.declare("purge", "claim alone", concurrency);
-        for purger in Purger::ALL {
-            let (purge_label, claim_label) = purger.labels();
-            self.report.declare("purge", claim_label, concurrency);
-            self.report.declare("purge", purge_label, concurrency);
+        for &concurrency in &levels {
+            self.report.declare("purge", "claim alone", concurrency);
+            for purger in Purger::all() {
+                let (purge_label, claim_label) = purger.labels();
+                self.report.declare("purge", claim_label, concurrency);
+                self.report.declare("purge", purge_label, concurrency);
+            }
         }
         let mut next_cohort = 0;
         for round in 0..self.args.rounds {
-            // Claimers alone, and during each purger, in a random order each round.
-            let mut steps: Vec<Option<Purger>> = vec![None];
-            steps.extend(Purger::ALL.map(Some));
-            for step in shuffled(&steps) {
-                match step {
-                    None => {
-                        self.measure_as("purge", "claim alone", Mode::Claim, concurrency)
-                            .await?
-                    }
-                    Some(purger) => {
-                        self.purge_during_claims(
-                            &purger_conn,
-                            purger,
-                            cohorts,
-                            next_cohort,
-                            concurrency,
-                        )
-                        .await?;
-                        next_cohort += 1;
+            for &concurrency in &levels {
+                let mut steps: Vec<Option<Purger>> = vec![None];
+                steps.extend(Purger::all().into_iter().map(Some));
+                for step in shuffled(&steps) {
+                    match step {
+                        None => {
+                            self.measure_as("purge", "claim alone", Mode::Claim, concurrency)
+                                .await?
+                        }
+                        Some(purger) => {
+                            self.purge_during_claims(
+                                &purger_conn,
+                                purger,
+                                cohorts,
+                                next_cohort,
+                                concurrency,
+                            )
+                            .await?;
+                            next_cohort += 1;
+                        }
                     }
                 }
             }
@@ -193,7 +257,13 @@ impl Bench<'_> {
             purged
         };
         let (claims, purged): (Result<Tally, BoxError>, _) = tokio::join!(
-            run_mode(&self.workers, Mode::Claim, concurrency, stop.clone()),
+            run_mode(
+                &self.workers,
+                Mode::Claim,
+                crate::modes::Deliveries::Fresh,
+                concurrency,
+                stop.clone()
+            ),
             purge
         );
         let (claims, purged) = (claims?, purged?);

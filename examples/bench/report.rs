@@ -2,6 +2,12 @@
 
 use std::fmt::Write as _;
 
+/// The peers' protocols as the report names them.
+pub const PEERS: [&str; 4] = ["masstransit", "nservicebus", "wolverine", "seed"];
+/// The peers that commit twice per message: `process` must beat them by 1.3x at one
+/// worker on the servers, where a commit is a round trip and a log flush.
+const TWO_COMMIT_PEERS: [&str; 2] = ["masstransit", "wolverine"];
+
 /// One measured series: a label at one concurrency, one rate per round.
 #[derive(Clone, Debug)]
 pub struct Cell {
@@ -164,11 +170,26 @@ impl Report {
                 2.0,
             ));
             out.extend(TargetResult::at_least(
-                "batch per id / claim",
+                "batch / batch_raw (per id)",
                 c,
-                main("batch", "claim"),
-                20.0,
+                main("batch", "batch_raw"),
+                0.95,
             ));
+        }
+        for phase in ["main", "mix"] {
+            for c in self.concurrencies(phase) {
+                for peer in PEERS {
+                    let ratio = self.paired_ratio(phase, "process", peer, c);
+                    let two_commits = TWO_COMMIT_PEERS.contains(&peer);
+                    let floor = if two_commits && c == 1 && self.backend != "sqlite" {
+                        1.3
+                    } else {
+                        1.0
+                    };
+                    let name = format!("{phase}: process / {peer}");
+                    out.extend(TargetResult::at_least(&name, c, ratio, floor));
+                }
+            }
         }
         out.extend(self.growth_targets());
         out.extend(self.purge_targets());
@@ -208,8 +229,7 @@ impl Report {
                 self.paired_ratio("purge", "purge rows", "hand delete rows", c),
                 0.8,
             ));
-            let p99 = |label| Some(self.cell("purge", label, c)?.latency_ms(0.99));
-            if let (Some(during), Some(alone)) = (p99("claim + purge"), p99("claim alone")) {
+            if let Some((during, alone)) = self.p99_during("claim + purge", c) {
                 out.push(TargetResult::new(
                     format!("claim p99 during purge / alone ({during:.2} / {alone:.2} ms)"),
                     c,
@@ -219,6 +239,120 @@ impl Report {
                 ));
             }
         }
+        out
+    }
+
+    /// The claimers' p99 during `label` and alone, at `c` workers, in milliseconds.
+    fn p99_during(&self, label: &str, c: usize) -> Option<(f64, f64)> {
+        let p99 = |label| Some(self.cell("purge", label, c)?.latency_ms(0.99));
+        Some((p99(label)?, p99("claim alone")?))
+    }
+
+    /// The purge trade-off: each purger's rows/s (and its ratio to the hand-written
+    /// DELETE) against the claimers' p99 during it (and its ratio to their p99 alone).
+    pub fn purge_tradeoff_table(&self) -> String {
+        let mut out = String::from(
+            "| purger | c | rows/s | / hand DELETE | claim p99 ms | / alone |\n|---|---:|---:|---:|---:|---:|\n",
+        );
+        for c in self.concurrencies("purge") {
+            let purges: Vec<(&str, &str)> = self
+                .labels("purge")
+                .into_iter()
+                .filter_map(|label| {
+                    let setting = label.strip_prefix("purge rows")?;
+                    Some((label, setting))
+                })
+                .chain([("hand delete rows", " hand DELETE")])
+                .collect();
+            for (rows_label, setting) in purges {
+                let claim_label = match rows_label {
+                    "hand delete rows" => "claim + hand delete".to_owned(),
+                    _ => format!("claim + purge{setting}"),
+                };
+                let Some(rows) = self.cell("purge", rows_label, c) else {
+                    continue;
+                };
+                let vs_hand = self
+                    .paired_ratio("purge", rows_label, "hand delete rows", c)
+                    .unwrap_or(f64::NAN);
+                let (during, alone) = self
+                    .p99_during(&claim_label, c)
+                    .unwrap_or((f64::NAN, f64::NAN));
+                let name = match setting.trim() {
+                    "" => "library, default (20ms/90%)",
+                    other => other,
+                };
+                let _ = writeln!(
+                    out,
+                    "| {name} | {c} | {:.0} | {vs_hand:.2} | {during:.2} | {:.2} |",
+                    rows.median_rate(),
+                    during / alone
+                );
+            }
+        }
+        out
+    }
+
+    /// `process` over each peer's protocol, per phase and concurrency: the closing note.
+    pub fn peers_table(&self) -> String {
+        let mut out = String::from("| phase | c |");
+        for peer in PEERS {
+            let _ = write!(out, " process / {peer} |");
+        }
+        out.push_str("\n|---|---:|");
+        out.push_str(&"---:|".repeat(PEERS.len()));
+        out.push('\n');
+        for phase in ["main", "mix"] {
+            for c in self.concurrencies(phase) {
+                let _ = write!(out, "| {phase} | {c} |");
+                for peer in PEERS {
+                    match self.paired_ratio(phase, "process", peer, c) {
+                        Some(ratio) => {
+                            let _ = write!(out, " {ratio:.2} |");
+                        }
+                        None => out.push_str(" - |"),
+                    }
+                }
+                out.push('\n');
+            }
+        }
+        out
+    }
+
+    /// Every table of this backend, as the BENCHMARKS.md section prints them.
+    pub fn markdown(&self) -> String {
+        let mut out = format!("### {}\n\n", self.backend);
+        for (phase, title) in [
+            ("main", "Main phase (per s; latency of one transaction)"),
+            (
+                "mix",
+                "Duplicate-heavy mix (30 % duplicates, a third of them racing; deliveries per s)",
+            ),
+            ("growth", "Growth (old markers in the inbox)"),
+            (
+                "purge",
+                "Purge (purge rows: rows/s; their latency is the whole purge of one cohort)",
+            ),
+        ] {
+            if !self.labels(phase).is_empty() {
+                let _ = write!(out, "#### {title}\n\n{}\n", self.table(phase));
+            }
+        }
+        if !self.labels("mix").is_empty() {
+            let _ = write!(
+                out,
+                "#### `process` over the peers' protocols (median of same-round ratios)\n\n{}\n",
+                self.peers_table()
+            );
+        }
+        if !self.labels("purge").is_empty() {
+            let _ = write!(
+                out,
+                "#### Purge trade-off (median rows/s; claimers' p99 over all rounds)\n\n{}\n",
+                self.purge_tradeoff_table()
+            );
+        }
+        let _ = write!(out, "#### Targets\n\n{}\n", self.targets_table());
         out
     }
 

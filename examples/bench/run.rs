@@ -3,7 +3,7 @@
 
 use crate::BoxError;
 use crate::db::{Sql, scalar};
-use crate::modes::{Done, Mode, Worker};
+use crate::modes::{Deliveries, Done, Mode, Worker};
 use sea_orm::{ConnectionTrait, DatabaseConnection, Statement, Value};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -72,17 +72,21 @@ impl Stop {
 pub async fn run_mode(
     workers: &[Arc<Worker>],
     mode: Mode,
+    deliveries: Deliveries,
     concurrency: usize,
     stop: Stop,
 ) -> Result<Tally, BoxError> {
     let workers = workers
         .get(..concurrency)
         .ok_or_else(|| format!("{concurrency} workers asked, {} opened", workers.len()))?;
+    if let Some(first) = workers.first() {
+        first.mixer.reset(workers)?;
+    }
     let start = Instant::now();
     let mut tasks = tokio::task::JoinSet::new();
     for worker in workers {
         let (worker, stop) = (Arc::clone(worker), stop.clone());
-        tasks.spawn(async move { work(&worker, mode, &stop).await });
+        tasks.spawn(async move { work(&worker, mode, deliveries, &stop).await });
     }
     let mut tally = Tally::default();
     while let Some(joined) = tasks.join_next().await {
@@ -92,12 +96,17 @@ pub async fn run_mode(
     Ok(tally)
 }
 
-async fn work(worker: &Worker, mode: Mode, stop: &Stop) -> Result<WorkerTally, BoxError> {
+async fn work(
+    worker: &Worker,
+    mode: Mode,
+    deliveries: Deliveries,
+    stop: &Stop,
+) -> Result<WorkerTally, BoxError> {
     let mut tally = WorkerTally::default();
     while !stop.is_set() {
         let start = Instant::now();
         let done = worker
-            .run(mode)
+            .run(mode, deliveries)
             .await
             .map_err(|e| format!("{} on account {}: {e}", mode.name(), worker.account))?;
         let micros = start.elapsed().as_micros();
@@ -129,7 +138,8 @@ impl Snapshot {
     }
 
     /// Fails loudly unless the credits applied since this snapshot equal the messages
-    /// the workers claimed, and the new inbox rows are exactly those messages, each once.
+    /// the workers claimed, the new inbox rows are exactly those messages, each once, and
+    /// the effects equal the distinct messages (one credit each).
     pub async fn verify(
         &self,
         conn: &DatabaseConnection,
@@ -149,7 +159,13 @@ impl Snapshot {
             .ok_or("no row from the inbox count")?;
         let (rows, distinct): (i64, i64) = (row.try_get_by_index(0)?, row.try_get_by_index(1)?);
         let claimed = i64::try_from(done.claimed)?;
-        if credited != done.credited || rows != claimed || distinct != rows {
+        // `base` credits without claiming: only the claiming modes owe one credit a message.
+        let claims = done.claimed > 0 || done.duplicates > 0;
+        if credited != done.credited
+            || rows != claimed
+            || distinct != rows
+            || (claims && credited != rows)
+        {
             return Err(format!(
                 "CORRECTNESS FAILURE in {label}: workers claimed {claimed} and credited {}, \
                  the database holds {credited} credits and {rows} new inbox rows \

@@ -231,13 +231,16 @@ impl RetentionPolicy {
 /// Every batch holds locks (on SQLite, the one write lock) and competes for CPU and the
 /// log with the claimers for as long as it runs, so a claimer that meets a batch waits up
 /// to the batch's duration. With a **batch budget** the purge measures each DELETE and
-/// sizes the next one to take about that long (never more rows than
+/// sizes the next one to take about that long at the fastest rate seen so far, so time
+/// spent waiting for a lock never shrinks it (never more rows than
 /// [`RetentionPolicy::batch_size`], never fewer than [`MIN_BATCH`](Self::MIN_BATCH), at
 /// most doubling or halving from one batch to the next). With a **busy share** below 100 %
-/// it then rests in proportion to the batch just run: at 80 % it rests a quarter of each
-/// batch's duration, so claimers get the database to themselves a fifth of the time.
+/// it then rests in proportion to the work of the batch just run: at 80 % it rests a
+/// quarter of each batch's duration, so claimers get the database to themselves a fifth
+/// of the time. The budget bounds how long one claimer waits behind a batch (its p99);
+/// the rest only shares the time, and costs the purge its rate one for one.
 ///
-/// The default, a 20 ms budget and 80 % busy, keeps a batch shorter than a typical
+/// The default, a 20 ms budget and 90 % busy, keeps a batch shorter than a typical
 /// claimer's worst wait and the purge near its unpaced rate (BENCHMARKS.md has the
 /// trade-off curve measured on the three backends). [`UNPACED`](Self::UNPACED) runs
 /// full batches back to back: the fastest purge, and the one claimers feel most.
@@ -271,7 +274,7 @@ impl PurgePacing {
     /// The default time budget of one batch.
     pub const DEFAULT_BATCH_BUDGET: Duration = Duration::from_millis(20);
     /// The default share of time spent deleting, in percent.
-    pub const DEFAULT_BUSY_PERCENT: u8 = 80;
+    pub const DEFAULT_BUSY_PERCENT: u8 = 90;
     /// The smallest batch the budget shrinks to: below it, the statement's fixed cost
     /// dominates and the purge would fall behind the inflow.
     pub const MIN_BATCH: u32 = 10;
@@ -348,11 +351,18 @@ impl Default for PurgePacing {
 
 /// The pacing of one purge, free of I/O: the size of the next batch, and the rest after
 /// the last one.
+///
+/// Batches are sized from the fastest rate this purge has seen (seconds per row), not
+/// from the last batch's duration: a DELETE that spent most of its time waiting for a
+/// lock (on SQLite, for the claimers' write lock) held nothing meanwhile, and shrinking
+/// the next batch for it would only add statements that wait again.
 #[derive(Clone, Copy, Debug)]
 struct Pacer {
     pacing: PurgePacing,
     ceiling: u64,
     next: u64,
+    /// The least time per row measured so far, in seconds.
+    fastest_row: Option<f64>,
 }
 
 impl Pacer {
@@ -367,6 +377,7 @@ impl Pacer {
             pacing: policy.pacing,
             ceiling,
             next,
+            fastest_row: None,
         }
     }
 
@@ -377,21 +388,27 @@ impl Pacer {
 
     /// Takes a full batch that ran for `took`; returns how long to rest before the next.
     fn full_batch(&mut self, took: Duration) -> Duration {
+        let rows = self.next.max(1) as f64;
+        let per_row = took.as_secs_f64() / rows;
+        let fastest = self.fastest_row.map_or(per_row, |best| best.min(per_row));
+        self.fastest_row = Some(fastest);
         if let Some(budget) = self.pacing.batch_budget {
             let floor = u64::from(PurgePacing::MIN_BATCH).min(self.ceiling);
-            let scaled = if took.is_zero() {
-                self.next.saturating_mul(2)
+            let fitting = if fastest > 0.0 {
+                (budget.as_secs_f64() / fastest)
+                    .round()
+                    .clamp(0.0, u64::MAX as f64) as u64
             } else {
-                // Rows per second of the batch just run, times the budget.
-                let rows = self.next as f64 * budget.as_secs_f64() / took.as_secs_f64();
-                rows.clamp(0.0, u64::MAX as f64) as u64
+                u64::MAX
             };
-            self.next = scaled
+            self.next = fitting
                 .clamp(self.next / 2, self.next.saturating_mul(2))
                 .clamp(floor, self.ceiling);
         }
+        // The rest follows the work the batch did, not the time it waited for locks.
+        let worked = took.min(Duration::from_secs_f64(fastest * rows));
         let busy = u32::from(self.pacing.busy_percent.clamp(1, 100));
-        took * (100 - busy) / busy
+        worked * (100 - busy) / busy
     }
 }
 
@@ -925,20 +942,33 @@ mod tests {
         // 100 rows in 5 ms: 400 fit the budget, but a batch at most doubles.
         pacer.full_batch(Duration::from_millis(5));
         assert_eq!(pacer.batch(), 200);
+        // 200 rows in 8 ms: 40 us a row, 500 fit.
+        pacer.full_batch(Duration::from_millis(8));
+        assert_eq!(pacer.batch(), 400);
+        // A batch that waited a second for a lock does not shrink the next one.
+        pacer.full_batch(Duration::from_secs(1));
+        assert_eq!(pacer.batch(), 500);
         for _ in 0..20 {
             pacer.full_batch(Duration::from_micros(1));
         }
         assert_eq!(pacer.batch(), 10_000, "never above the policy's batch size");
-        // 10,000 rows in 25 ms: 8,000 fit the budget.
+    }
+
+    #[test]
+    fn slow_rows_shrink_the_batch_to_at_least_min_batch() {
+        let mut pacer = paced(20, 100, 10_000);
+        // 1 ms a row: 20 rows fit, reached by halving at most.
+        pacer.full_batch(Duration::from_millis(100));
+        assert_eq!(pacer.batch(), 50);
+        pacer.full_batch(Duration::from_millis(50));
+        assert_eq!(pacer.batch(), 25);
         pacer.full_batch(Duration::from_millis(25));
-        assert_eq!(pacer.batch(), 8_000);
-        // A stall: at most halved per batch, never below MIN_BATCH.
-        pacer.full_batch(Duration::from_secs(10));
-        assert_eq!(pacer.batch(), 4_000);
-        for _ in 0..20 {
-            pacer.full_batch(Duration::from_secs(10));
+        assert_eq!(pacer.batch(), 20);
+        let mut tight = paced(1, 100, 10_000);
+        for _ in 0..10 {
+            tight.full_batch(Duration::from_secs(1));
         }
-        assert_eq!(pacer.batch(), u64::from(PurgePacing::MIN_BATCH));
+        assert_eq!(tight.batch(), u64::from(PurgePacing::MIN_BATCH));
     }
 
     #[test]
@@ -952,6 +982,13 @@ mod tests {
         assert_eq!(
             half.full_batch(Duration::from_millis(30)),
             Duration::from_millis(30)
+        );
+        // The rest follows the work: 200 rows at 100 us, however long the lock wait was.
+        let mut waited = paced(20, 50, 1_000);
+        waited.full_batch(Duration::from_millis(10));
+        assert_eq!(
+            waited.full_batch(Duration::from_secs(1)),
+            Duration::from_millis(20)
         );
         let mut tiny = paced(20, 100, 5);
         assert_eq!(tiny.batch(), 5, "a ceiling below the start wins");
