@@ -3,9 +3,8 @@
 //! prefetch window; one replica closes its connection with deliveries committed but not
 //! acked, and RabbitMQ redelivers them (and its unprocessed prefetch) to the other.
 
-use super::{BoxError, Demo, Fate, Plan, Publication, Report};
+use super::{BoxError, CRASH_WHEN_IDLE, Demo, Fate, Plan, Publication, Report};
 use futures_util::StreamExt;
-use sea_orm_inbox::Settlement;
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions, BasicQosOptions,
     ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
@@ -14,6 +13,7 @@ use lapin::publisher_confirm::Confirmation;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, Consumer};
 use sea_orm::DatabaseConnection;
+use sea_orm_inbox::Settlement;
 use std::time::Duration;
 
 /// The local broker the demo uses when `AMQP_URL` is not set.
@@ -153,6 +153,7 @@ impl Replica {
                     Some(delivery) => delivery?,
                     None => return Err("RabbitMQ cancelled the consumer".into()),
                 },
+                () = tokio::time::sleep(CRASH_WHEN_IDLE), if fate.is_crashing() => break,
             };
             let id = delivery
                 .properties

@@ -7,12 +7,12 @@
 //! be reached fails the test; it never skips. Each test creates its own database with a
 //! unique name, so tests run in parallel and on servers that earlier runs left dirty.
 
-use sea_orm_inbox::{CLAIM_TRANSACTION, Claim, InboxTransactionExt};
-use sea_orm_inbox_migration::Migrator;
 use sea_orm::{
     ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DbBackend, Statement,
     TransactionTrait,
 };
+use sea_orm_inbox::{CLAIM_TRANSACTION, Claim, InboxTransactionExt};
+use sea_orm_inbox_migration::Migrator;
 use sea_orm_migration::MigratorTrait;
 use std::time::Duration;
 
