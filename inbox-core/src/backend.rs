@@ -3,15 +3,18 @@
 //!
 //! Everything else in the crate asks this module instead of matching on the backend.
 
-use crate::InboxError;
+use crate::{InboxError, MessageId};
 use chrono::{DateTime, Utc};
-use sea_orm_inbox_entity::{INDEX_NAME, TABLE_NAME};
 use sea_orm::sqlx;
 use sea_orm::sqlx::error::DatabaseError;
 use sea_orm::sqlx::mysql::MySqlDatabaseError;
 use sea_orm::sqlx::postgres::PgDatabaseError;
 use sea_orm::sqlx::sqlite::SqliteError;
-use sea_orm::{DbBackend, DbErr, RuntimeErr, SqliteTransactionMode, TransactionOptions, Value};
+use sea_orm::{
+    DbBackend, DbErr, RuntimeErr, SqliteTransactionMode, Statement, TransactionOptions, Value,
+};
+use sea_orm_inbox_entity::{INDEX_NAME, TABLE_NAME};
+use std::time::Duration;
 
 /// Options for a transaction that claims a message: pass them to
 /// [`TransactionTrait::begin_with_options`](sea_orm::TransactionTrait::begin_with_options).
@@ -27,7 +30,13 @@ use sea_orm::{DbBackend, DbErr, RuntimeErr, SqliteTransactionMode, TransactionOp
 ///
 /// # async fn run(db: &DatabaseConnection) -> Result<(), Box<dyn std::error::Error>> {
 /// let txn = db.begin_with_options(CLAIM_TRANSACTION).await?;
-/// let _claim = txn.claim_message(uuid::Uuid::new_v4(), "billing").await?;
+/// match txn.claim_message(uuid::Uuid::new_v4(), "billing").await? {
+///     Claim::Claimed(claimed) => {
+///         // business writes through `txn`
+///         claimed.commit(txn).await?;
+///     }
+///     Claim::Duplicate => txn.rollback().await?, // already done: ack
+/// }
 /// # Ok(()) }
 /// ```
 pub const CLAIM_TRANSACTION: TransactionOptions = TransactionOptions {
@@ -36,23 +45,95 @@ pub const CLAIM_TRANSACTION: TransactionOptions = TransactionOptions {
     sqlite_transaction_mode: Some(SqliteTransactionMode::Immediate),
 };
 
-/// The marker INSERT, written once per dialect so the hot path builds no SQL and every
-/// call reuses the driver's cached prepared statement.
-pub(crate) fn insert_marker_sql(backend: DbBackend) -> Result<&'static str, InboxError> {
+/// The marker INSERT for one claim, with its bind values.
+///
+/// Written once per dialect so the hot path builds no SQL and every call reuses the
+/// driver's cached prepared statement. `lock_wait` bounds how long the INSERT (and the rest
+/// of its transaction) waits for another transaction's lock, where the backend can bound it
+/// for one transaction only: on PostgreSQL the INSERT itself sets `lock_timeout` with
+/// `set_config(.., true)` (`SET LOCAL`: it ends with the transaction, so it is safe behind
+/// PgBouncer's transaction pooling, and costs no extra round trip), never lengthening a
+/// shorter timeout the session already has. MySQL/MariaDB bound the wait with the
+/// session's `innodb_lock_wait_timeout` (50 s by default), SQLite with the connection's
+/// busy timeout; neither is changed here.
+pub(crate) fn claim_marker_statement(
+    backend: DbBackend,
+    message_id: MessageId,
+    consumer: &str,
+    received_at: DateTime<Utc>,
+    lock_wait: Option<Duration>,
+) -> Result<Statement, InboxError> {
+    let mut values = vec![
+        Value::from(message_id.as_uuid()),
+        Value::from(consumer),
+        timestamp_value(backend, received_at),
+    ];
+    let sql = match (backend, lock_wait) {
+        (DbBackend::Postgres, None) => {
+            r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at") VALUES ($1, $2, $3) RETURNING "id""#
+        }
+        (DbBackend::Postgres, Some(bound)) => {
+            values.push(Value::from(format!("{}ms", bound.as_millis())));
+            r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at") SELECT $1, $2, $3 WHERE set_config('lock_timeout', CASE WHEN current_setting('lock_timeout') = '0' OR current_setting('lock_timeout')::interval > $4::interval THEN $4 ELSE current_setting('lock_timeout') END, true) IS NOT NULL RETURNING "id""#
+        }
+        (DbBackend::MySql, _) => {
+            "INSERT INTO `inbox` (`message_id`, `consumer`, `received_at`) VALUES (?, ?, ?)"
+        }
+        (DbBackend::Sqlite, _) => {
+            r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at") VALUES (?, ?, ?)"#
+        }
+        (other, _) => {
+            return Err(InboxError::UnsupportedBackend {
+                backend: format!("{other:?}"),
+            });
+        }
+    };
+    Ok(Statement::from_sql_and_values(backend, sql, values))
+}
+
+/// How the id of the marker row a claim inserted comes back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum MarkerIdFrom {
+    /// The INSERT has `RETURNING "id"`: run it as a query and read the one row.
+    Returning,
+    /// The driver reports the auto-increment id of the INSERT (MySQL's `LAST_INSERT_ID`,
+    /// SQLite's rowid): run it as a statement.
+    LastInsertId,
+}
+
+/// Where [`claim_marker_statement`]'s backend reports the new marker's id.
+pub(crate) fn marker_id_from(backend: DbBackend) -> MarkerIdFrom {
     match backend {
-        DbBackend::Postgres => Ok(
-            r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at") VALUES ($1, $2, $3)"#,
-        ),
-        DbBackend::MySql => {
-            Ok("INSERT INTO `inbox` (`message_id`, `consumer`, `received_at`) VALUES (?, ?, ?)")
-        }
-        DbBackend::Sqlite => {
-            Ok(r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at") VALUES (?, ?, ?)"#)
-        }
-        other => Err(InboxError::UnsupportedBackend {
-            backend: format!("{other:?}"),
-        }),
+        DbBackend::Postgres => MarkerIdFrom::Returning,
+        _ => MarkerIdFrom::LastInsertId,
     }
+}
+
+/// The proof, before COMMIT, that the transaction still holds the marker it inserted: the
+/// row with that id, message and consumer is visible through the transaction. It fails
+/// with 25P02 on a PostgreSQL transaction a failed statement aborted, and finds no row on
+/// MySQL/MariaDB after InnoDB rolled the transaction back on a deadlock or lock wait
+/// timeout (where a later statement may see another replica's marker for the same
+/// message: the id tells them apart). One primary-key lookup.
+pub(crate) fn marker_held_statement(
+    backend: DbBackend,
+    marker_id: i64,
+    message_id: MessageId,
+    consumer: &str,
+) -> Result<Statement, InboxError> {
+    let sql = dialect_sql(
+        backend,
+        "SELECT 1 FROM inbox WHERE id = ? AND message_id = ? AND consumer = ?",
+    )?;
+    Ok(Statement::from_sql_and_values(
+        backend,
+        sql,
+        [
+            Value::from(marker_id),
+            Value::from(message_id.as_uuid()),
+            Value::from(consumer),
+        ],
+    ))
 }
 
 /// Fails for backends other than PostgreSQL, MySQL/MariaDB and SQLite.
