@@ -1,6 +1,5 @@
 use crate::backend::{
-    DbErrorKind, MarkerIdFrom, claim_marker_statement, classify, marker_held_statement,
-    marker_id_from,
+    DbErrorKind, claim_marker_statement, classify, marker_held_statement, marker_insert_returns_id,
 };
 use crate::batch::{BatchClaim, insert_batch, sorted_batch};
 use crate::consumer::validate_claim;
@@ -332,14 +331,15 @@ pub(crate) async fn insert_marker<C: ConnectionTrait>(
     validate_claim(message_id, consumer)?;
     let backend = conn.get_database_backend();
     let statement = claim_marker_statement(backend, message_id, consumer, now_micros(), lock_wait)?;
-    let marker_id = match marker_id_from(backend) {
-        MarkerIdFrom::Returning => match conn.query_one_raw(statement).await {
+    let marker_id = if marker_insert_returns_id(backend)? {
+        match conn.query_one_raw(statement).await {
             Ok(row) => row
                 .ok_or_else(|| DbErr::Custom("the marker INSERT returned no row".into()))
                 .and_then(|row| row.try_get_by_index::<i64>(0)),
             Err(err) => return claim_failure(err, message_id, consumer),
-        },
-        MarkerIdFrom::LastInsertId => match conn.execute_raw(statement).await {
+        }
+    } else {
+        match conn.execute_raw(statement).await {
             Ok(done) => i64::try_from(done.last_insert_id()).map_err(|_| {
                 DbErr::Custom(format!(
                     "the marker id {} does not fit a bigint",
@@ -347,7 +347,7 @@ pub(crate) async fn insert_marker<C: ConnectionTrait>(
                 ))
             }),
             Err(err) => return claim_failure(err, message_id, consumer),
-        },
+        }
     }
     .map_err(|err| InboxError::from_claim(err, message_id, consumer))?;
     Ok(Claim::Claimed(ClaimedMessage {
