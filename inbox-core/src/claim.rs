@@ -225,6 +225,14 @@ pub trait InboxTransactionExt: sealed::Sealed {
     /// Commit through [`ClaimedMessage::commit`]: it proves the transaction still holds
     /// the marker before COMMIT.
     ///
+    /// One consumer name, one mode: a row that a two-phase [`crate::claim_lease`] wrote for
+    /// the same consumer counts as claimed here too, finished or not, so an unfinished
+    /// lease gives `Duplicate` (never a second run of the work beside the lease holder's
+    /// side effect). Finishing that lease stays the lease protocol's job: its holder
+    /// completes it, or after it expires a sweeper finds it with
+    /// [`crate::list_expired_leases`] and takes it over. [`claim_batch`](Self::claim_batch)
+    /// and [`crate::Inbox::process`] answer the same.
+    ///
     /// # Errors
     /// - [`InboxError::EmptyConsumer`], [`InboxError::ConsumerTooLong`],
     ///   [`InboxError::NilMessageId`] before any SQL runs;
