@@ -251,12 +251,17 @@ pub trait InboxTransactionExt: sealed::Sealed {
     /// The ids are deduplicated and sorted first, so replicas claiming overlapping batches
     /// lock index entries in the same order (no deadlock between them). A row that exists
     /// for an id leaves it unchanged and raises nothing (`ON CONFLICT DO NOTHING`; MySQL:
-    /// `ON DUPLICATE KEY UPDATE id = id`), so the transaction stays usable: process the
+    /// `ON DUPLICATE KEY UPDATE consumer = consumer`), so the transaction stays usable: process the
     /// `claimed` ids through this transaction, then commit. An id another open transaction
     /// holds makes the statement wait for it, as [`claim_message`](Self::claim_message) does.
     ///
     /// Needs PostgreSQL, SQLite, or MariaDB 10.5+ (`INSERT ... RETURNING`); MySQL 8 has no
     /// `RETURNING` and gets [`InboxError::Database`].
+    ///
+    /// The hazard [`ClaimedMessage`] guards against applies here too, without a check: a
+    /// statement that fails while processing the batch aborts the transaction on
+    /// PostgreSQL (its COMMIT then silently rolls back) and a deadlock rolls it back on
+    /// InnoDB. Return such errors and nack the batch; never commit after swallowing one.
     ///
     /// # Errors
     /// Before any SQL: [`InboxError::EmptyBatch`], [`InboxError::BatchTooLarge`] (more than
