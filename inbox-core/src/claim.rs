@@ -251,9 +251,10 @@ pub trait InboxTransactionExt: sealed::Sealed {
     /// The ids are deduplicated and sorted first, so replicas claiming overlapping batches
     /// lock index entries in the same order (no deadlock between them). A row that exists
     /// for an id leaves it unchanged and raises nothing (`ON CONFLICT DO NOTHING`; MySQL:
-    /// `ON DUPLICATE KEY UPDATE consumer = consumer`), so the transaction stays usable: process the
-    /// `claimed` ids through this transaction, then commit. An id another open transaction
-    /// holds makes the statement wait for it, as [`claim_message`](Self::claim_message) does.
+    /// `ON DUPLICATE KEY UPDATE consumer = consumer`), so the transaction stays usable:
+    /// process the `claimed` ids through this transaction, then commit. An id another open
+    /// transaction holds makes the statement wait for it, as
+    /// [`claim_message`](Self::claim_message) does.
     ///
     /// Needs PostgreSQL, SQLite, or MariaDB 10.5+ (`INSERT ... RETURNING`); MySQL 8 has no
     /// `RETURNING` and gets [`InboxError::Database`].
