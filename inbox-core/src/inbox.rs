@@ -1,5 +1,5 @@
 use crate::backend::{CLAIM_TRANSACTION, DbErrorKind, classify};
-use crate::claim::insert_marker;
+use crate::claim::{ensure_marker_held, insert_marker};
 use crate::consumer::validate_consumer;
 use crate::metrics::{Counter, InboxMetrics};
 use crate::{Claim, InboxError, MessageId, Outcome, ProcessError, RetryPolicy};
@@ -9,7 +9,7 @@ use std::fmt::Display;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tracing::Instrument;
 
 /// The future a handler returns: it borrows the transaction and must be `Send`.
@@ -63,6 +63,7 @@ pub type HandlerFuture<'t, T, E> = Pin<Box<dyn Future<Output = Result<T, E>> + S
 pub struct Inbox {
     consumer: Arc<str>,
     retry: RetryPolicy,
+    lock_timeout: Duration,
     metrics: Arc<InboxMetrics>,
 }
 
@@ -111,14 +112,77 @@ impl Inbox {
         Ok(Self {
             consumer: consumer.into(),
             retry: RetryPolicy::default(),
+            lock_timeout: Self::DEFAULT_LOCK_TIMEOUT,
             metrics: Arc::default(),
         })
     }
+
+    /// The default [`with_lock_timeout`](Self::with_lock_timeout): 5 s.
+    pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
+
+    /// The longest lock timeout accepted: 10 s.
+    pub const MAX_LOCK_TIMEOUT: Duration = Duration::from_secs(10);
+
+    /// The shortest lock timeout accepted: 1 ms.
+    pub const MIN_LOCK_TIMEOUT: Duration = Duration::from_millis(1);
 
     /// Replaces the retry policy for transient database failures.
     pub fn with_retry(mut self, retry: RetryPolicy) -> Self {
         self.retry = retry;
         self
+    }
+
+    /// Bounds how long a claim transaction waits for another transaction's lock, such as
+    /// another replica's open claim on the same message (default
+    /// [`DEFAULT_LOCK_TIMEOUT`](Self::DEFAULT_LOCK_TIMEOUT)). A held claim means another
+    /// replica is on the message, so waiting longer only ties up a pooled connection; when
+    /// the bound runs out the attempt ends as a transient error, which `process` retries
+    /// per its [`RetryPolicy`] and then returns (nack).
+    ///
+    /// - PostgreSQL: `lock_timeout` for the claim transaction only (`SET LOCAL`, set by the
+    ///   claim INSERT itself: no extra round trip, and safe behind PgBouncer's transaction
+    ///   pooling). It covers the handler's statements in that transaction too; a shorter
+    ///   `lock_timeout` the session already has is kept.
+    /// - MySQL/MariaDB: not applied; the wait is bounded by the session's
+    ///   `innodb_lock_wait_timeout` (50 s by default). Set it on the pool's connections
+    ///   (e.g. `SET SESSION innodb_lock_wait_timeout = 5` in an after-connect hook) to
+    ///   bound it as tightly.
+    /// - SQLite: not applied; a claim waits for the write lock in the connection's busy
+    ///   handler (`PRAGMA busy_timeout`; sqlx sets 5 s), then fails with SQLITE_BUSY, also
+    ///   transient.
+    ///
+    /// ```
+    /// use sea_orm_inbox::{Inbox, InboxError};
+    /// use std::time::Duration;
+    ///
+    /// let inbox = Inbox::new("billing.credit")?.with_lock_timeout(Duration::from_secs(2))?;
+    /// assert_eq!(inbox.lock_timeout(), Duration::from_secs(2));
+    /// assert!(matches!(
+    ///     Inbox::new("billing.credit")?.with_lock_timeout(Duration::from_secs(60)),
+    ///     Err(InboxError::LockTimeoutOutOfRange { .. })
+    /// ));
+    /// # Ok::<(), InboxError>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`InboxError::LockTimeoutOutOfRange`] outside
+    /// [`MIN_LOCK_TIMEOUT`](Self::MIN_LOCK_TIMEOUT)..=[`MAX_LOCK_TIMEOUT`](Self::MAX_LOCK_TIMEOUT).
+    pub fn with_lock_timeout(mut self, timeout: Duration) -> Result<Self, InboxError> {
+        if !(Self::MIN_LOCK_TIMEOUT..=Self::MAX_LOCK_TIMEOUT).contains(&timeout) {
+            return Err(InboxError::LockTimeoutOutOfRange {
+                timeout,
+                min: Self::MIN_LOCK_TIMEOUT,
+                max: Self::MAX_LOCK_TIMEOUT,
+            });
+        }
+        self.lock_timeout = timeout;
+        Ok(self)
+    }
+
+    /// The bound on a claim transaction's lock waits (see
+    /// [`with_lock_timeout`](Self::with_lock_timeout)).
+    pub fn lock_timeout(&self) -> Duration {
+        self.lock_timeout
     }
 
     /// The consumer name.
@@ -144,10 +208,19 @@ impl Inbox {
     /// transaction like any other transient failure. A `DbErr` wrapped in an error type of
     /// your own is not looked into: that error is returned, and the redelivery retries it.
     ///
+    /// Before COMMIT, `process` proves that the transaction still holds the marker (one
+    /// primary-key read): a handler that swallowed a failed statement which ended the
+    /// transaction (PostgreSQL aborts it on any error; InnoDB rolls it back on a deadlock)
+    /// and returned `Ok` gets [`InboxError::ClaimLost`], never an `Ok` outcome for work that
+    /// did not commit.
+    ///
+    /// The claim's lock wait is bounded by [`with_lock_timeout`](Self::with_lock_timeout).
+    ///
     /// # Errors
     /// [`ProcessError::Handler`] when the handler fails (rolled back; not retried unless
     /// transient, as above, and then returned when the attempts run out),
-    /// [`ProcessError::Inbox`] for failures a retry would not fix,
+    /// [`ProcessError::Inbox`] for failures a retry would not fix (including
+    /// [`InboxError::ClaimLost`]),
     /// [`ProcessError::RetriesExhausted`] when every attempt met a transient failure. All
     /// of them mean: nack the message.
     pub async fn process<T, E, F>(
@@ -226,15 +299,16 @@ impl Inbox {
             .begin_with_options(CLAIM_TRANSACTION)
             .await
             .map_err(|err| self.database_failure(message_id, err))?;
-        match insert_marker(&txn, message_id, &self.consumer).await {
-            Ok(Claim::Claimed) => {}
-            Ok(Claim::Duplicate) => {
-                // Nothing to keep; a failed rollback only means the connection is gone.
-                txn.rollback().await.ok();
-                return Ok(Outcome::Duplicate);
-            }
-            Err(err) => return Err(sort_inbox_error(err)),
-        }
+        let claimed =
+            match insert_marker(&txn, message_id, &self.consumer, Some(self.lock_timeout)).await {
+                Ok(Claim::Claimed(claimed)) => claimed,
+                Ok(Claim::Duplicate) => {
+                    // Nothing to keep; a failed rollback only means the connection is gone.
+                    txn.rollback().await.ok();
+                    return Ok(Outcome::Duplicate);
+                }
+                Err(err) => return Err(sort_inbox_error(err)),
+            };
         let value = match handler(&txn).await {
             Ok(value) => value,
             Err(err) => {
@@ -245,6 +319,13 @@ impl Inbox {
                 });
             }
         };
+        // The handler may have swallowed a failed statement that ended the transaction
+        // (PostgreSQL would then answer COMMIT with ROLLBACK and no error): never report
+        // Processed unless the marker is still there to commit with the work.
+        if let Err(err) = ensure_marker_held(&txn, &claimed).await {
+            txn.rollback().await.ok();
+            return Err(sort_inbox_error(err));
+        }
         txn.commit()
             .await
             .map_err(|err| self.database_failure(message_id, err))?;

@@ -152,6 +152,26 @@ impl MessageId {
     /// A producer that retries writes a *new* record at a new offset; when producer
     /// retries matter, use a producer-set header with [`MessageId::from_broker_id`].
     ///
+    /// **A topic deleted and recreated under the same name restarts its offsets at 0**, so
+    /// its new records get the keys of the old topic's records and are taken for
+    /// duplicates (acked, never processed) until the old markers are purged. Put the
+    /// topic's identity into the key: Kafka 2.8+ gives every topic a topic ID (a UUID,
+    /// from the admin client's describe-topics, which a recreated topic does not share), so
+    /// pass `"{topic}/{topic_id}"` as `topic`; or key records by a producer-set header
+    /// through [`MessageId::from_broker_id`]. When neither is possible, delete the
+    /// consumer's markers when the topic is recreated, before consuming it again.
+    ///
+    /// ```
+    /// use sea_orm_inbox::MessageId;
+    ///
+    /// // The topic ID read once at startup from the admin client (describe topics).
+    /// let topic_id = "R8FsZD2gT2e7sBvDpWQ3cQ";
+    /// let before = MessageId::from_kafka(&format!("payments/{topic_id}"), 0, 0)?;
+    /// let recreated = MessageId::from_kafka("payments/Vd0yXqk1TnOlwzD3U5n6Ag", 0, 0)?;
+    /// assert_ne!(before, recreated);
+    /// # Ok::<(), sea_orm_inbox::InboxError>(())
+    /// ```
+    ///
     /// # Errors
     /// [`InboxError::EmptyKeyField`] for an empty topic,
     /// [`InboxError::NegativeKafkaPosition`] for a negative partition or offset.

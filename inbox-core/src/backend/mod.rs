@@ -6,11 +6,14 @@
 //! module for a connection; everything else in the crate asks it instead of matching on
 //! the backend.
 
-use crate::InboxError;
+use crate::{InboxError, MessageId};
 use chrono::{DateTime, Utc};
 use sea_orm::sqlx;
 use sea_orm::sqlx::error::DatabaseError;
-use sea_orm::{DbBackend, DbErr, RuntimeErr, SqliteTransactionMode, TransactionOptions, Value};
+use sea_orm::{
+    DbBackend, DbErr, RuntimeErr, SqliteTransactionMode, Statement, TransactionOptions, Value,
+};
+use std::time::Duration;
 
 #[cfg(feature = "mysql")]
 mod mysql;
@@ -33,7 +36,13 @@ mod sqlite;
 ///
 /// # async fn run(db: &DatabaseConnection) -> Result<(), Box<dyn std::error::Error>> {
 /// let txn = db.begin_with_options(CLAIM_TRANSACTION).await?;
-/// let _claim = txn.claim_message(uuid::Uuid::new_v4(), "billing").await?;
+/// match txn.claim_message(uuid::Uuid::new_v4(), "billing").await? {
+///     Claim::Claimed(claimed) => {
+///         // business writes through `txn`
+///         claimed.commit(txn).await?;
+///     }
+///     Claim::Duplicate => txn.rollback().await?, // already done: ack
+/// }
 /// # Ok(()) }
 /// ```
 pub const CLAIM_TRANSACTION: TransactionOptions = TransactionOptions {
@@ -49,6 +58,20 @@ trait Dialect: Sync {
     /// call reuses the driver's cached prepared statement. Binds: message_id, consumer,
     /// received_at.
     fn insert_marker(&self) -> &'static str;
+
+    /// The marker INSERT that also bounds the lock waits of its transaction, where the
+    /// database can do that for one transaction without an extra round trip. Binds: those
+    /// of [`insert_marker`](Self::insert_marker), then the bound as text (`"5000ms"`).
+    /// `None`: the database's own setting bounds the wait.
+    fn insert_marker_bounding_lock_wait(&self) -> Option<&'static str> {
+        None
+    }
+
+    /// Whether the marker INSERT ends in `RETURNING "id"`; otherwise the driver reports
+    /// the new row's auto-increment id.
+    fn marker_insert_returns_id(&self) -> bool {
+        false
+    }
 
     /// Whether placeholders are `$1, $2, ...` rather than `?`.
     fn numbered_placeholders(&self) -> bool {
@@ -101,9 +124,65 @@ fn dialect(backend: DbBackend) -> Result<&'static dyn Dialect, InboxError> {
     }
 }
 
-/// The marker INSERT of `backend`'s dialect.
-pub(crate) fn insert_marker_sql(backend: DbBackend) -> Result<&'static str, InboxError> {
-    Ok(dialect(backend)?.insert_marker())
+/// The marker INSERT for one claim, with its bind values. `lock_wait` bounds how long the
+/// INSERT (and the rest of its transaction) waits for another transaction's lock where the
+/// dialect can bound it for one transaction (PostgreSQL); elsewhere the database's own
+/// setting applies (MySQL/MariaDB: `innodb_lock_wait_timeout`; SQLite: the busy timeout).
+pub(crate) fn claim_marker_statement(
+    backend: DbBackend,
+    message_id: MessageId,
+    consumer: &str,
+    received_at: DateTime<Utc>,
+    lock_wait: Option<Duration>,
+) -> Result<Statement, InboxError> {
+    let dialect = dialect(backend)?;
+    let mut values = vec![
+        Value::from(message_id.as_uuid()),
+        Value::from(consumer),
+        dialect.timestamp_value(received_at),
+    ];
+    let sql = match lock_wait.zip(dialect.insert_marker_bounding_lock_wait()) {
+        Some((bound, sql)) => {
+            values.push(Value::from(format!("{}ms", bound.as_millis())));
+            sql
+        }
+        None => dialect.insert_marker(),
+    };
+    Ok(Statement::from_sql_and_values(backend, sql, values))
+}
+
+/// Whether `backend`'s marker INSERT returns the new row's id (`RETURNING "id"`: run it as
+/// a query) rather than the driver reporting it (MySQL's `LAST_INSERT_ID`, SQLite's rowid:
+/// run it as a statement).
+pub(crate) fn marker_insert_returns_id(backend: DbBackend) -> Result<bool, InboxError> {
+    Ok(dialect(backend)?.marker_insert_returns_id())
+}
+
+/// The proof, before COMMIT, that the transaction still holds the marker it inserted: the
+/// row with that id, message and consumer is visible through the transaction. It fails
+/// with 25P02 on a PostgreSQL transaction a failed statement aborted, and finds no row on
+/// MySQL/MariaDB after InnoDB rolled the transaction back on a deadlock or lock wait
+/// timeout (where a later statement may see another replica's marker for the same
+/// message: the id tells them apart). One primary-key lookup.
+pub(crate) fn marker_held_statement(
+    backend: DbBackend,
+    marker_id: i64,
+    message_id: MessageId,
+    consumer: &str,
+) -> Result<Statement, InboxError> {
+    let sql = dialect_sql(
+        backend,
+        "SELECT 1 FROM inbox WHERE id = ? AND message_id = ? AND consumer = ?",
+    )?;
+    Ok(Statement::from_sql_and_values(
+        backend,
+        sql,
+        [
+            Value::from(marker_id),
+            Value::from(message_id.as_uuid()),
+            Value::from(consumer),
+        ],
+    ))
 }
 
 /// Writes `template` for `backend`: its `?` placeholders become `$1, $2, ...` where the
