@@ -9,6 +9,8 @@ use plotters::prelude::*;
 
 const WIDTH: u32 = 960;
 const PANEL_HEIGHT: u32 = 340;
+/// Width of the legend beside each panel's plot.
+const LEGEND_WIDTH: u32 = 140;
 
 /// The bars of each concurrency group: label and colour (ours blue, the peers warm).
 const SERIES: [(&str, RGBColor); 6] = [
@@ -66,7 +68,8 @@ where
         })
         .fold(1.0_f64, f64::max);
     let top = (highest * 1.15).max(1.2);
-    let mut chart = ChartBuilder::on(area)
+    let (plot, legend) = area.split_horizontally(WIDTH - LEGEND_WIDTH);
+    let mut chart = ChartBuilder::on(&plot)
         .caption(
             format!(
                 "{}: throughput as a fraction of base (the business write alone); black line: the floor, raw",
@@ -81,6 +84,7 @@ where
     chart
         .configure_mesh()
         .disable_x_mesh()
+        .light_line_style(TRANSPARENT)
         .x_labels(0)
         .y_desc("per s / base per s")
         .x_desc("workers (each its own connection)")
@@ -99,10 +103,10 @@ where
                 ))
             })
             .collect();
-        chart
-            .draw_series(bars)?
-            .label(*label)
-            .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 10, y + 5)], colour.filled()));
+        chart.draw_series(bars)?;
+        let y = 40 + 18 * i32::try_from(k)?;
+        legend.draw(&Rectangle::new([(4, y), (16, y + 12)], colour.filled()))?;
+        legend.draw(&Text::new(*label, (22, y), ("sans-serif", 13)))?;
     }
     // The floor across each group, and the concurrency above it.
     let floors: Vec<PathElement<(f64, f64)>> = levels
@@ -117,10 +121,13 @@ where
             ))
         })
         .collect();
-    chart
-        .draw_series(floors)?
-        .label("raw (floor)")
-        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 10, y)], BLACK.stroke_width(2)));
+    chart.draw_series(floors)?;
+    let y = 40 + 18 * i32::try_from(SERIES.len())?;
+    legend.draw(&PathElement::new(
+        vec![(4, y + 6), (16, y + 6)],
+        BLACK.stroke_width(2),
+    ))?;
+    legend.draw(&Text::new("raw (the floor)", (22, y), ("sans-serif", 13)))?;
     chart.draw_series(levels.iter().enumerate().map(|(g, c)| {
         Text::new(
             format!("{c} worker{}", if *c == 1 { "" } else { "s" }),
@@ -128,11 +135,5 @@ where
             ("sans-serif", 13),
         )
     }))?;
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()?;
     Ok(())
 }

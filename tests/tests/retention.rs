@@ -370,9 +370,11 @@ async fn paced_purge_rests_between_batches(backend: Backend) {
     let report = purge(&conn, &policy).await.expect("purge");
     assert_eq!((report.rows, report.batches), (95, 10), "{report:?}");
     assert_eq!(report.largest_batch, 10);
-    // Nine full batches rest 4x their time; only the last, short batch rests nothing.
+    // Nine full batches rest 4x their work each (the work is the batch's time at the
+    // fastest rate seen, so a batch that stalled on a lock rests no longer). Only a stall
+    // over a hundred times the fastest batch could bring the rest below a quarter.
     assert!(
-        report.resting >= report.deleting,
+        report.resting >= report.deleting / 4 && !report.resting.is_zero(),
         "rested {:?} after {:?} of deleting",
         report.resting,
         report.deleting
