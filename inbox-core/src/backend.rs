@@ -5,13 +5,13 @@
 
 use crate::InboxError;
 use chrono::{DateTime, Utc};
-use sea_orm_inbox_entity::{INDEX_NAME, TABLE_NAME};
 use sea_orm::sqlx;
 use sea_orm::sqlx::error::DatabaseError;
 use sea_orm::sqlx::mysql::MySqlDatabaseError;
 use sea_orm::sqlx::postgres::PgDatabaseError;
 use sea_orm::sqlx::sqlite::SqliteError;
 use sea_orm::{DbBackend, DbErr, RuntimeErr, SqliteTransactionMode, TransactionOptions, Value};
+use sea_orm_inbox_entity::{INDEX_NAME, TABLE_NAME};
 
 /// Options for a transaction that claims a message: pass them to
 /// [`TransactionTrait::begin_with_options`](sea_orm::TransactionTrait::begin_with_options).
