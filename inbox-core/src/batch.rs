@@ -1,10 +1,10 @@
 //! Claiming many messages for one consumer in one statement (Kafka-style batches).
 
-use crate::backend::{insert_batch_sql, timestamp_value};
+use crate::backend::{BatchClaimSql, batch_claim_sql, timestamp_value};
 use crate::claim::now_micros;
 use crate::consumer::validate_consumer;
 use crate::{InboxError, MessageId};
-use sea_orm::{ConnectionTrait, DbErr, Statement, Value};
+use sea_orm::{ConnectionTrait, DbErr, QueryResult, Statement, Value};
 use sea_orm_inbox_entity::INDEX_NAME;
 use std::collections::BTreeSet;
 use uuid::Uuid;
@@ -64,9 +64,9 @@ pub(crate) async fn insert_batch<C: ConnectionTrait>(
 ) -> Result<BatchClaim, InboxError> {
     let ids = ids?;
     let backend = conn.get_database_backend();
-    let sql = insert_batch_sql(backend, ids.len())?;
-    // The tag tells this statement's rows from conflicting ones where RETURNING reports
-    // both (MariaDB).
+    let first = ids[0];
+    let fail = |err: DbErr| InboxError::from_claim(err, first, consumer);
+    // The tag tells this call's rows from the ones a committed transaction wrote before.
     let tag = Uuid::new_v4();
     let received_at = timestamp_value(backend, now_micros());
     let mut values = Vec::with_capacity(ids.len() * 4);
@@ -78,33 +78,132 @@ pub(crate) async fn insert_batch<C: ConnectionTrait>(
             Value::from(tag),
         ]);
     }
-    let rows = conn
-        .query_all_raw(Statement::from_sql_and_values(backend, sql, values))
+    let (rows, read) = match batch_claim_sql(backend, ids.len())? {
+        BatchClaimSql::Returning(insert) => {
+            let statement = Statement::from_sql_and_values(backend, insert, values);
+            let rows = conn.query_all_raw(statement).await.map_err(fail)?;
+            (rows, RowsRead::InsertedOnly)
+        }
+        BatchClaimSql::InsertThenRead { insert, read } => {
+            let rows = insert_then_read_back(conn, &ids, consumer, values, insert, read)
+                .await
+                .map_err(fail)?;
+            (rows, RowsRead::EveryId)
+        }
+    };
+    let rows = rows
+        .iter()
+        .map(BatchRow::read)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(fail)?;
+    sort_out(ids, consumer, tag, &rows, read).map_err(|problem| {
+        fail(DbErr::Custom(format!(
+            "{problem}: a batch row conflicted on a unique key other than {INDEX_NAME}, so the message was not claimed. Roll back; a unique index on the inbox table besides the inbox's own must go"
+        )))
+    })
+}
+
+/// The claim without `INSERT ... RETURNING` (the MySQL family): the tagged INSERT, whose
+/// conflict clause leaves existing rows as they were, then a locking read, in the same
+/// transaction, of this consumer's row for every id through the inbox index.
+///
+/// The read locks nothing new (the INSERT holds every row it wrote or met) and, being a
+/// locking read, sees the latest committed rows even when the transaction's snapshot is
+/// older. It returns every id's row, so the caller can check that each id has exactly one.
+async fn insert_then_read_back<C: ConnectionTrait>(
+    conn: &C,
+    ids: &[MessageId],
+    consumer: &str,
+    insert_values: Vec<Value>,
+    insert: String,
+    read: String,
+) -> Result<Vec<QueryResult>, DbErr> {
+    let backend = conn.get_database_backend();
+    conn.execute_raw(Statement::from_sql_and_values(
+        backend,
+        insert,
+        insert_values,
+    ))
+    .await?;
+    let mut read_values = Vec::with_capacity(ids.len() + 1);
+    read_values.push(Value::from(consumer));
+    read_values.extend(ids.iter().map(|id| Value::from(id.as_uuid())));
+    conn.query_all_raw(Statement::from_sql_and_values(backend, read, read_values))
         .await
-        .map_err(|err| InboxError::from_claim(err, ids[0], consumer))?;
+}
+
+/// Which rows a batch statement gave back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum RowsRead {
+    /// Only the rows the INSERT wrote (RETURNING with DO NOTHING).
+    InsertedOnly,
+    /// The consumer's row of every id of the batch, written now or before.
+    EveryId,
+}
+
+/// One row a batch statement gave back.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct BatchRow {
+    message_id: MessageId,
+    consumer: String,
+    claim_token: Option<Uuid>,
+}
+
+impl BatchRow {
+    fn read(row: &QueryResult) -> Result<Self, DbErr> {
+        Ok(Self {
+            message_id: MessageId::from_uuid(row.try_get_by_index::<Uuid>(0)?),
+            consumer: row.try_get_by_index(1)?,
+            claim_token: row.try_get_by_index(2)?,
+        })
+    }
+}
+
+/// Splits the sorted batch `ids` into claimed and already claimed from the rows read back,
+/// or says which row does not fit: a row of another message or consumer, two rows of one
+/// id, a row `read` cannot hold, or (when every id was read) an id with no row. Each means
+/// a conflict on another key made the INSERT skip a row it never wrote.
+fn sort_out(
+    ids: Vec<MessageId>,
+    consumer: &str,
+    tag: Uuid,
+    rows: &[BatchRow],
+    read: RowsRead,
+) -> Result<BatchClaim, String> {
+    let mut seen = BTreeSet::new();
     let mut inserted = BTreeSet::new();
     for row in rows {
-        let read = |index| row.try_get_by_index::<Option<Uuid>>(index);
-        let (id, row_tag) = read(0)
-            .and_then(|id| Ok((id, read(1)?)))
-            .map_err(|err| InboxError::from_claim(err, ids[0], consumer))?;
-        let Some(id) = id.map(MessageId::from_uuid) else {
-            continue;
-        };
+        let id = row.message_id;
         if ids.binary_search(&id).is_err() {
-            // ON DUPLICATE KEY met a row of another message (a primary key collision):
-            // the batch's own row was not written. Never report that as "already claimed".
-            return Err(InboxError::from_claim(
-                DbErr::Custom(format!(
-                    "the batch insert met the row of message {id}, which is not in the batch (a conflict on a key other than {INDEX_NAME}): roll back and retry the batch"
-                )),
-                ids[0],
-                consumer,
+            return Err(format!(
+                "the batch met the row of message {id}, which is not in the batch"
             ));
         }
-        if row_tag == Some(tag) {
+        if row.consumer != consumer {
+            return Err(format!(
+                "the batch met the row of message {id} for consumer {:?}, not {consumer:?}",
+                row.consumer
+            ));
+        }
+        if !seen.insert(id) {
+            return Err(format!("the batch read two rows for message {id}"));
+        }
+        let ours = row.claim_token == Some(tag);
+        if !ours && read == RowsRead::InsertedOnly {
+            return Err(format!(
+                "the batch insert returned a row of message {id} it did not write"
+            ));
+        }
+        if ours {
             inserted.insert(id);
         }
+    }
+    if read == RowsRead::EveryId
+        && let Some(missing) = ids.iter().find(|id| !seen.contains(*id))
+    {
+        return Err(format!(
+            "the batch found no row of message {missing} for consumer {consumer:?} after its insert"
+        ));
     }
     let (claimed, already_claimed) = ids.into_iter().partition(|id| inserted.contains(id));
     Ok(BatchClaim {
@@ -119,6 +218,59 @@ mod tests {
 
     fn id(n: u128) -> MessageId {
         MessageId::from_uuid(Uuid::from_u128(n))
+    }
+
+    fn row(n: u128, consumer: &str, token: Option<Uuid>) -> BatchRow {
+        BatchRow {
+            message_id: id(n),
+            consumer: consumer.to_owned(),
+            claim_token: token,
+        }
+    }
+
+    #[test]
+    fn every_id_read_splits_by_tag() {
+        let tag = Uuid::new_v4();
+        let rows = [
+            row(1, "c", Some(tag)),
+            row(2, "c", None),
+            row(3, "c", Some(Uuid::new_v4())),
+        ];
+        let batch = sort_out(
+            vec![id(1), id(2), id(3)],
+            "c",
+            tag,
+            &rows,
+            RowsRead::EveryId,
+        )
+        .unwrap();
+        assert_eq!(batch.claimed, [id(1)]);
+        assert_eq!(batch.already_claimed, [id(2), id(3)]);
+    }
+
+    #[test]
+    fn rows_that_do_not_fit_the_batch_fail_it() {
+        let tag = Uuid::new_v4();
+        let ids = || vec![id(1), id(2)];
+        let ours = |n| row(n, "c", Some(tag));
+        for read in [RowsRead::InsertedOnly, RowsRead::EveryId] {
+            let other_consumer = [ours(1), row(2, "d", None)];
+            assert!(sort_out(ids(), "c", tag, &other_consumer, read).is_err());
+            let other_message = [ours(1), ours(3)];
+            assert!(sort_out(ids(), "c", tag, &other_message, read).is_err());
+            let twice = [ours(1), ours(1)];
+            assert!(sort_out(ids(), "c", tag, &twice, read).is_err());
+        }
+        let missing = [ours(1)];
+        assert!(sort_out(ids(), "c", tag, &missing, RowsRead::EveryId).is_err());
+        assert_eq!(
+            sort_out(ids(), "c", tag, &missing, RowsRead::InsertedOnly)
+                .unwrap()
+                .already_claimed,
+            [id(2)]
+        );
+        let untagged = [row(1, "c", None)];
+        assert!(sort_out(ids(), "c", tag, &untagged, RowsRead::InsertedOnly).is_err());
     }
 
     #[test]

@@ -256,8 +256,11 @@ pub trait InboxTransactionExt: sealed::Sealed {
     /// transaction holds makes the statement wait for it, as
     /// [`claim_message`](Self::claim_message) does.
     ///
-    /// Needs PostgreSQL, SQLite, or MariaDB 10.5+ (`INSERT ... RETURNING`); MySQL 8 has no
-    /// `RETURNING` and gets [`InboxError::Database`].
+    /// PostgreSQL and SQLite learn the inserted rows from `INSERT ... RETURNING`; MySQL 8 has
+    /// no `RETURNING`, so the MySQL family (MariaDB too) reads this consumer's rows of the
+    /// batch back in the same transaction (`SELECT ... FOR UPDATE`, one more round trip).
+    /// Either way the batch fails rather than report an id as already claimed when its row
+    /// conflicted on a unique key other than the inbox's.
     ///
     /// The hazard [`ClaimedMessage`] guards against applies here too, without a check: a
     /// statement that fails while processing the batch aborts the transaction on
@@ -268,7 +271,9 @@ pub trait InboxTransactionExt: sealed::Sealed {
     /// Before any SQL: [`InboxError::EmptyBatch`], [`InboxError::BatchTooLarge`] (more than
     /// [`crate::MAX_CLAIM_BATCH`] distinct ids), [`InboxError::NilMessageId`] for a nil id
     /// anywhere in the batch, and the consumer errors of `claim_message`. Then
-    /// [`InboxError::MissingTable`] or [`InboxError::Database`].
+    /// [`InboxError::MissingTable`] or [`InboxError::Database`], which is also the error
+    /// when a batch row conflicted on a unique index of the inbox table other than the
+    /// inbox's own (roll back and drop that index).
     ///
     /// ```
     /// use sea_orm_inbox::prelude::*;

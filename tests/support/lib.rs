@@ -6,6 +6,23 @@
 //! `INBOX_TEST_MYSQL_URL`, e.g. `mysql://root@127.0.0.1:3306/test`. A set URL that cannot
 //! be reached fails the test; it never skips. Each test creates its own database with a
 //! unique name, so tests run in parallel and on servers that earlier runs left dirty.
+//!
+//! # Tests that cannot run are ignored, never passed
+//!
+//! `tests/build.rs` turns each suite's variable into a cfg at build time
+//! (`INBOX_TEST_POSTGRES_URL` -> `inbox_postgres`, `INBOX_TEST_MYSQL_URL` -> `inbox_mysql`,
+//! `INBOX_TEST_AMQP_URL` -> `inbox_amqp`, `INBOX_TEST_NATS_URL` -> `inbox_nats`,
+//! `INBOX_TEST_RESTART_POSTGRES=1` -> `inbox_restart_postgres`), and a test whose cfg is
+//! missing is compiled `#[ignore = "set ..."]`: `cargo test` lists it as `ignored, set
+//! INBOX_TEST_...` and counts it apart. [`on_every_backend!`] and [`on_server_backends!`]
+//! do this for the database suites. To gate a new suite on a new variable:
+//!
+//! 1. add a `Gate` row (variable, cfg) to `tests/build.rs`; it declares the cfg for
+//!    `unexpected_cfgs` and makes cargo rebuild the tests when the variable changes;
+//! 2. mark the tests `#[cfg_attr(not(inbox_galera), ignore = "set INBOX_TEST_GALERA_URLS")]`,
+//!    or pass `needs(inbox_galera, "set INBOX_TEST_GALERA_URLS")` to the macros;
+//! 3. in the test, read the variable and panic if it is missing (that happens only under
+//!    `--ignored`): never return early, which would report a test that ran nothing as ok.
 
 use sea_orm::{
     ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DbBackend, Statement,
@@ -48,9 +65,11 @@ pub struct TestDb {
     _dir: Option<tempfile::TempDir>,
 }
 
-/// Creates a fresh, empty database for one test, or `None` (with a note on stderr) when the
-/// backend's server URL is not set.
-pub async fn fresh_db(backend: Backend) -> Option<TestDb> {
+/// Creates a fresh, empty database for one test.
+///
+/// Panics when the backend's server URL is not set: the test should have been compiled
+/// `#[ignore]`d (see [`on_every_backend!`]); this is reached only with `--ignored`.
+pub async fn fresh_db(backend: Backend) -> TestDb {
     let name = format!("inbox_t_{}", uuid::Uuid::new_v4().simple());
     match backend.server_url_var() {
         None => {
@@ -59,43 +78,41 @@ pub async fn fresh_db(backend: Backend) -> Option<TestDb> {
                 "sqlite://{}?mode=rwc",
                 dir.path().join("test.sqlite").display()
             );
-            Some(TestDb {
+            TestDb {
                 backend,
                 url,
                 server: None,
                 _dir: Some(dir),
-            })
+            }
         }
         Some(var) => {
-            let Ok(admin_url) = std::env::var(var) else {
-                eprintln!("skipped on {backend:?}: set {var} to run this suite");
-                return None;
-            };
+            let admin_url = std::env::var(var)
+                .unwrap_or_else(|_| panic!("set {var} to run the {backend:?} suite"));
             let admin = Database::connect(&admin_url)
                 .await
                 .unwrap_or_else(|e| panic!("{var}={admin_url} is set but unreachable: {e}"));
             run(&admin, &format!("CREATE DATABASE {name}")).await;
             admin.close().await.ok();
             let url = replace_database(&admin_url, &name);
-            Some(TestDb {
+            TestDb {
                 backend,
                 url,
                 server: Some((admin_url, name)),
                 _dir: None,
-            })
+            }
         }
     }
 }
 
 /// A fresh database with the inbox migration applied.
-pub async fn migrated_db(backend: Backend) -> Option<TestDb> {
-    let db = fresh_db(backend).await?;
+pub async fn migrated_db(backend: Backend) -> TestDb {
+    let db = fresh_db(backend).await;
     let conn = db.connect().await;
     Migrator::up(&conn, None)
         .await
         .expect("run the inbox migration");
     conn.close().await.ok();
-    Some(db)
+    db
 }
 
 fn replace_database(url: &str, name: &str) -> String {
@@ -260,21 +277,66 @@ pub async fn hold_claim_then_roll_back(
 
 /// Defines one `#[tokio::test]` per backend calling `$body(Backend)`, in modules named
 /// after the backend, so `cargo test sqlite::` or `postgres::` selects a suite.
+///
+/// The Postgres and MySQL tests are compiled `#[ignore]`d, with the variable to set as the
+/// reason, when their URL was not set at build time (the cfgs `inbox_postgres` and
+/// `inbox_mysql` come from `tests/build.rs`), so the summary counts them as ignored, not
+/// passed. A suite that needs more than a database, a broker say, names the cfg and the
+/// reason first: `on_every_backend!(needs(inbox_amqp, "set INBOX_TEST_AMQP_URL"); rabbitmq)`.
+/// Two invocations in one file go into modules of their own (the backend modules would
+/// collide).
 #[macro_export]
 macro_rules! on_every_backend {
+    (needs($gate:ident, $reason:literal); $($name:ident),+ $(,)?) => {
+        mod sqlite {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            #[cfg_attr(not($gate), ignore = $reason)]
+            async fn $name() { super::$name($crate::Backend::Sqlite).await }
+            )+
+        }
+        $crate::on_server_backends!(needs($gate, $reason); $($name),+);
+    };
     ($($name:ident),+ $(,)?) => {
         mod sqlite {
             $(#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn $name() { super::$name($crate::Backend::Sqlite).await }
             )+
         }
+        $crate::on_server_backends!($($name),+);
+    };
+}
+
+/// [`on_every_backend!`] without SQLite, for tests of what only a server does (a killed
+/// connection, a restart): one `#[tokio::test]` per server backend, ignored with the
+/// reason when its URL (or the extra `needs` cfg) was not set at build time.
+#[macro_export]
+macro_rules! on_server_backends {
+    (needs($gate:ident, $reason:literal); $($name:ident),+ $(,)?) => {
         mod postgres {
             $(#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            #[cfg_attr(not($gate), ignore = $reason)]
+            #[cfg_attr(all($gate, not(inbox_postgres)), ignore = "set INBOX_TEST_POSTGRES_URL")]
             async fn $name() { super::$name($crate::Backend::Postgres).await }
             )+
         }
         mod mysql {
             $(#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            #[cfg_attr(not($gate), ignore = $reason)]
+            #[cfg_attr(all($gate, not(inbox_mysql)), ignore = "set INBOX_TEST_MYSQL_URL")]
+            async fn $name() { super::$name($crate::Backend::MySql).await }
+            )+
+        }
+    };
+    ($($name:ident),+ $(,)?) => {
+        mod postgres {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            #[cfg_attr(not(inbox_postgres), ignore = "set INBOX_TEST_POSTGRES_URL")]
+            async fn $name() { super::$name($crate::Backend::Postgres).await }
+            )+
+        }
+        mod mysql {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            #[cfg_attr(not(inbox_mysql), ignore = "set INBOX_TEST_MYSQL_URL")]
             async fn $name() { super::$name($crate::Backend::MySql).await }
             )+
         }

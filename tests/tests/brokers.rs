@@ -6,8 +6,8 @@
 //!
 //! The broker URLs come from `INBOX_TEST_AMQP_URL` (e.g.
 //! `amqp://guest:guest@127.0.0.1:5672/%2f`) and `INBOX_TEST_NATS_URL` (e.g.
-//! `nats://127.0.0.1:4222`). Unset: the test says so and passes. Set but unreachable: it
-//! fails.
+//! `nats://127.0.0.1:4222`). Unset at build time: the tests are ignored with the variable to
+//! set as the reason. Set but unreachable: they fail.
 
 use inbox_examples::scenario::{Broker, Plan};
 use inbox_tests::{Backend, migrated_db, on_every_backend};
@@ -19,25 +19,17 @@ use std::time::{Duration, Instant};
 /// `rabbitmq_replica_starved_of_deliveries_still_dies`), fixed in the scenario, not here.
 const DEADLINE: Duration = Duration::from_secs(30);
 
-fn broker_url(broker: Broker) -> Option<String> {
+fn broker_url(broker: Broker) -> String {
     let var = match broker {
         Broker::RabbitMq => "INBOX_TEST_AMQP_URL",
         Broker::Nats => "INBOX_TEST_NATS_URL",
     };
-    let url = std::env::var(var).ok();
-    if url.is_none() {
-        eprintln!("skipped: set {var} to run the {broker:?} scenario");
-    }
-    url
+    std::env::var(var).unwrap_or_else(|_| panic!("set {var} to run the {broker:?} scenario"))
 }
 
 async fn scenario(broker: Broker, backend: Backend) {
-    let Some(url) = broker_url(broker) else {
-        return;
-    };
-    let Some(db) = migrated_db(backend).await else {
-        return;
-    };
+    let url = broker_url(broker);
+    let db = migrated_db(backend).await;
     let (a, b) = (db.connect().await, db.connect().await);
     let plan = Plan {
         deadline: DEADLINE,
@@ -83,15 +75,23 @@ async fn nats(backend: Backend) {
     scenario(Broker::Nats, backend).await
 }
 
-on_every_backend!(rabbitmq, nats);
+mod amqp {
+    use super::*;
+
+    on_every_backend!(needs(inbox_amqp, "set INBOX_TEST_AMQP_URL"); rabbitmq);
+}
+
+mod jetstream {
+    use super::*;
+
+    on_every_backend!(needs(inbox_nats, "set INBOX_TEST_NATS_URL"); nats);
+}
 
 /// A broker URL that is set but points at nothing fails the run with the URL in the
 /// message; it never passes quietly.
 #[tokio::test]
 async fn an_unreachable_broker_fails_the_run() {
-    let Some(db) = migrated_db(Backend::Sqlite).await else {
-        return;
-    };
+    let db = migrated_db(Backend::Sqlite).await;
     let (a, b) = (db.connect().await, db.connect().await);
     let plan = Plan {
         deadline: DEADLINE,

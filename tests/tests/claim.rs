@@ -29,7 +29,7 @@ async fn claim_in_new_txn(db: &sea_orm::DatabaseConnection, id: Uuid, consumer: 
 /// A holds the claim in an open transaction; B's claim (its own pool) must wait for A,
 /// then learn A's outcome.
 async fn overlap(backend: Backend, a_commits: bool) -> Claim {
-    let db = migrated_db(backend).await.expect("backend configured");
+    let db = migrated_db(backend).await;
     let replica_a = db.connect().await;
     let replica_b = db.connect().await;
     let id = Uuid::new_v4();
@@ -81,34 +81,15 @@ async fn overlap(backend: Backend, a_commits: bool) -> Claim {
 }
 
 async fn blocked_claim_sees_duplicate_after_commit(backend: Backend) {
-    if migrated_db_available(backend) {
-        assert!(overlap(backend, true).await.is_duplicate());
-    }
+    assert!(overlap(backend, true).await.is_duplicate());
 }
 
 async fn blocked_claim_wins_after_rollback(backend: Backend) {
-    if migrated_db_available(backend) {
-        assert!(overlap(backend, false).await.is_claimed());
-    }
-}
-
-fn migrated_db_available(backend: Backend) -> bool {
-    let var = match backend {
-        Backend::Sqlite => return true,
-        Backend::Postgres => "INBOX_TEST_POSTGRES_URL",
-        Backend::MySql => "INBOX_TEST_MYSQL_URL",
-    };
-    let set = std::env::var(var).is_ok();
-    if !set {
-        eprintln!("skipped on {backend:?}: set {var} to run this suite");
-    }
-    set
+    assert!(overlap(backend, false).await.is_claimed());
 }
 
 async fn failed_business_write_leaves_no_marker(backend: Backend) {
-    let Some(db) = migrated_db(backend).await else {
-        return;
-    };
+    let db = migrated_db(backend).await;
     let conn = db.connect().await;
     create_accounts(&conn).await;
     let id = Uuid::new_v4();
@@ -158,9 +139,7 @@ async fn run_fallible(
 }
 
 async fn other_unique_violations_are_errors_not_duplicates(backend: Backend) {
-    let Some(db) = migrated_db(backend).await else {
-        return;
-    };
+    let db = migrated_db(backend).await;
     let conn = db.connect().await;
     run(
         &conn,
@@ -262,9 +241,7 @@ async fn other_unique_violations_are_errors_not_duplicates(backend: Backend) {
 }
 
 async fn each_consumer_claims_the_same_message(backend: Backend) {
-    let Some(db) = migrated_db(backend).await else {
-        return;
-    };
+    let db = migrated_db(backend).await;
     let conn = db.connect().await;
     let id = Uuid::new_v4();
     for consumer in ["billing.credit", "email.receipt", "analytics"] {
@@ -286,9 +263,7 @@ async fn each_consumer_claims_the_same_message(backend: Backend) {
 /// Consumer names are compared exactly on every backend: MySQL's default case-insensitive
 /// collation would make "Billing" skip every message "billing" processed.
 async fn consumer_names_differing_in_case_are_distinct(backend: Backend) {
-    let Some(db) = migrated_db(backend).await else {
-        return;
-    };
+    let db = migrated_db(backend).await;
     let conn = db.connect().await;
     let id = Uuid::new_v4();
     for consumer in ["billing", "Billing", "BILLING", "billing-é", "billing-e"] {
@@ -314,9 +289,7 @@ async fn consumer_names_differing_in_case_are_distinct(backend: Backend) {
 /// The trap this crate cannot close for you: a write sent to the pool instead of the
 /// transaction commits on its own, so a duplicate still moves the money.
 async fn write_through_the_pool_bypasses_the_claim(backend: Backend) {
-    let Some(db) = migrated_db(backend).await else {
-        return;
-    };
+    let db = migrated_db(backend).await;
     let pool = db.connect().await;
     // The handler's `db` handle; a pool of its own, since SQLite pools hold one connection.
     let bypass = db.connect().await;
@@ -352,9 +325,7 @@ async fn write_through_the_pool_bypasses_the_claim(backend: Backend) {
 }
 
 async fn bad_input_is_refused_before_any_sql(backend: Backend) {
-    let Some(db) = migrated_db(backend).await else {
-        return;
-    };
+    let db = migrated_db(backend).await;
     let conn = db.connect().await;
     let txn = conn
         .begin_with_options(CLAIM_TRANSACTION)
@@ -395,9 +366,7 @@ async fn bad_input_is_refused_before_any_sql(backend: Backend) {
 }
 
 async fn missing_table_says_to_run_the_migration(backend: Backend) {
-    let Some(db) = inbox_tests::fresh_db(backend).await else {
-        return;
-    };
+    let db = inbox_tests::fresh_db(backend).await;
     let conn = db.connect().await;
     let txn = conn
         .begin_with_options(CLAIM_TRANSACTION)
@@ -421,9 +390,7 @@ async fn missing_table_says_to_run_the_migration(backend: Backend) {
 /// After `Duplicate` the handler must roll back. On PostgreSQL it has no choice: the
 /// failed INSERT aborted the transaction and every later statement fails with 25P02.
 async fn after_duplicate_the_transaction_must_roll_back(backend: Backend) {
-    let Some(db) = migrated_db(backend).await else {
-        return;
-    };
+    let db = migrated_db(backend).await;
     let conn = db.connect().await;
     create_accounts(&conn).await;
     let id = Uuid::new_v4();

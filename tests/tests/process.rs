@@ -25,9 +25,7 @@ async fn credit_once(
 }
 
 async fn replicas_process_each_message_once(backend: Backend) {
-    let Some(db) = migrated_db(backend).await else {
-        return;
-    };
+    let db = migrated_db(backend).await;
     let replicas = [Arc::new(db.connect().await), Arc::new(db.connect().await)];
     create_accounts(replicas[0].as_ref()).await;
     let inbox = Inbox::new("billing.credit").expect("valid name");
@@ -67,9 +65,7 @@ async fn replicas_process_each_message_once(backend: Backend) {
 }
 
 async fn handler_error_rolls_back_and_is_not_retried(backend: Backend) {
-    let Some(db) = migrated_db(backend).await else {
-        return;
-    };
+    let db = migrated_db(backend).await;
     let conn = db.connect().await;
     create_accounts(&conn).await;
     let inbox = Inbox::new("billing.credit").expect("valid name");
@@ -124,9 +120,7 @@ async fn handler_error_rolls_back_and_is_not_retried(backend: Backend) {
 }
 
 async fn transient_lock_failures_are_retried_in_a_fresh_transaction(backend: Backend) {
-    let Some(db) = migrated_db(backend).await else {
-        return;
-    };
+    let db = migrated_db(backend).await;
     let replica = impatient_replica(&db).await;
     create_accounts(&replica).await;
     let id = Uuid::new_v4();
@@ -171,9 +165,7 @@ async fn transient_lock_failures_are_retried_in_a_fresh_transaction(backend: Bac
 }
 
 async fn exhausted_retries_name_the_last_transient_cause(backend: Backend) {
-    let Some(db) = migrated_db(backend).await else {
-        return;
-    };
+    let db = migrated_db(backend).await;
     let replica = impatient_replica(&db).await;
     let id = Uuid::new_v4();
     let holder = hold_claim_then_roll_back(&db, id, "billing.credit", Duration::from_secs(4)).await;
@@ -253,9 +245,7 @@ fn lost_connection() -> DbErr {
 /// the attempts comes back as the handler's error.
 async fn transient_handler_db_errors_are_retried(backend: Backend) {
     type Boxed = Box<dyn std::error::Error + Send + Sync>;
-    let Some(db) = migrated_db(backend).await else {
-        return;
-    };
+    let db = migrated_db(backend).await;
     let conn = db.connect().await;
     create_accounts(&conn).await;
 
@@ -289,9 +279,7 @@ async fn transient_handler_db_errors_are_retried(backend: Backend) {
 }
 
 async fn missing_table_is_reported_not_retried(backend: Backend) {
-    let Some(db) = inbox_tests::fresh_db(backend).await else {
-        return;
-    };
+    let db = inbox_tests::fresh_db(backend).await;
     let conn = db.connect().await;
     let inbox = Inbox::new("billing.credit").expect("valid name");
     let result = credit_once(&inbox, &conn, Uuid::new_v4()).await;

@@ -17,9 +17,7 @@ const DUPLICATE_PERCENT: usize = 30;
 const FAILURE_PERCENT: usize = 5;
 
 async fn soak_8_replicas_20000_messages(backend: Backend) {
-    let Some(db) = migrated_db(backend).await else {
-        return;
-    };
+    let db = migrated_db(backend).await;
     let messages = std::env::var("INBOX_SOAK_MESSAGES")
         .ok()
         .and_then(|n| n.parse().ok())

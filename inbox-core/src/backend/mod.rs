@@ -84,6 +84,11 @@ trait Dialect: Sync {
         " ON CONFLICT (message_id, consumer) DO NOTHING"
     }
 
+    /// Whether `INSERT ... RETURNING` may be used.
+    fn insert_returning(&self) -> bool {
+        true
+    }
+
     /// One purge batch deleting at most `?` rows meeting `purgeable`, oldest first.
     fn purge_batch(&self, purgeable: &str) -> String;
 
@@ -265,25 +270,58 @@ pub(crate) fn complete_lease_sql(backend: DbBackend) -> Result<String, InboxErro
     )
 }
 
-/// One multi-row INSERT claiming `rows` message ids for one consumer, returning the rows
-/// it inserted with their tag. Binds per row: message_id, consumer, received_at, tag.
+/// The statements of one [`claim_batch`](crate::InboxTransactionExt::claim_batch) call.
+pub(crate) enum BatchClaimSql {
+    /// One multi-row INSERT whose RETURNING lists exactly the rows it inserted: message_id,
+    /// consumer, claim_token (PostgreSQL, SQLite: `ON CONFLICT DO NOTHING RETURNING`).
+    Returning(String),
+    /// A multi-row INSERT that returns nothing, then `read`: a locking read of the
+    /// consumer's rows for every id of the batch, through the inbox index, returning
+    /// message_id, consumer, claim_token (the MySQL family). Binds of `read`: consumer, then
+    /// the ids in batch order.
+    InsertThenRead { insert: String, read: String },
+}
+
+/// The batch claim for `rows` distinct ids of one consumer. Binds of the INSERT per row:
+/// message_id, consumer, received_at, tag.
 ///
-/// PostgreSQL and SQLite return only inserted rows (`ON CONFLICT DO NOTHING RETURNING`).
-/// MariaDB (10.5+) returns the conflicting rows too, unchanged, so the caller keeps only
-/// rows carrying its own tag, and fails if a returned row is not one of the batch's ids
-/// (a conflict on another key, which ON DUPLICATE KEY would otherwise hide). MySQL 8 has no `INSERT ... RETURNING`: there this statement
-/// is a syntax error, surfaced as [`InboxError::Database`].
-pub(crate) fn insert_batch_sql(backend: DbBackend, rows: usize) -> Result<String, InboxError> {
-    let mut template = String::with_capacity(96 + rows * 16);
-    template.push_str("INSERT INTO inbox (message_id, consumer, received_at, claim_token) VALUES ");
+/// Every row carries this call's tag in `claim_token`, so the caller tells its own rows
+/// from those a committed transaction wrote before (which the conflict clause leaves as
+/// they were).
+pub(crate) fn batch_claim_sql(
+    backend: DbBackend,
+    rows: usize,
+) -> Result<BatchClaimSql, InboxError> {
+    let dialect = dialect(backend)?;
+    let mut insert = String::with_capacity(96 + rows * 16);
+    insert.push_str("INSERT INTO inbox (message_id, consumer, received_at, claim_token) VALUES ");
+    push_placeholder_list(&mut insert, rows, "(?, ?, ?, ?)");
+    let insert = dialect_sql(backend, &insert)? + dialect.on_inbox_conflict_do_nothing();
+    if dialect.insert_returning() {
+        return Ok(BatchClaimSql::Returning(
+            insert + " RETURNING message_id, consumer, claim_token",
+        ));
+    }
+    let mut read = String::with_capacity(96 + rows * 3);
+    read.push_str(
+        "SELECT message_id, consumer, claim_token FROM inbox WHERE consumer = ? AND message_id IN (",
+    );
+    push_placeholder_list(&mut read, rows, "?");
+    read.push_str(") FOR UPDATE");
+    Ok(BatchClaimSql::InsertThenRead {
+        insert,
+        read: dialect_sql(backend, &read)?,
+    })
+}
+
+/// Appends `rows` copies of `item` separated by commas.
+fn push_placeholder_list(sql: &mut String, rows: usize, item: &str) {
     for row in 0..rows {
         if row > 0 {
-            template.push_str(", ");
+            sql.push_str(", ");
         }
-        template.push_str("(?, ?, ?, ?)");
+        sql.push_str(item);
     }
-    let insert = dialect_sql(backend, &template)?;
-    Ok(insert + on_inbox_conflict_do_nothing(backend)? + " RETURNING message_id, claim_token")
 }
 
 /// Rows the purge may delete: finished, i.e. not an unfinished two-phase claim (a lease

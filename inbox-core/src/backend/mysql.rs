@@ -27,6 +27,14 @@ impl Dialect for MySql {
         " ON DUPLICATE KEY UPDATE consumer = consumer"
     }
 
+    /// MySQL 8 has no `INSERT ... RETURNING` (MariaDB has it since 10.5), and MariaDB's form
+    /// returns the row a conflict met on any unique key, which cannot tell "claimed before"
+    /// from "conflicted on another key". So the whole family reads its rows back after the
+    /// INSERT instead, and MariaDB runs the very statements MySQL 8 does.
+    fn insert_returning(&self) -> bool {
+        false
+    }
+
     /// MySQL/MariaDB cannot use LIMIT in an `IN (subquery)`, but its single-table DELETE
     /// takes ORDER BY and LIMIT itself (a range scan of the index).
     fn purge_batch(&self, purgeable: &str) -> String {
