@@ -15,10 +15,9 @@ use std::time::{Duration, Instant};
 use uuid::Uuid;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[cfg_attr(not(inbox_postgres), ignore = "set INBOX_TEST_POSTGRES_URL")]
 async fn postgres_held_claim_ends_as_transient_within_the_lock_timeout() {
-    let Some(db) = migrated_db(Backend::Postgres).await else {
-        return;
-    };
+    let db = migrated_db(Backend::Postgres).await;
     let replica = db.connect_with(1).await;
     create_accounts(&replica).await;
     let id = Uuid::new_v4();

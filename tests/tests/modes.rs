@@ -18,9 +18,7 @@ use uuid::Uuid;
 const CONSUMER: &str = "mailer.welcome";
 
 async fn unfinished_lease_is_claimed_for_every_mode(backend: Backend) {
-    let Some(db) = migrated_db(backend).await else {
-        return;
-    };
+    let db = migrated_db(backend).await;
     let conn = db.connect().await;
     let id = MessageId::from_uuid(Uuid::new_v4());
     let options = LeaseOptions::new(Duration::from_millis(400)).expect("lease");
