@@ -7,16 +7,18 @@
 //! be reached fails the test; it never skips. Each test creates its own database with a
 //! unique name, so tests run in parallel and on servers that earlier runs left dirty.
 
-use sea_orm_inbox::{CLAIM_TRANSACTION, Claim, InboxTransactionExt};
-use sea_orm_inbox_migration::Migrator;
 use sea_orm::{
     ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DbBackend, Statement,
     TransactionTrait,
 };
+use sea_orm_inbox::{CLAIM_TRANSACTION, Claim, InboxTransactionExt};
+use sea_orm_inbox_migration::Migrator;
 use sea_orm_migration::MigratorTrait;
 use std::time::Duration;
 
+mod proxy;
 mod stream;
+pub use proxy::LostReplyProxy;
 pub use stream::{
     Broker, BrokerStats, HandlerError, Plan, Report, STREAM_CONSUMER, XorShift,
     assert_exactly_once, create_effects, run_replicas,
@@ -122,25 +124,7 @@ impl TestDb {
 
     /// A new pool with at most `max_connections` connections (SQLite: always 1 writer).
     pub async fn connect_with(&self, max_connections: u32) -> DatabaseConnection {
-        let mut options = ConnectOptions::new(self.url.clone());
-        let max = if self.backend == Backend::Sqlite {
-            1
-        } else {
-            max_connections
-        };
-        options
-            .max_connections(max)
-            .min_connections(0)
-            .acquire_timeout(Duration::from_secs(30))
-            .sqlx_logging(false);
-        let conn = Database::connect(options)
-            .await
-            .unwrap_or_else(|e| panic!("connect to {}: {e}", self.url));
-        if self.backend == Backend::Sqlite {
-            // Many replicas share one file: let writers queue instead of failing at once.
-            run(&conn, "PRAGMA busy_timeout = 60000").await;
-        }
-        conn
+        connect_pool(&self.url, self.backend, max_connections).await
     }
 
     /// Drops the test's database (SQLite: its directory goes with `self`).
@@ -157,6 +141,30 @@ impl TestDb {
             admin.close().await.ok();
         }
     }
+}
+
+/// A new pool to `url` with at most `max_connections` connections (SQLite: always 1
+/// writer).
+async fn connect_pool(url: &str, backend: Backend, max_connections: u32) -> DatabaseConnection {
+    let mut options = ConnectOptions::new(url.to_owned());
+    let max = if backend == Backend::Sqlite {
+        1
+    } else {
+        max_connections
+    };
+    options
+        .max_connections(max)
+        .min_connections(0)
+        .acquire_timeout(Duration::from_secs(30))
+        .sqlx_logging(false);
+    let conn = Database::connect(options)
+        .await
+        .unwrap_or_else(|e| panic!("connect to {url}: {e}"));
+    if backend == Backend::Sqlite {
+        // Many replicas share one file: let writers queue instead of failing at once.
+        run(&conn, "PRAGMA busy_timeout = 60000").await;
+    }
+    conn
 }
 
 /// Runs one SQL statement, panicking with the statement on failure.
@@ -261,19 +269,37 @@ pub async fn hold_claim_then_roll_back(
 #[macro_export]
 macro_rules! on_every_backend {
     ($($name:ident),+ $(,)?) => {
+        $crate::backend_tests!(sqlite, Sqlite, $($name),+);
+        $crate::backend_tests!(postgres, Postgres, $($name),+);
+        $crate::backend_tests!(mysql, MySql, $($name),+);
+    };
+}
+
+/// Like [`on_every_backend!`] for faults that need a network between the client and the
+/// server (a lost reply): real tests on PostgreSQL and MySQL/MariaDB, and on SQLite tests
+/// ignored with the reason, so the listing says why they do not run there.
+#[macro_export]
+macro_rules! on_server_backends {
+    ($($name:ident),+ $(,)?) => {
         mod sqlite {
-            $(#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-            async fn $name() { super::$name($crate::Backend::Sqlite).await }
+            $(#[tokio::test]
+            #[ignore = "SQLite is embedded: no network between client and database, so no reply can be lost"]
+            async fn $name() {}
             )+
         }
-        mod postgres {
+        $crate::backend_tests!(postgres, Postgres, $($name),+);
+        $crate::backend_tests!(mysql, MySql, $($name),+);
+    };
+}
+
+/// One module of tests on one backend, for the macros above.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! backend_tests {
+    ($module:ident, $backend:ident, $($name:ident),+) => {
+        mod $module {
             $(#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-            async fn $name() { super::$name($crate::Backend::Postgres).await }
-            )+
-        }
-        mod mysql {
-            $(#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-            async fn $name() { super::$name($crate::Backend::MySql).await }
+            async fn $name() { super::$name($crate::Backend::$backend).await }
             )+
         }
     };

@@ -8,8 +8,8 @@
 //! the plan.
 
 use crate::{TestDb, run, scalar_i64, stmt};
-use sea_orm_inbox::{Inbox, Outcome, ProcessError, RetryPolicy, Settlement};
 use sea_orm::{ConnectionTrait, DatabaseConnection, DbErr};
+use sea_orm_inbox::{Inbox, Outcome, ProcessError, RetryPolicy, Settlement};
 use std::collections::{HashSet, VecDeque};
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
