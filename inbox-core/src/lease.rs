@@ -9,12 +9,12 @@ use crate::claim::now_micros;
 use crate::consumer::validate_claim;
 use crate::{InboxError, MessageId};
 use chrono::{DateTime, TimeDelta, Utc};
-use sea_orm_inbox_entity::inbox;
 use sea_orm::sea_query::ExprTrait;
 use sea_orm::{
     ColumnTrait, ConnectionTrait, DatabaseConnection, DbErr, EntityTrait, QueryFilter, QueryOrder,
     QuerySelect, Statement, TransactionTrait, Value,
 };
+use sea_orm_inbox_entity::inbox;
 use std::time::Duration;
 use uuid::Uuid;
 
@@ -248,7 +248,14 @@ fn dead_claim(row: &inbox::Model, dead_at: DateTime<Utc>) -> DeadClaim {
 /// Inserts the lease row (attempt 1) unless the pair has a row; otherwise locks that row
 /// and decides: processed, parked, held by a live lease, or expired. An expired lease is
 /// taken over (attempt + 1, a new fencing token) or, if it was the last allowed attempt,
-/// parked as dead. A transient failure (deadlock, busy SQLite) retries the transaction.
+/// parked as dead. A transient failure (deadlock, busy SQLite, a lost connection) retries
+/// the transaction.
+///
+/// One call writes one fencing token, whatever its retries: when a COMMIT lands but its
+/// reply is lost (the connection dies in the middle of it), the retry finds the row
+/// carrying the call's own token and returns that lease ([`LeaseClaim::Claimed`] for
+/// attempt 1, [`LeaseClaim::TakenOver`] after), with the row's attempt and expiry, instead
+/// of mistaking it for another claimant's ([`LeaseClaim::Held`]).
 ///
 /// # Errors
 /// Bad input as for `claim_message` ([`InboxError::EmptyConsumer`],
@@ -292,8 +299,9 @@ pub async fn claim_lease(
         take_over: take_over_lease_sql(backend)?,
         park: park_lease_sql(backend)?,
     };
+    let token = Uuid::new_v4();
     retry_transient(message_id, consumer, || {
-        claim_once(db, message_id, consumer, options, &sql)
+        claim_once(db, message_id, consumer, options, &sql, token)
     })
     .await
 }
@@ -304,18 +312,19 @@ struct LeaseSql {
     park: String,
 }
 
-/// One claim transaction: insert-or-lock the row, decide, commit.
+/// One claim transaction with the call's fencing `token`: insert-or-lock the row, decide,
+/// commit.
 async fn claim_once(
     db: &DatabaseConnection,
     message_id: MessageId,
     consumer: &str,
     options: &LeaseOptions,
     sql: &LeaseSql,
+    token: Uuid,
 ) -> Result<LeaseClaim, DbErr> {
     let backend = db.get_database_backend();
     let txn = db.begin_with_options(CLAIM_TRANSACTION).await?;
     let now = now_micros();
-    let token = Uuid::new_v4();
     let lease_until = options.expiry(now);
     let id = Value::from(message_id.as_uuid());
     txn.execute_raw(Statement::from_sql_and_values(
@@ -344,8 +353,14 @@ async fn claim_once(
         attempt,
         lease_until,
     };
-    let outcome = if row.claim_token == Some(token) {
-        LeaseClaim::Claimed(lease(1))
+    // This call's row: just inserted, or written by an earlier try of this call whose
+    // COMMIT landed although its reply was lost.
+    let own_lease_until = row
+        .lease_until
+        .filter(|_| row.claim_token == Some(token))
+        .filter(|_| row.processed_at.is_none() && row.dead_at.is_none());
+    let outcome = if let Some(own_lease_until) = own_lease_until {
+        own_lease(&row, message_id, consumer, token, own_lease_until)
     } else if let Some(dead_at) = row.dead_at {
         LeaseClaim::Dead(dead_claim(&row, dead_at))
     } else if let (None, Some(held_until), Some(old_token)) =
@@ -381,6 +396,30 @@ async fn claim_once(
     };
     txn.commit().await?;
     Ok(outcome)
+}
+
+/// The lease a row written with this call's `token` grants: its attempt and expiry as
+/// stored, `Claimed` on attempt 1 and `TakenOver` after.
+fn own_lease(
+    row: &inbox::Model,
+    message_id: MessageId,
+    consumer: &str,
+    token: Uuid,
+    lease_until: DateTime<Utc>,
+) -> LeaseClaim {
+    let attempt = attempts_of(row);
+    let lease = Lease {
+        message_id,
+        consumer: consumer.to_owned(),
+        token,
+        attempt,
+        lease_until,
+    };
+    if attempt <= 1 {
+        LeaseClaim::Claimed(lease)
+    } else {
+        LeaseClaim::TakenOver(lease)
+    }
 }
 
 /// Phase two: marks the lease's message processed, if `lease` is still the current claim
