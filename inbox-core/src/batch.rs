@@ -4,8 +4,8 @@ use crate::backend::{insert_batch_sql, timestamp_value};
 use crate::claim::now_micros;
 use crate::consumer::validate_consumer;
 use crate::{InboxError, MessageId};
-use sea_orm_inbox_entity::INDEX_NAME;
 use sea_orm::{ConnectionTrait, DbErr, Statement, Value};
+use sea_orm_inbox_entity::INDEX_NAME;
 use std::collections::BTreeSet;
 use uuid::Uuid;
 

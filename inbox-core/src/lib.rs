@@ -23,6 +23,9 @@
 //!
 //! The table comes from the `sea-orm-inbox-migration` crate; its entity from `sea-orm-inbox-entity`.
 
+#[cfg(not(any(feature = "postgres", feature = "mysql", feature = "sqlite")))]
+compile_error!("enable at least one of sea-orm-inbox's backend features: postgres, mysql, sqlite");
+
 mod backend;
 mod batch;
 mod claim;
@@ -42,7 +45,6 @@ pub use batch::{BatchClaim, MAX_CLAIM_BATCH};
 pub use claim::{Claim, InboxTransactionExt};
 pub use error::InboxError;
 pub use inbox::{HandlerFuture, Inbox};
-pub use sea_orm_inbox_entity::{CONSUMER_MAX_CHARS, INDEX_NAME, RECEIVED_AT_INDEX_NAME, TABLE_NAME};
 pub use lease::{
     DeadClaim, ExpiredLease, Lease, LeaseClaim, LeaseOptions, claim_lease, complete_lease,
     list_dead_claims, list_expired_leases, release_lease,
@@ -54,3 +56,6 @@ pub use retention::{
     BrokerRedelivery, PurgeReport, Purger, PurgerSummary, RetentionPolicy, purge, spawn_purger,
 };
 pub use retry::RetryPolicy;
+pub use sea_orm_inbox_entity::{
+    CONSUMER_MAX_CHARS, INDEX_NAME, RECEIVED_AT_INDEX_NAME, TABLE_NAME,
+};
