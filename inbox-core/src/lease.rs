@@ -427,6 +427,11 @@ fn own_lease(
 ///
 /// A lease that expired is still completed when nobody took it over in the meantime.
 ///
+/// Idempotent for the lease's holder: completing the same lease again is `Ok` and keeps
+/// the first `processed_at`. So when the connection dies after the completion committed
+/// but before its reply arrived, the retry (inside this call, or yours) reports success
+/// instead of a stale lease.
+///
 /// # Errors
 /// [`InboxError::StaleLease`] when another claimant took the message over after this
 /// lease expired, or it was parked as dead: do not ack as if this attempt had recorded
@@ -445,6 +450,7 @@ fn own_lease(
 ///     unreachable!("a new message")
 /// };
 /// complete_lease(&db, &lease).await?;
+/// complete_lease(&db, &lease).await?; // a retry after a lost reply: still Ok
 /// # Ok(()) }
 /// ```
 pub async fn complete_lease(db: &DatabaseConnection, lease: &Lease) -> Result<(), InboxError> {
@@ -487,8 +493,9 @@ pub async fn release_lease(db: &DatabaseConnection, lease: &Lease) -> Result<(),
 /// Runs one of the lease's compare-and-set UPDATEs (binds: a timestamp of now, then the
 /// current-lease conditions) as a statement of its own, and reports a stale lease.
 ///
-/// Its affected-row count is exact on every backend: on MySQL sqlx reports *found* rows,
-/// and the WHERE clause only finds a row the UPDATE changes.
+/// Its affected-row count is exact on every backend: PostgreSQL and SQLite count the rows
+/// the WHERE clause found, and on MySQL sqlx reports *found* rows too (so the idempotent
+/// repeat of a completion, which finds its row without changing it, counts 1).
 async fn compare_and_set(
     db: &DatabaseConnection,
     lease: &Lease,

@@ -177,12 +177,19 @@ pub(crate) fn release_lease_sql(backend: DbBackend) -> Result<String, InboxError
     )
 }
 
-/// Second phase: marks the message processed if the token still holds the lease. Binds:
-/// processed_at, message_id, consumer, token.
+/// Second phase: marks the message processed if the token holds the lease, or already
+/// completed it. Binds: processed_at, message_id, consumer, token.
+///
+/// Idempotent for the holder: a completion repeated by the same token (its first reply
+/// was lost, and the retry runs it again) finds the row again and keeps the first
+/// `processed_at`, so it reports one row like the first. Any other token finds none. The
+/// count is exact on every backend: PostgreSQL and SQLite count the rows the WHERE clause
+/// found, and sqlx asks MySQL/MariaDB for found rows too (`CLIENT_FOUND_ROWS`).
 pub(crate) fn complete_lease_sql(backend: DbBackend) -> Result<String, InboxError> {
     dialect_sql(
         backend,
-        &format!("UPDATE inbox SET processed_at = ? {CURRENT_LEASE}"),
+        "UPDATE inbox SET processed_at = COALESCE(processed_at, ?) \
+         WHERE message_id = ? AND consumer = ? AND claim_token = ? AND dead_at IS NULL",
     )
 }
 
