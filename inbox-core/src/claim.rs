@@ -1,10 +1,17 @@
-use crate::backend::{DbErrorKind, classify, insert_marker_sql, timestamp_value};
+use crate::backend::{
+    DbErrorKind, classify, insert_marker_sql, insert_process_marker_sql, timestamp_value,
+};
 use crate::batch::{BatchClaim, insert_batch, sorted_batch};
 use crate::consumer::validate_claim;
 use crate::{InboxError, MessageId};
 use chrono::{DurationRound, TimeDelta, Utc};
-use sea_orm::{ConnectionTrait, DatabaseTransaction, DbErr, Statement, Value};
+use sea_orm::{
+    ColumnTrait, ConnectionTrait, DatabaseTransaction, DbErr, EntityTrait, QueryFilter,
+    QuerySelect, Statement, Value,
+};
+use sea_orm_inbox_entity::inbox;
 use std::future::Future;
+use uuid::Uuid;
 
 /// The outcome of [`InboxTransactionExt::claim_message`].
 ///
@@ -179,7 +186,7 @@ impl InboxTransactionExt for DatabaseTransaction {
         message_id: impl Into<MessageId>,
         consumer: &str,
     ) -> impl Future<Output = Result<Claim, InboxError>> + Send {
-        insert_marker(self, message_id.into(), consumer)
+        insert_marker(self, message_id.into(), consumer, None)
     }
 
     fn claim_batch<I>(
@@ -198,26 +205,52 @@ impl InboxTransactionExt for DatabaseTransaction {
 }
 
 /// The claim itself, for any connection the crate has already proven is a transaction.
+/// With a `token` the marker carries it in `claim_token` (see [`marker_token`]).
 pub(crate) async fn insert_marker<C: ConnectionTrait>(
     conn: &C,
     message_id: MessageId,
     consumer: &str,
+    token: Option<Uuid>,
 ) -> Result<Claim, InboxError> {
     validate_claim(message_id, consumer)?;
     let backend = conn.get_database_backend();
-    let statement = Statement::from_sql_and_values(
-        backend,
-        insert_marker_sql(backend)?,
-        [
-            Value::from(message_id.as_uuid()),
-            Value::from(consumer),
-            timestamp_value(backend, now_micros()),
-        ],
-    );
+    let mut values = Vec::with_capacity(4);
+    values.extend([
+        Value::from(message_id.as_uuid()),
+        Value::from(consumer),
+        timestamp_value(backend, now_micros()),
+    ]);
+    let sql = match token {
+        Some(token) => {
+            values.push(Value::from(token));
+            insert_process_marker_sql(backend)?
+        }
+        None => insert_marker_sql(backend)?,
+    };
+    let statement = Statement::from_sql_and_values(backend, sql, values);
     match conn.execute_raw(statement).await {
         Ok(_) => Ok(Claim::Claimed),
         Err(err) => claim_failure(err, message_id, consumer),
     }
+}
+
+/// The `claim_token` of the committed marker of `(message_id, consumer)`: `None` when there
+/// is no marker or it carries no token. Who wrote a marker, for a caller that lost the
+/// reply to its own COMMIT.
+pub(crate) async fn marker_token<C: ConnectionTrait>(
+    conn: &C,
+    message_id: MessageId,
+    consumer: &str,
+) -> Result<Option<Uuid>, DbErr> {
+    let token = inbox::Entity::find()
+        .select_only()
+        .column(inbox::Column::ClaimToken)
+        .filter(inbox::Column::MessageId.eq(message_id.as_uuid()))
+        .filter(inbox::Column::Consumer.eq(consumer))
+        .into_tuple::<Option<Uuid>>()
+        .one(conn)
+        .await?;
+    Ok(token.flatten())
 }
 
 fn claim_failure(err: DbErr, message_id: MessageId, consumer: &str) -> Result<Claim, InboxError> {

@@ -50,6 +50,11 @@ trait Dialect: Sync {
     /// received_at.
     fn insert_marker(&self) -> &'static str;
 
+    /// The marker INSERT of [`Inbox::process`](crate::Inbox::process), which also writes
+    /// the call's token, so a retry after a lost COMMIT reply can tell its own marker from
+    /// another delivery's. Binds: message_id, consumer, received_at, claim_token.
+    fn insert_process_marker(&self) -> &'static str;
+
     /// Whether placeholders are `$1, $2, ...` rather than `?`.
     fn numbered_placeholders(&self) -> bool {
         false
@@ -104,6 +109,12 @@ fn dialect(backend: DbBackend) -> Result<&'static dyn Dialect, InboxError> {
 /// The marker INSERT of `backend`'s dialect.
 pub(crate) fn insert_marker_sql(backend: DbBackend) -> Result<&'static str, InboxError> {
     Ok(dialect(backend)?.insert_marker())
+}
+
+/// The marker INSERT of `Inbox::process` in `backend`'s dialect: the marker and the call's
+/// token (see [`Dialect::insert_process_marker`]).
+pub(crate) fn insert_process_marker_sql(backend: DbBackend) -> Result<&'static str, InboxError> {
+    Ok(dialect(backend)?.insert_process_marker())
 }
 
 /// Writes `template` for `backend`: its `?` placeholders become `$1, $2, ...` where the

@@ -13,6 +13,10 @@ impl Dialect for Postgres {
         r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at") VALUES ($1, $2, $3)"#
     }
 
+    fn insert_process_marker(&self) -> &'static str {
+        r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at", "claim_token") VALUES ($1, $2, $3, $4)"#
+    }
+
     fn numbered_placeholders(&self) -> bool {
         true
     }
