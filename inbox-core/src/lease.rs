@@ -255,7 +255,9 @@ fn dead_claim(row: &inbox::Model, dead_at: DateTime<Utc>) -> DeadClaim {
 /// reply is lost (the connection dies in the middle of it), the retry finds the row
 /// carrying the call's own token and returns that lease ([`LeaseClaim::Claimed`] for
 /// attempt 1, [`LeaseClaim::TakenOver`] after), with the row's attempt and expiry, instead
-/// of mistaking it for another claimant's ([`LeaseClaim::Held`]).
+/// of mistaking it for another claimant's ([`LeaseClaim::Held`]). An error returned after
+/// the call's last retry may still hide a committed claim: the next call (a new token)
+/// then sees it `Held` until its lease expires, and takes it over as the next attempt.
 ///
 /// # Errors
 /// Bad input as for `claim_message` ([`InboxError::EmptyConsumer`],

@@ -7,6 +7,12 @@
 //! network failure between the server's commit and the client would. The client sees its
 //! connection die in the middle of COMMIT and cannot tell whether it committed.
 //!
+//! A statement outside a transaction commits on its own, without a COMMIT message:
+//! [`arm_next_execute`](LostReplyProxy::arm_next_execute) loses the reply of the next
+//! prepared statement executed (PostgreSQL: `Execute`; MySQL: `COM_STMT_EXECUTE`), which is
+//! how sqlx runs every statement with bind values. A new connection's session setup, pings,
+//! prepares and transaction control (`BEGIN`, `COMMIT`: text queries) do not count.
+//!
 //! The proxy records each reply it dropped. A test calls
 //! [`expect_reply_dropped`](LostReplyProxy::expect_reply_dropped) after the operation
 //! under test, and dropping an armed proxy that never dropped a reply panics, so a test
@@ -17,8 +23,8 @@
 
 use crate::{Backend, TestDb, connect_pool};
 use sea_orm::DatabaseConnection;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
@@ -31,11 +37,34 @@ enum Protocol {
     MySql,
 }
 
+/// Which message's reply an armed proxy loses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Trigger {
+    Commit,
+    NextExecute,
+}
+
+/// What a chunk of client bytes completed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Seen {
+    commit: bool,
+    execute: bool,
+}
+
+impl Seen {
+    fn fires(self, trigger: Trigger) -> bool {
+        match trigger {
+            Trigger::Commit => self.commit,
+            Trigger::NextExecute => self.execute,
+        }
+    }
+}
+
 /// What all connections of one proxy share.
 #[derive(Debug, Default)]
 struct Faults {
-    /// Set by `arm`, taken by the first COMMIT seen afterwards.
-    armed: AtomicBool,
+    /// Set by `arm*`, taken by the first message it fires on.
+    armed: Mutex<Option<Trigger>>,
     /// How many times the proxy was armed.
     armings: AtomicU32,
     /// COMMIT replies swallowed (each followed by a cut connection).
@@ -90,8 +119,18 @@ impl LostReplyProxy {
 
     /// Loses the reply of the next COMMIT any connection sends (once).
     pub fn arm(&self) {
+        self.arm_for(Trigger::Commit);
+    }
+
+    /// Loses the reply of the next prepared statement any connection executes (once): for
+    /// a statement with bind values that commits on its own, outside a transaction.
+    pub fn arm_next_execute(&self) {
+        self.arm_for(Trigger::NextExecute);
+    }
+
+    fn arm_for(&self, trigger: Trigger) {
         self.faults.armings.fetch_add(1, Ordering::SeqCst);
-        self.faults.armed.store(true, Ordering::SeqCst);
+        *self.faults.armed.lock().expect("the proxy's lock") = Some(trigger);
     }
 
     /// COMMIT replies dropped so far.
@@ -107,9 +146,9 @@ impl LostReplyProxy {
         );
         assert!(
             armings > 0 && dropped == armings,
-            "the proxy was armed {armings} times but dropped {dropped} COMMIT replies: the \
-             operation under test never sent a COMMIT through the proxy, so this test did \
-             not exercise a lost reply"
+            "the proxy was armed {armings} times but dropped {dropped} replies: the \
+             operation under test never sent its COMMIT (or statement) through the proxy, \
+             so this test did not exercise a lost reply"
         );
     }
 }
@@ -120,8 +159,8 @@ impl Drop for LostReplyProxy {
         let armings = self.faults.armings.load(Ordering::SeqCst);
         if armings > self.replies_dropped() && !std::thread::panicking() {
             panic!(
-                "the proxy was armed {armings} times but dropped {} COMMIT replies: the \
-                 test did not exercise a lost reply",
+                "the proxy was armed {armings} times but dropped {} replies: the test did \
+                 not exercise a lost reply",
                 self.replies_dropped()
             );
         }
@@ -180,8 +219,8 @@ async fn relay(client: TcpStream, server: TcpStream, protocol: Protocol, faults:
     }
 }
 
-/// Client to server: forwards everything, and once armed, flags the first COMMIT before
-/// the server can see it.
+/// Client to server: forwards everything, and once armed, flags the first message the
+/// trigger fires on before the server can see it.
 async fn requests(
     mut from: OwnedReadHalf,
     mut to: OwnedWriteHalf,
@@ -198,8 +237,13 @@ async fn requests(
         if read == 0 {
             return;
         }
-        if framer.push(&chunk[..read]) && faults.armed.swap(false, Ordering::SeqCst) {
-            losing_reply.store(true, Ordering::SeqCst);
+        let seen = framer.push(&chunk[..read]);
+        if seen != Seen::default() {
+            let mut armed = faults.armed.lock().expect("the proxy's lock");
+            if armed.is_some_and(|trigger| seen.fires(trigger)) {
+                *armed = None;
+                losing_reply.store(true, Ordering::SeqCst);
+            }
         }
         if to.write_all(&chunk[..read]).await.is_err() {
             return;
@@ -224,7 +268,8 @@ async fn replies(
             return;
         }
         // The client sends its COMMIT only after reading every earlier reply, so the first
-        // bytes after the flag are the COMMIT's answer: the server has committed.
+        // bytes after the flag are the COMMIT's answer: the server has committed. (PostgreSQL
+        // answers an extended-protocol statement at its Sync, after the implicit commit.)
         if losing_reply.load(Ordering::SeqCst) {
             faults.dropped.fetch_add(1, Ordering::SeqCst);
             return;
@@ -235,7 +280,8 @@ async fn replies(
     }
 }
 
-/// Splits the client's byte stream into protocol messages and spots a COMMIT.
+/// Splits the client's byte stream into protocol messages and spots COMMITs and
+/// prepared-statement executions.
 struct Framer {
     protocol: Protocol,
     buffer: Vec<u8>,
@@ -246,8 +292,9 @@ struct Framer {
 /// PostgreSQL's SSLRequest and GSSENCRequest codes: after them the client sends another
 /// untyped startup message.
 const PG_ENCRYPTION_REQUESTS: [u32; 2] = [80_877_103, 80_877_104];
-/// MySQL's COM_QUERY command byte.
+/// MySQL's COM_QUERY and COM_STMT_EXECUTE command bytes (a command opens sequence 0).
 const MYSQL_COM_QUERY: u8 = 0x03;
+const MYSQL_COM_STMT_EXECUTE: u8 = 0x17;
 
 impl Framer {
     fn new(protocol: Protocol) -> Self {
@@ -258,18 +305,19 @@ impl Framer {
         }
     }
 
-    /// Appends `bytes` and reports whether a complete COMMIT message arrived with them.
-    fn push(&mut self, bytes: &[u8]) -> bool {
+    /// Appends `bytes` and reports what the messages they completed hold.
+    fn push(&mut self, bytes: &[u8]) -> Seen {
         self.buffer.extend_from_slice(bytes);
-        let mut commit = false;
+        let mut seen = Seen::default();
         while let Some(len) = self.next_len() {
             if len > self.buffer.len() {
                 break;
             }
             let message: Vec<u8> = self.buffer.drain(..len).collect();
-            commit |= self.is_commit(&message);
+            seen.execute |= self.is_execute(&message);
+            seen.commit |= self.is_commit(&message);
         }
-        commit
+        seen
     }
 
     /// The length of the message at the front of the buffer, once its header is in.
@@ -288,6 +336,16 @@ impl Framer {
                 let header = b.get(..3)?;
                 let len = u32::from_le_bytes([header[0], header[1], header[2], 0]);
                 Some(4 + len as usize)
+            }
+        }
+    }
+
+    /// Whether `message` executes a prepared statement.
+    fn is_execute(&self, message: &[u8]) -> bool {
+        match self.protocol {
+            Protocol::Postgres => !self.startup && message.first() == Some(&b'E'),
+            Protocol::MySql => {
+                message.get(3) == Some(&0) && message.get(4) == Some(&MYSQL_COM_STMT_EXECUTE)
             }
         }
     }
@@ -361,24 +419,49 @@ mod tests {
 
     #[test]
     fn finds_a_postgres_commit_split_across_reads_after_startup() {
+        let commit = |framer: &mut Framer, bytes: &[u8]| framer.push(bytes).commit;
         let mut framer = Framer::new(Protocol::Postgres);
-        assert!(!framer.push(&pg_startup(80_877_103)));
-        assert!(!framer.push(&pg_startup(196_608)));
-        assert!(!framer.push(&pg(b'Q', b"UPDATE account SET balance = 1\0")));
-        let commit = pg(b'Q', b"COMMIT\0");
-        assert!(!framer.push(&commit[..4]));
-        assert!(framer.push(&commit[4..]));
-        assert!(framer.push(&pg(b'P', b"s1\0commit;\0\0\0")));
-        assert!(!framer.push(&pg(b'P', b"s2\0COMMIT_LOG\0\0\0")));
+        assert!(!commit(&mut framer, &pg_startup(80_877_103)));
+        assert!(!commit(&mut framer, &pg_startup(196_608)));
+        assert!(!commit(
+            &mut framer,
+            &pg(b'Q', b"UPDATE account SET balance = 1\0")
+        ));
+        let message = pg(b'Q', b"COMMIT\0");
+        assert!(!commit(&mut framer, &message[..4]));
+        assert!(commit(&mut framer, &message[4..]));
+        assert!(commit(&mut framer, &pg(b'P', b"s1\0commit;\0\0\0")));
+        assert!(!commit(&mut framer, &pg(b'P', b"s2\0COMMIT_LOG\0\0\0")));
     }
 
     #[test]
     fn finds_a_mysql_commit_query_only() {
+        let commit = |framer: &mut Framer, bytes: &[u8]| framer.push(bytes).commit;
         let mut framer = Framer::new(Protocol::MySql);
-        assert!(!framer.push(&mysql(1, b"\x03COMMIT handshake-like")));
-        assert!(!framer.push(&mysql(0, b"\x03START TRANSACTION")));
-        assert!(!framer.push(&mysql(0, b"\x16COMMIT")));
-        assert!(framer.push(&mysql(0, b"\x03COMMIT")));
+        assert!(!commit(
+            &mut framer,
+            &mysql(1, b"\x03COMMIT handshake-like")
+        ));
+        assert!(!commit(&mut framer, &mysql(0, b"\x03START TRANSACTION")));
+        assert!(!commit(&mut framer, &mysql(0, b"\x16COMMIT")));
+        assert!(commit(&mut framer, &mysql(0, b"\x03COMMIT")));
+    }
+
+    #[test]
+    fn executions_are_prepared_statements_only() {
+        let execute = |framer: &mut Framer, bytes: &[u8]| framer.push(bytes).execute;
+        let mut framer = Framer::new(Protocol::Postgres);
+        assert!(!execute(&mut framer, &pg_startup(196_608)));
+        assert!(!execute(&mut framer, &pg(b'P', b"s1\0UPDATE inbox\0\0\0")));
+        assert!(!execute(&mut framer, &pg(b'S', b"")));
+        assert!(!execute(&mut framer, &pg(b'Q', b"BEGIN\0")));
+        assert!(execute(&mut framer, &pg(b'E', b"\0\0\0\0\0")));
+        let mut framer = Framer::new(Protocol::MySql);
+        assert!(!execute(&mut framer, &mysql(1, b"\x17handshake-like")));
+        assert!(!execute(&mut framer, &mysql(0, b"\x0e")));
+        assert!(!execute(&mut framer, &mysql(0, b"\x16UPDATE inbox")));
+        assert!(!execute(&mut framer, &mysql(0, b"\x03SET sql_mode = ''")));
+        assert!(execute(&mut framer, &mysql(0, b"\x17\x01\0\0\0")));
     }
 
     #[tokio::test]
