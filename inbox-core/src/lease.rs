@@ -257,7 +257,8 @@ fn dead_claim(row: &inbox::Model, dead_at: DateTime<Utc>) -> DeadClaim {
 /// attempt 1, [`LeaseClaim::TakenOver`] after), with the row's attempt and expiry, instead
 /// of mistaking it for another claimant's ([`LeaseClaim::Held`]). An error returned after
 /// the call's last retry may still hide a committed claim: the next call (a new token)
-/// then sees it `Held` until its lease expires, and takes it over as the next attempt.
+/// then sees it `Held` until its lease expires, and takes it over as the next attempt. To
+/// retry such a call yourself without that wait, use [`claim_lease_with_token`].
 ///
 /// # Errors
 /// Bad input as for `claim_message` ([`InboxError::EmptyConsumer`],
@@ -293,6 +294,79 @@ pub async fn claim_lease(
     consumer: &str,
     options: &LeaseOptions,
 ) -> Result<LeaseClaim, InboxError> {
+    claim_lease_with_token(db, message_id, consumer, options, ClaimToken::new()).await
+}
+
+/// The fencing token one claim writes, kept by the caller so that retrying a failed
+/// [`claim_lease_with_token`] call recognises a claim that committed although its reply
+/// was lost. Always random: make a new one for every delivery, and reuse it only to
+/// retry that delivery's claim.
+///
+/// ```
+/// use sea_orm_inbox::ClaimToken;
+///
+/// assert_ne!(ClaimToken::new(), ClaimToken::new());
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ClaimToken(Uuid);
+
+impl ClaimToken {
+    /// A new random token.
+    #[allow(clippy::new_without_default)] // `Default` reads as a fixed value; this is fresh
+    pub fn new() -> Self {
+        Self(Uuid::new_v4())
+    }
+
+    /// The token as stored in `claim_token` (and returned by [`Lease::fencing_token`]).
+    pub fn as_uuid(&self) -> Uuid {
+        self.0
+    }
+}
+
+/// [`claim_lease`] with a token the caller keeps: a retry of a failed call with the same
+/// `token` finds the row it may have committed (its reply lost) and returns that lease,
+/// as `claim_lease`'s own retries do, instead of seeing it [`LeaseClaim::Held`] until it
+/// expires.
+///
+/// Use one token per delivery. Reusing it for another delivery of the same message would
+/// let that delivery act as the holder of the earlier lease.
+///
+/// # Errors
+/// As [`claim_lease`].
+///
+/// ```
+/// use sea_orm_inbox::{ClaimToken, LeaseClaim, LeaseOptions, MessageId, claim_lease_with_token};
+/// use std::time::Duration;
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// # use sea_orm_migration::MigratorTrait;
+/// # let db = sea_orm::Database::connect("sqlite::memory:").await?;
+/// # sea_orm_inbox_migration::Migrator::up(&db, None).await?;
+/// let options = LeaseOptions::new(Duration::from_secs(30))?;
+/// let id = MessageId::from_broker_id("invoice-mail-9")?;
+/// let token = ClaimToken::new(); // one per delivery
+/// let mut result = claim_lease_with_token(&db, id, "mailer", &options, token).await;
+/// for _ in 0..3 {
+///     if result.is_ok() {
+///         break;
+///     }
+///     // e.g. the connection died during COMMIT: retry with the same token
+///     result = claim_lease_with_token(&db, id, "mailer", &options, token).await;
+/// }
+/// let claim = result?;
+/// assert!(matches!(claim, LeaseClaim::Claimed(ref lease) if lease.fencing_token() == token.as_uuid()));
+/// // The same token again finds its own claim: still Claimed, not Held.
+/// assert_eq!(claim_lease_with_token(&db, id, "mailer", &options, token).await?, claim);
+/// # Ok(()) }
+/// ```
+pub async fn claim_lease_with_token(
+    db: &DatabaseConnection,
+    message_id: impl Into<MessageId>,
+    consumer: &str,
+    options: &LeaseOptions,
+    token: ClaimToken,
+) -> Result<LeaseClaim, InboxError> {
     let message_id = message_id.into();
     validate_claim(message_id, consumer)?;
     let backend = db.get_database_backend();
@@ -301,9 +375,8 @@ pub async fn claim_lease(
         take_over: take_over_lease_sql(backend)?,
         park: park_lease_sql(backend)?,
     };
-    let token = Uuid::new_v4();
     retry_transient(message_id, consumer, || {
-        claim_once(db, message_id, consumer, options, &sql, token)
+        claim_once(db, message_id, consumer, options, &sql, token.as_uuid())
     })
     .await
 }

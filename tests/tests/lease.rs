@@ -5,8 +5,8 @@ use chrono::{DateTime, Utc};
 use inbox_tests::{Backend, migrated_db, on_every_backend, scalar_i64};
 use sea_orm::{ColumnTrait, DatabaseConnection, EntityTrait, QueryFilter};
 use sea_orm_inbox::{
-    InboxError, Lease, LeaseClaim, LeaseOptions, MessageId, claim_lease, complete_lease,
-    list_dead_claims, list_expired_leases, release_lease,
+    ClaimToken, InboxError, Lease, LeaseClaim, LeaseOptions, MessageId, claim_lease,
+    claim_lease_with_token, complete_lease, list_dead_claims, list_expired_leases, release_lease,
 };
 use sea_orm_inbox_entity::inbox;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -385,7 +385,46 @@ async fn released_leases_are_listed_for_sweepers_and_taken_over_at_once(backend:
     db.cleanup().await;
 }
 
+/// A caller retrying a claim with its own token (after an error that may hide a committed
+/// claim) gets its lease back; any other token sees it held.
+async fn a_kept_token_recognises_its_own_claim(backend: Backend) {
+    let Some(db) = migrated_db(backend).await else {
+        return;
+    };
+    let conn = db.connect().await;
+    let options = LeaseOptions::new(Duration::from_secs(30)).unwrap();
+    let id = MessageId::from_uuid(Uuid::new_v4());
+    let token = ClaimToken::new();
+    let first = claim_lease_with_token(&conn, id, CONSUMER, &options, token)
+        .await
+        .unwrap();
+    let lease = leased(first.clone());
+    assert_eq!(lease.fencing_token(), token.as_uuid());
+    assert_eq!(
+        claim_lease_with_token(&conn, id, CONSUMER, &options, token)
+            .await
+            .unwrap(),
+        first,
+        "the same token gets the same lease back"
+    );
+    assert!(matches!(
+        claim_lease(&conn, id, CONSUMER, &options).await.unwrap(),
+        LeaseClaim::Held { attempts: 1, .. }
+    ));
+    assert_eq!(row(&conn, id).await.attempts, 1);
+    complete_lease(&conn, &lease).await.unwrap();
+    assert_eq!(
+        claim_lease_with_token(&conn, id, CONSUMER, &options, token)
+            .await
+            .unwrap(),
+        LeaseClaim::AlreadyProcessed
+    );
+    conn.close().await.ok();
+    db.cleanup().await;
+}
+
 on_every_backend!(
+    a_kept_token_recognises_its_own_claim,
     released_leases_are_listed_for_sweepers_and_taken_over_at_once,
     two_replicas_race_a_two_phase_claim_and_call_once,
     crashed_claimant_is_taken_over_and_its_late_completion_rejected,
