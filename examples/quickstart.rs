@@ -54,10 +54,10 @@ async fn naive_handler(db: &DatabaseConnection, id: Uuid) -> Result<(), BoxError
 async fn inbox_handler(db: &DatabaseConnection, id: Uuid) -> Result<(), BoxError> {
     let txn = db.begin_with_options(CLAIM_TRANSACTION).await?;
     match txn.claim_message(id, "demo.credit").await? {
-        Claim::Claimed => {
+        Claim::Claimed(claimed) => {
             tokio::time::sleep(WORK).await;
             credit_account(&txn, 1).await?;
-            txn.commit().await?;
+            claimed.commit(txn).await?; // proves the marker is still held, then commits
         }
         Claim::Duplicate => txn.rollback().await?, // already done: ack and move on
     }

@@ -203,9 +203,9 @@ impl Worker {
     async fn claim(&self) -> Result<Done, BoxError> {
         let txn = self.begin().await?;
         match txn.claim_message(Uuid::new_v4(), CONSUMER).await? {
-            Claim::Claimed => {
+            Claim::Claimed(claimed) => {
                 self.credit(&txn, 1).await?;
-                txn.commit().await?;
+                claimed.commit(txn).await?;
                 Ok(Done::CLAIMED_ONE)
             }
             Claim::Duplicate => Err("a fresh message id was reported as a duplicate".into()),
@@ -315,7 +315,7 @@ impl Worker {
                 txn.rollback().await?;
                 Ok(Done::DUPLICATE)
             }
-            Claim::Claimed => Err("a processed message was claimed again".into()),
+            Claim::Claimed(_) => Err("a processed message was claimed again".into()),
         }
     }
 

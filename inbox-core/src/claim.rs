@@ -1,13 +1,13 @@
 use crate::backend::{
-    DbErrorKind, classify, insert_marker_sql, insert_process_marker_sql, timestamp_value,
+    DbErrorKind, ProcessMarker, claim_marker_statement, classify, marker_held_statement,
+    marker_insert_returns_id,
 };
 use crate::batch::{BatchClaim, insert_batch, sorted_batch};
 use crate::consumer::validate_claim;
 use crate::{InboxError, MessageId};
 use chrono::{DurationRound, TimeDelta, Utc};
 use sea_orm::{
-    ColumnTrait, ConnectionTrait, DatabaseTransaction, DbErr, EntityTrait, QueryFilter,
-    QuerySelect, Statement, Value,
+    ColumnTrait, ConnectionTrait, DatabaseTransaction, DbErr, EntityTrait, QueryFilter, QuerySelect,
 };
 use sea_orm_inbox_entity::inbox;
 use std::future::Future;
@@ -15,15 +15,22 @@ use uuid::Uuid;
 
 /// The outcome of [`InboxTransactionExt::claim_message`].
 ///
+/// Only [`Claimed`](Claim::Claimed) carries the [`ClaimedMessage`] that commits the work
+/// ([`ClaimedMessage::commit`]), so the duplicate branch has nothing to commit with: match
+/// on the claim, never ignore it.
+///
 /// After [`Duplicate`](Claim::Duplicate) the transaction must be rolled back (or dropped,
-/// which rolls it back): the claim statement failed inside it, and on PostgreSQL that
-/// aborts the whole transaction, so any further statement fails with SQLSTATE 25P02.
-/// Acknowledge the message to the broker either way: a duplicate is a success.
+/// which rolls it back). On PostgreSQL the claim statement's failure aborted the whole
+/// transaction (any further statement fails with SQLSTATE 25P02), but MySQL/MariaDB and
+/// SQLite keep it usable: a caller who ignores `Duplicate` there and commits applies the
+/// work a second time. Acknowledge the message to the broker either way: a duplicate is a
+/// success.
 #[must_use = "a Duplicate claim means the work was already done: skip it and roll back"]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum Claim {
-    /// This transaction holds the marker: do the work, then commit.
-    Claimed,
+    /// This transaction holds the marker: do the work through it, then commit with
+    /// [`ClaimedMessage::commit`].
+    Claimed(ClaimedMessage),
     /// A committed transaction already claimed this message for this consumer: do nothing,
     /// roll back, acknowledge the message.
     Duplicate,
@@ -31,13 +38,119 @@ pub enum Claim {
 
 impl Claim {
     /// Whether this transaction won the claim and must do the work.
-    pub fn is_claimed(self) -> bool {
-        self == Claim::Claimed
+    pub fn is_claimed(&self) -> bool {
+        matches!(self, Claim::Claimed(_))
     }
 
     /// Whether the message was already processed by this consumer.
-    pub fn is_duplicate(self) -> bool {
-        self == Claim::Duplicate
+    pub fn is_duplicate(&self) -> bool {
+        matches!(self, Claim::Duplicate)
+    }
+}
+
+/// The marker this transaction inserted: proof of a won claim, and the way to commit it.
+///
+/// A transaction can lose its marker before COMMIT without the caller noticing: on
+/// PostgreSQL any failed statement aborts the transaction, and a later `COMMIT` answers
+/// `ROLLBACK` without an error; on MySQL/MariaDB a deadlock or lock wait timeout rolls the
+/// whole transaction back, marker included, and the statements after it run outside it.
+/// A handler that swallows such an error and commits has committed nothing of the claim,
+/// and acking the message then loses it. [`commit`](Self::commit) first proves that the
+/// transaction still holds the marker (one primary-key read through the transaction), and
+/// fails with [`InboxError::ClaimLost`] (nack) instead of committing otherwise.
+///
+/// What the check cannot undo: statements that ran *outside* the transaction after the
+/// database ended it. On MySQL/MariaDB with the default `autocommit = 1`, the statements
+/// the handler runs after InnoDB rolled its transaction back on a deadlock commit one by
+/// one, and stay committed although the message is nacked (measured on MariaDB 10.11).
+/// On a pool whose connections run with `autocommit = 0` (for example `SET SESSION
+/// autocommit = 0` in an after-connect hook of a pool used only for handlers) they start a
+/// new transaction instead, which the rollback after the failed check undoes; the library
+/// does not switch autocommit itself, as that costs two round trips per message on a
+/// shared pool. Return database errors from the handler instead of swallowing them.
+///
+/// ```
+/// use sea_orm_inbox::prelude::*;
+/// use sea_orm::{ConnectionTrait, TransactionTrait};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// # use sea_orm_migration::MigratorTrait;
+/// # let db = sea_orm::Database::connect("sqlite::memory:").await?;
+/// # sea_orm_inbox_migration::Migrator::up(&db, None).await?;
+/// let txn = db.begin_with_options(CLAIM_TRANSACTION).await?;
+/// match txn.claim_message(uuid::Uuid::new_v4(), "billing.credit").await? {
+///     Claim::Claimed(claimed) => {
+///         // business writes through `txn`
+///         claimed.commit(txn).await?; // proves the marker is still held, then commits
+///     }
+///     Claim::Duplicate => txn.rollback().await?,
+/// }
+/// # Ok(()) }
+/// ```
+///
+/// The claim must be matched: a [`Claim`] is not a `ClaimedMessage`, so ignoring the
+/// duplicate case does not compile.
+///
+/// ```compile_fail
+/// use sea_orm_inbox::prelude::*;
+/// # async fn handler(txn: sea_orm::DatabaseTransaction) -> Result<(), InboxError> {
+/// let claimed: ClaimedMessage = txn.claim_message(uuid::Uuid::new_v4(), "billing").await?;
+/// claimed.commit(txn).await
+/// # }
+/// ```
+#[must_use = "commit the work with ClaimedMessage::commit, which proves the marker is still held"]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ClaimedMessage {
+    message_id: MessageId,
+    consumer: String,
+    marker_id: i64,
+}
+
+impl ClaimedMessage {
+    /// The claimed message.
+    pub fn message_id(&self) -> MessageId {
+        self.message_id
+    }
+
+    /// The consumer that claimed it.
+    pub fn consumer(&self) -> &str {
+        &self.consumer
+    }
+
+    /// The `id` of the marker row this transaction inserted.
+    pub fn marker_id(&self) -> i64 {
+        self.marker_id
+    }
+
+    /// Proves that `txn` still holds this marker: call it last before committing when you
+    /// commit yourself ([`commit`](Self::commit) calls it for you).
+    ///
+    /// # Errors
+    /// [`InboxError::ClaimLost`] when the database ended the transaction (PostgreSQL
+    /// aborted it after a failed statement; InnoDB rolled it back on a deadlock): roll
+    /// back and nack. [`InboxError::Database`] when the check itself failed (a lost
+    /// connection: transient, nack).
+    pub async fn ensure_held(&self, txn: &DatabaseTransaction) -> Result<(), InboxError> {
+        ensure_marker_held(txn, self).await
+    }
+
+    /// Proves that `txn` still holds this marker, then commits it.
+    ///
+    /// # Errors
+    /// [`InboxError::ClaimLost`] (the transaction is rolled back; nothing was committed) or
+    /// [`InboxError::Database`] (the check or the COMMIT failed): nack the message.
+    pub async fn commit(self, txn: DatabaseTransaction) -> Result<(), InboxError> {
+        if let Err(err) = self.ensure_held(&txn).await {
+            // The transaction is already gone or broken; a failed rollback changes nothing.
+            txn.rollback().await.ok();
+            return Err(err);
+        }
+        txn.commit().await.map_err(|source| InboxError::Database {
+            message_id: self.message_id,
+            consumer: self.consumer,
+            source,
+        })
     }
 }
 
@@ -73,14 +186,14 @@ mod sealed {
 /// ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 ///     let txn = db.begin().await?;
 ///     match txn.claim_message(message_id, "billing.credit").await? {
-///         Claim::Claimed => {
+///         Claim::Claimed(claimed) => {
 ///             txn.execute_raw(sea_orm::Statement::from_sql_and_values(
 ///                 txn.get_database_backend(),
 ///                 "UPDATE account SET balance = balance + ? WHERE id = ?",
 ///                 [amount.into(), account.into()],
 ///             ))
 ///             .await?;
-///             txn.commit().await?;
+///             claimed.commit(txn).await?; // proves the marker is still held, then commits
 ///         }
 ///         // Already done by another delivery: undo nothing, write nothing.
 ///         Claim::Duplicate => txn.rollback().await?,
@@ -108,7 +221,13 @@ pub trait InboxTransactionExt: sealed::Sealed {
     /// [`Claim::Duplicate`] only when the database rejected the insert on the inbox index
     /// `ix_inbox_message_id_consumer`. If another open transaction holds the same claim,
     /// this call waits until it ends: committed means `Duplicate`, rolled back means
-    /// `Claimed`.
+    /// `Claimed`. The wait is bounded by the backend's own lock timeout only (PostgreSQL:
+    /// `lock_timeout`, unbounded by default, so consider `SET LOCAL lock_timeout` first;
+    /// MySQL/MariaDB: `innodb_lock_wait_timeout`, 50 s by default; SQLite: the busy
+    /// timeout); [`crate::Inbox::process`] bounds it for you.
+    ///
+    /// Commit through [`ClaimedMessage::commit`]: it proves the transaction still holds
+    /// the marker before COMMIT.
     ///
     /// # Errors
     /// - [`InboxError::EmptyConsumer`], [`InboxError::ConsumerTooLong`],
@@ -205,32 +324,70 @@ impl InboxTransactionExt for DatabaseTransaction {
 }
 
 /// The claim itself, for any connection the crate has already proven is a transaction.
-/// With a `token` the marker carries it in `claim_token` (see [`marker_token`]).
+/// With `process` (from `Inbox::process`) the marker carries the call's token in
+/// `claim_token` (see [`marker_token`]) and bounds its lock wait where the backend allows
+/// it per transaction (see [`claim_marker_statement`]).
 pub(crate) async fn insert_marker<C: ConnectionTrait>(
     conn: &C,
     message_id: MessageId,
     consumer: &str,
-    token: Option<Uuid>,
+    process: Option<ProcessMarker>,
 ) -> Result<Claim, InboxError> {
     validate_claim(message_id, consumer)?;
     let backend = conn.get_database_backend();
-    let mut values = Vec::with_capacity(4);
-    values.extend([
-        Value::from(message_id.as_uuid()),
-        Value::from(consumer),
-        timestamp_value(backend, now_micros()),
-    ]);
-    let sql = match token {
-        Some(token) => {
-            values.push(Value::from(token));
-            insert_process_marker_sql(backend)?
+    let statement = claim_marker_statement(backend, message_id, consumer, now_micros(), process)?;
+    let marker_id = if marker_insert_returns_id(backend)? {
+        match conn.query_one_raw(statement).await {
+            Ok(row) => row
+                .ok_or_else(|| DbErr::Custom("the marker INSERT returned no row".into()))
+                .and_then(|row| row.try_get_by_index::<i64>(0)),
+            Err(err) => return claim_failure(err, message_id, consumer),
         }
-        None => insert_marker_sql(backend)?,
+    } else {
+        match conn.execute_raw(statement).await {
+            Ok(done) => i64::try_from(done.last_insert_id()).map_err(|_| {
+                DbErr::Custom(format!(
+                    "the marker id {} does not fit a bigint",
+                    done.last_insert_id()
+                ))
+            }),
+            Err(err) => return claim_failure(err, message_id, consumer),
+        }
+    }
+    .map_err(|err| InboxError::from_claim(err, message_id, consumer))?;
+    Ok(Claim::Claimed(ClaimedMessage {
+        message_id,
+        consumer: consumer.to_owned(),
+        marker_id,
+    }))
+}
+
+/// Fails unless `conn` (the claim's transaction) still sees the marker `claimed` inserted.
+pub(crate) async fn ensure_marker_held<C: ConnectionTrait>(
+    conn: &C,
+    claimed: &ClaimedMessage,
+) -> Result<(), InboxError> {
+    let backend = conn.get_database_backend();
+    let statement = marker_held_statement(
+        backend,
+        claimed.marker_id,
+        claimed.message_id,
+        &claimed.consumer,
+    )?;
+    let lost = |source| InboxError::ClaimLost {
+        message_id: claimed.message_id,
+        consumer: claimed.consumer.clone(),
+        source,
     };
-    let statement = Statement::from_sql_and_values(backend, sql, values);
-    match conn.execute_raw(statement).await {
-        Ok(_) => Ok(Claim::Claimed),
-        Err(err) => claim_failure(err, message_id, consumer),
+    match conn.query_one_raw(statement).await {
+        Ok(Some(_)) => Ok(()),
+        Ok(None) => Err(lost(None)),
+        Err(err) if classify(&err) == DbErrorKind::Transient => Err(InboxError::Database {
+            message_id: claimed.message_id,
+            consumer: claimed.consumer.clone(),
+            source: err,
+        }),
+        Err(err) => Err(lost(Some(err))),
     }
 }
 

@@ -165,6 +165,38 @@ pub enum InboxError {
         attempt: u32,
     },
 
+    /// Before COMMIT, the claim's transaction no longer held its marker: the database had
+    /// already ended the transaction (PostgreSQL aborts it after any failed statement and
+    /// then answers COMMIT with ROLLBACK; InnoDB rolls it back on a deadlock or lock wait
+    /// timeout), yet the handler went on and returned `Ok`. Nothing of the claim was
+    /// committed.
+    #[error(
+        "the transaction claiming message {message_id} for consumer {consumer:?} lost its marker before COMMIT: a statement in it failed and the database rolled the transaction back, but the handler went on{}. Nothing of the claim was committed: nack the message so the broker redelivers it, and let the handler return its database errors instead of swallowing them",
+        .source.as_ref().map(|err| format!(" (the check said: {err})")).unwrap_or_default()
+    )]
+    ClaimLost {
+        /// The message whose claim was lost.
+        message_id: MessageId,
+        /// The consumer that claimed it.
+        consumer: String,
+        /// The error the check met (PostgreSQL: 25P02), if it did not simply find no row.
+        #[source]
+        source: Option<DbErr>,
+    },
+
+    /// A claim lock timeout outside the accepted range.
+    #[error(
+        "a claim lock timeout of {timeout:?} is outside {min:?}..={max:?}: a claim another replica holds means that replica is on the message, so wait briefly and let the broker redeliver"
+    )]
+    LockTimeoutOutOfRange {
+        /// The rejected timeout.
+        timeout: Duration,
+        /// The shortest timeout accepted.
+        min: Duration,
+        /// The longest timeout accepted.
+        max: Duration,
+    },
+
     /// A retention setting that cannot work.
     #[error("invalid retention policy: {reason}")]
     InvalidRetention {
@@ -215,6 +247,7 @@ impl InboxError {
             Self::MissingTable { source }
             | Self::Database { source, .. }
             | Self::Query { source, .. } => Some(source),
+            Self::ClaimLost { source, .. } => source.as_ref(),
             Self::EmptyConsumer
             | Self::ConsumerNotTrimmed { .. }
             | Self::ConsumerTooLong { .. }
@@ -228,6 +261,7 @@ impl InboxError {
             | Self::LeaseOutOfRange { .. }
             | Self::ZeroMaxAttempts
             | Self::StaleLease { .. }
+            | Self::LockTimeoutOutOfRange { .. }
             | Self::InvalidRetention { .. }
             | Self::NoTokioRuntime
             | Self::PurgerStopped { .. } => None,

@@ -1,5 +1,5 @@
-use crate::backend::{CLAIM_TRANSACTION, DbErrorKind, classify};
-use crate::claim::{insert_marker, marker_token};
+use crate::backend::{CLAIM_TRANSACTION, DbErrorKind, ProcessMarker, classify};
+use crate::claim::{ensure_marker_held, insert_marker, marker_token};
 use crate::consumer::validate_consumer;
 use crate::metrics::{Counter, InboxMetrics};
 use crate::{Claim, InboxError, MessageId, Outcome, ProcessError, RetryPolicy};
@@ -9,7 +9,7 @@ use std::fmt::Display;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tracing::Instrument;
 use uuid::Uuid;
 
@@ -64,6 +64,7 @@ pub type HandlerFuture<'t, T, E> = Pin<Box<dyn Future<Output = Result<T, E>> + S
 pub struct Inbox {
     consumer: Arc<str>,
     retry: RetryPolicy,
+    lock_timeout: Duration,
     metrics: Arc<InboxMetrics>,
 }
 
@@ -131,14 +132,77 @@ impl Inbox {
         Ok(Self {
             consumer: consumer.into(),
             retry: RetryPolicy::default(),
+            lock_timeout: Self::DEFAULT_LOCK_TIMEOUT,
             metrics: Arc::default(),
         })
     }
+
+    /// The default [`with_lock_timeout`](Self::with_lock_timeout): 5 s.
+    pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
+
+    /// The longest lock timeout accepted: 10 s.
+    pub const MAX_LOCK_TIMEOUT: Duration = Duration::from_secs(10);
+
+    /// The shortest lock timeout accepted: 1 ms.
+    pub const MIN_LOCK_TIMEOUT: Duration = Duration::from_millis(1);
 
     /// Replaces the retry policy for transient database failures.
     pub fn with_retry(mut self, retry: RetryPolicy) -> Self {
         self.retry = retry;
         self
+    }
+
+    /// Bounds how long a claim transaction waits for another transaction's lock, such as
+    /// another replica's open claim on the same message (default
+    /// [`DEFAULT_LOCK_TIMEOUT`](Self::DEFAULT_LOCK_TIMEOUT)). A held claim means another
+    /// replica is on the message, so waiting longer only ties up a pooled connection; when
+    /// the bound runs out the attempt ends as a transient error, which `process` retries
+    /// per its [`RetryPolicy`] and then returns (nack).
+    ///
+    /// - PostgreSQL: `lock_timeout` for the claim transaction only (`SET LOCAL`, set by the
+    ///   claim INSERT itself: no extra round trip, and safe behind PgBouncer's transaction
+    ///   pooling). It covers the handler's statements in that transaction too; a shorter
+    ///   `lock_timeout` the session already has is kept.
+    /// - MySQL/MariaDB: not applied; the wait is bounded by the session's
+    ///   `innodb_lock_wait_timeout` (50 s by default). Set it on the pool's connections
+    ///   (e.g. `SET SESSION innodb_lock_wait_timeout = 5` in an after-connect hook) to
+    ///   bound it as tightly.
+    /// - SQLite: not applied; a claim waits for the write lock in the connection's busy
+    ///   handler (`PRAGMA busy_timeout`; sqlx sets 5 s), then fails with SQLITE_BUSY, also
+    ///   transient.
+    ///
+    /// ```
+    /// use sea_orm_inbox::{Inbox, InboxError};
+    /// use std::time::Duration;
+    ///
+    /// let inbox = Inbox::new("billing.credit")?.with_lock_timeout(Duration::from_secs(2))?;
+    /// assert_eq!(inbox.lock_timeout(), Duration::from_secs(2));
+    /// assert!(matches!(
+    ///     Inbox::new("billing.credit")?.with_lock_timeout(Duration::from_secs(60)),
+    ///     Err(InboxError::LockTimeoutOutOfRange { .. })
+    /// ));
+    /// # Ok::<(), InboxError>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`InboxError::LockTimeoutOutOfRange`] outside
+    /// [`MIN_LOCK_TIMEOUT`](Self::MIN_LOCK_TIMEOUT)..=[`MAX_LOCK_TIMEOUT`](Self::MAX_LOCK_TIMEOUT).
+    pub fn with_lock_timeout(mut self, timeout: Duration) -> Result<Self, InboxError> {
+        if !(Self::MIN_LOCK_TIMEOUT..=Self::MAX_LOCK_TIMEOUT).contains(&timeout) {
+            return Err(InboxError::LockTimeoutOutOfRange {
+                timeout,
+                min: Self::MIN_LOCK_TIMEOUT,
+                max: Self::MAX_LOCK_TIMEOUT,
+            });
+        }
+        self.lock_timeout = timeout;
+        Ok(self)
+    }
+
+    /// The bound on a claim transaction's lock waits (see
+    /// [`with_lock_timeout`](Self::with_lock_timeout)).
+    pub fn lock_timeout(&self) -> Duration {
+        self.lock_timeout
     }
 
     /// The consumer name.
@@ -164,6 +228,14 @@ impl Inbox {
     /// transaction like any other transient failure. A `DbErr` wrapped in an error type of
     /// your own is not looked into: that error is returned, and the redelivery retries it.
     ///
+    /// Before COMMIT, `process` proves that the transaction still holds the marker (one
+    /// primary-key read): a handler that swallowed a failed statement which ended the
+    /// transaction (PostgreSQL aborts it on any error; InnoDB rolls it back on a deadlock)
+    /// and returned `Ok` gets [`InboxError::ClaimLost`], never an `Ok` outcome for work that
+    /// did not commit.
+    ///
+    /// The claim's lock wait is bounded by [`with_lock_timeout`](Self::with_lock_timeout).
+    ///
     /// A COMMIT whose reply is lost (the connection dies in the middle of it) may have
     /// committed. Every attempt of one call writes the same token into the marker's
     /// `claim_token`, so the retry that meets the marker knows whether it is its own: then
@@ -176,7 +248,8 @@ impl Inbox {
     /// # Errors
     /// [`ProcessError::Handler`] when the handler fails (rolled back; not retried unless
     /// transient, as above, and then returned when the attempts run out),
-    /// [`ProcessError::Inbox`] for failures a retry would not fix,
+    /// [`ProcessError::Inbox`] for failures a retry would not fix (including
+    /// [`InboxError::ClaimLost`]),
     /// [`ProcessError::RetriesExhausted`] when every attempt met a transient failure. All
     /// of them mean: nack the message. If the last failure was the COMMIT itself, the work
     /// may have committed; the redelivery then reports `Duplicate` (see [`ProcessError`]).
@@ -258,16 +331,23 @@ impl Inbox {
             .begin_with_options(CLAIM_TRANSACTION)
             .await
             .map_err(|err| self.database_failure(message_id, err))?;
-        match insert_marker(&txn, message_id, &self.consumer, Some(call.token)).await {
-            // An earlier attempt's COMMIT did not land after all (or there was none).
-            Ok(Claim::Claimed) => call.in_doubt = None,
+        let process = ProcessMarker {
+            token: call.token,
+            lock_wait: self.lock_timeout,
+        };
+        let claimed = match insert_marker(&txn, message_id, &self.consumer, Some(process)).await {
+            Ok(Claim::Claimed(claimed)) => {
+                // An earlier attempt's COMMIT did not land after all (or there was none).
+                call.in_doubt = None;
+                claimed
+            }
             Ok(Claim::Duplicate) => {
                 // Nothing to keep; a failed rollback only means the connection is gone.
                 txn.rollback().await.ok();
                 return self.settle_duplicate(db, message_id, call).await;
             }
             Err(err) => return Err(sort_inbox_error(err)),
-        }
+        };
         let value = match handler(&txn).await {
             Ok(value) => value,
             Err(err) => {
@@ -278,6 +358,13 @@ impl Inbox {
                 });
             }
         };
+        // The handler may have swallowed a failed statement that ended the transaction
+        // (PostgreSQL would then answer COMMIT with ROLLBACK and no error): never report
+        // Processed unless the marker is still there to commit with the work.
+        if let Err(err) = ensure_marker_held(&txn, &claimed).await {
+            txn.rollback().await.ok();
+            return Err(sort_inbox_error(err));
+        }
         if let Err(err) = txn.commit().await {
             // The COMMIT may have landed with its reply lost: keep the value for the retry
             // that finds out.

@@ -9,11 +9,11 @@
 //! use sea_orm::{DatabaseConnection, TransactionTrait};
 //!
 //! # async fn handle(db: &DatabaseConnection, message_id: uuid::Uuid) -> Result<(), Box<dyn std::error::Error>> {
-//! let txn = db.begin().await?;
+//! let txn = db.begin_with_options(CLAIM_TRANSACTION).await?;
 //! match txn.claim_message(message_id, "billing.credit").await? {
-//!     Claim::Claimed => {
+//!     Claim::Claimed(claimed) => {
 //!         // business writes through `txn`, never through `db`
-//!         txn.commit().await?;
+//!         claimed.commit(txn).await?; // proves the marker is still held, then commits
 //!     }
 //!     Claim::Duplicate => txn.rollback().await?,
 //! }
@@ -42,7 +42,7 @@ mod retry;
 
 pub use backend::{CLAIM_TRANSACTION, DbErrorKind, classify, is_inbox_duplicate, timestamp_value};
 pub use batch::{BatchClaim, MAX_CLAIM_BATCH};
-pub use claim::{Claim, InboxTransactionExt};
+pub use claim::{Claim, ClaimedMessage, InboxTransactionExt};
 pub use error::InboxError;
 pub use inbox::{HandlerFuture, Inbox};
 pub use lease::{

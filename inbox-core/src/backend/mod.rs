@@ -6,11 +6,15 @@
 //! module for a connection; everything else in the crate asks it instead of matching on
 //! the backend.
 
-use crate::InboxError;
+use crate::{InboxError, MessageId};
 use chrono::{DateTime, Utc};
 use sea_orm::sqlx;
 use sea_orm::sqlx::error::DatabaseError;
-use sea_orm::{DbBackend, DbErr, RuntimeErr, SqliteTransactionMode, TransactionOptions, Value};
+use sea_orm::{
+    DbBackend, DbErr, RuntimeErr, SqliteTransactionMode, Statement, TransactionOptions, Value,
+};
+use std::time::Duration;
+use uuid::Uuid;
 
 #[cfg(feature = "mysql")]
 mod mysql;
@@ -33,7 +37,13 @@ mod sqlite;
 ///
 /// # async fn run(db: &DatabaseConnection) -> Result<(), Box<dyn std::error::Error>> {
 /// let txn = db.begin_with_options(CLAIM_TRANSACTION).await?;
-/// let _claim = txn.claim_message(uuid::Uuid::new_v4(), "billing").await?;
+/// match txn.claim_message(uuid::Uuid::new_v4(), "billing").await? {
+///     Claim::Claimed(claimed) => {
+///         // business writes through `txn`
+///         claimed.commit(txn).await?;
+///     }
+///     Claim::Duplicate => txn.rollback().await?, // already done: ack
+/// }
 /// # Ok(()) }
 /// ```
 pub const CLAIM_TRANSACTION: TransactionOptions = TransactionOptions {
@@ -54,6 +64,20 @@ trait Dialect: Sync {
     /// the call's token, so a retry after a lost COMMIT reply can tell its own marker from
     /// another delivery's. Binds: message_id, consumer, received_at, claim_token.
     fn insert_process_marker(&self) -> &'static str;
+
+    /// [`insert_process_marker`](Self::insert_process_marker) that also bounds the lock
+    /// waits of its transaction, where the database can do that for one transaction
+    /// without an extra round trip. Binds: those of `insert_process_marker`, then the bound
+    /// as text (`"5000ms"`). `None`: the database's own setting bounds the wait.
+    fn insert_process_marker_bounding_lock_wait(&self) -> Option<&'static str> {
+        None
+    }
+
+    /// Whether the marker INSERT ends in `RETURNING "id"`; otherwise the driver reports
+    /// the new row's auto-increment id.
+    fn marker_insert_returns_id(&self) -> bool {
+        false
+    }
 
     /// Whether placeholders are `$1, $2, ...` rather than `?`.
     fn numbered_placeholders(&self) -> bool {
@@ -106,15 +130,82 @@ fn dialect(backend: DbBackend) -> Result<&'static dyn Dialect, InboxError> {
     }
 }
 
-/// The marker INSERT of `backend`'s dialect.
-pub(crate) fn insert_marker_sql(backend: DbBackend) -> Result<&'static str, InboxError> {
-    Ok(dialect(backend)?.insert_marker())
+/// What `Inbox::process` adds to its marker: the call's token and the lock-wait bound.
+pub(crate) struct ProcessMarker {
+    /// Written into `claim_token`, the same for every attempt of one call.
+    pub(crate) token: Uuid,
+    /// Bounds the INSERT's (and its transaction's) lock waits where the dialect can bound
+    /// them for one transaction (PostgreSQL); elsewhere the database's own setting applies
+    /// (MySQL/MariaDB: `innodb_lock_wait_timeout`; SQLite: the busy timeout).
+    pub(crate) lock_wait: Duration,
 }
 
-/// The marker INSERT of `Inbox::process` in `backend`'s dialect: the marker and the call's
-/// token (see [`Dialect::insert_process_marker`]).
-pub(crate) fn insert_process_marker_sql(backend: DbBackend) -> Result<&'static str, InboxError> {
-    Ok(dialect(backend)?.insert_process_marker())
+/// The marker INSERT for one claim, with its bind values: `claim_message`'s plain marker,
+/// or with `process`, `Inbox::process`'s marker carrying its token and lock-wait bound.
+pub(crate) fn claim_marker_statement(
+    backend: DbBackend,
+    message_id: MessageId,
+    consumer: &str,
+    received_at: DateTime<Utc>,
+    process: Option<ProcessMarker>,
+) -> Result<Statement, InboxError> {
+    let dialect = dialect(backend)?;
+    let mut values = Vec::with_capacity(5);
+    values.extend([
+        Value::from(message_id.as_uuid()),
+        Value::from(consumer),
+        dialect.timestamp_value(received_at),
+    ]);
+    let Some(process) = process else {
+        return Ok(Statement::from_sql_and_values(
+            backend,
+            dialect.insert_marker(),
+            values,
+        ));
+    };
+    values.push(Value::from(process.token));
+    let sql = match dialect.insert_process_marker_bounding_lock_wait() {
+        Some(sql) => {
+            values.push(Value::from(format!("{}ms", process.lock_wait.as_millis())));
+            sql
+        }
+        None => dialect.insert_process_marker(),
+    };
+    Ok(Statement::from_sql_and_values(backend, sql, values))
+}
+
+/// Whether `backend`'s marker INSERT returns the new row's id (`RETURNING "id"`: run it as
+/// a query) rather than the driver reporting it (MySQL's `LAST_INSERT_ID`, SQLite's rowid:
+/// run it as a statement).
+pub(crate) fn marker_insert_returns_id(backend: DbBackend) -> Result<bool, InboxError> {
+    Ok(dialect(backend)?.marker_insert_returns_id())
+}
+
+/// The proof, before COMMIT, that the transaction still holds the marker it inserted: the
+/// row with that id, message and consumer is visible through the transaction. It fails
+/// with 25P02 on a PostgreSQL transaction a failed statement aborted, and finds no row on
+/// MySQL/MariaDB after InnoDB rolled the transaction back on a deadlock or lock wait
+/// timeout (where a later statement may see another replica's marker for the same
+/// message: the id tells them apart). One primary-key lookup.
+pub(crate) fn marker_held_statement(
+    backend: DbBackend,
+    marker_id: i64,
+    message_id: MessageId,
+    consumer: &str,
+) -> Result<Statement, InboxError> {
+    let sql = dialect_sql(
+        backend,
+        "SELECT 1 FROM inbox WHERE id = ? AND message_id = ? AND consumer = ?",
+    )?;
+    Ok(Statement::from_sql_and_values(
+        backend,
+        sql,
+        [
+            Value::from(marker_id),
+            Value::from(message_id.as_uuid()),
+            Value::from(consumer),
+        ],
+    ))
 }
 
 /// Writes `template` for `backend`: its `?` placeholders become `$1, $2, ...` where the

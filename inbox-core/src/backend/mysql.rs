@@ -47,9 +47,9 @@ impl Dialect for MySql {
 
 /// Classifies a MySQL/MariaDB error, or returns `None` when `db` comes from another driver.
 ///
-/// MariaDB reports `... for key 'ix_inbox_message_id_consumer'`; MySQL 8.0.19+ writes
-/// `... for key 'inbox.ix_inbox_message_id_consumer'`. The duplicate entry text before it
-/// holds raw UUID bytes, so only the key name at the end is matched.
+/// It reads error numbers and quoted names only, never the words around them, which
+/// follow the server's `lc_messages` (German: `Doppelter Eintrag '...' für Schlüssel
+/// '...'`; Japanese puts the key mid-sentence).
 pub(super) fn classify(db: &dyn DatabaseError) -> Option<DbErrorKind> {
     const ER_DUP_ENTRY: u16 = 1062;
     const ER_LOCK_WAIT_TIMEOUT: u16 = 1205;
@@ -69,18 +69,34 @@ pub(super) fn classify(db: &dyn DatabaseError) -> Option<DbErrorKind> {
     })
 }
 
+/// Whether a 1062 message names the inbox index. In every language of the server's
+/// message catalogue the key name is the last quoted text of the message (MariaDB:
+/// `'ix_inbox_message_id_consumer'`; MySQL 8.0.19+: `'inbox.ix_inbox_message_id_consumer'`),
+/// after the duplicate entry, whose raw UUID bytes may hold quotes themselves.
 fn names_inbox_key(message: &str) -> bool {
-    let Some(key) = message
-        .rsplit_once(" for key '")
-        .and_then(|(_, rest)| rest.strip_suffix('\''))
-    else {
+    let Some(key) = last_quoted(message) else {
         return false;
     };
     key == INDEX_NAME || key.strip_prefix("inbox.") == Some(INDEX_NAME)
 }
 
+/// The text between the last two single quotes of `message`.
+fn last_quoted(message: &str) -> Option<&str> {
+    let (before_close, _) = message.rsplit_once('\'')?;
+    let (_, quoted) = before_close.rsplit_once('\'')?;
+    Some(quoted)
+}
+
+/// Whether a 1146 message names the inbox table: in every language it quotes the missing
+/// table once, as `'database.table'`.
 fn names_inbox_table(message: &str) -> bool {
-    message.starts_with("Table '") && message.ends_with(".inbox' doesn't exist")
+    let Some((_, after_open)) = message.split_once('\'') else {
+        return false;
+    };
+    let Some((qualified, _)) = after_open.split_once('\'') else {
+        return false;
+    };
+    qualified.rsplit_once('.').map(|(_, table)| table) == Some("inbox")
 }
 
 #[cfg(test)]
@@ -105,11 +121,57 @@ mod tests {
             "Duplicate entry ' for key 'ix_inbox_message_id_consumer'' for key 'uq_order_no'"
         ));
         assert!(!names_inbox_key("Duplicate entry 'x' for key 'PRIMARY'"));
+        assert!(!names_inbox_key("Duplicate entry"));
+        assert!(!names_inbox_key("'"));
+    }
+
+    /// The 1062 texts of MariaDB's message catalogue (errmsg-utf8.txt,
+    /// ER_DUP_ENTRY_WITH_KEY_NAME) in several languages, with the MariaDB and the MySQL 8
+    /// key forms; the entry holds raw UUID bytes, a quote among them.
+    #[test]
+    fn key_is_found_in_every_language() {
+        let entry = "\u{7}'\u{1b}-billing";
+        let languages = [
+            "Duplicate entry '{entry}' for key '{key}'",
+            "Doppelter Eintrag '{entry}' für Schlüssel '{key}'",
+            "Duplicata du champ '{entry}' pour la clef '{key}'",
+            "'{entry}' は索引 '{key}' で重複しています。",
+            "Duplikalt bejegyzes '{entry}' a '{key}' kulcs szerint",
+            "Дублирующаяся запись '{entry}' по ключу '{key}'",
+            "重复条目'{entry}'键'{key}'",
+            "Zvojený klíč '{entry}' (číslo klíče '{key}')",
+        ];
+        for template in languages {
+            let message = |key: &str| template.replace("{entry}", entry).replace("{key}", key);
+            for ours in [INDEX_NAME, "inbox.ix_inbox_message_id_consumer"] {
+                assert!(names_inbox_key(&message(ours)), "{}", message(ours));
+            }
+            for other in [
+                "uq_order_no",
+                "orders.ix_inbox_message_id_consumer",
+                "PRIMARY",
+            ] {
+                assert!(!names_inbox_key(&message(other)), "{}", message(other));
+            }
+        }
     }
 
     #[test]
-    fn missing_table_messages_name_the_inbox_table() {
-        assert!(names_inbox_table("Table 'test.inbox' doesn't exist"));
-        assert!(!names_inbox_table("Table 'test.orders' doesn't exist"));
+    fn missing_table_messages_name_the_inbox_table_in_every_language() {
+        for template in [
+            "Table '{table}' doesn't exist",
+            "Tabelle '{table}' existiert nicht",
+            "La table '{table}' n'existe pas",
+            "表 '{table}' は存在しません。",
+            "A '{table}' tabla nem letezik",
+            "Det finns ingen tabell som heter '{table}'",
+        ] {
+            let message = |table: &str| template.replace("{table}", table);
+            assert!(names_inbox_table(&message("test.inbox")), "{template}");
+            for other in ["test.orders", "test.inbox_archive", "inbox.orders"] {
+                assert!(!names_inbox_table(&message(other)), "{}", message(other));
+            }
+        }
+        assert!(!names_inbox_table("Table doesn't exist"));
     }
 }

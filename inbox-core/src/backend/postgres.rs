@@ -10,11 +10,26 @@ pub(super) struct Postgres;
 
 impl Dialect for Postgres {
     fn insert_marker(&self) -> &'static str {
-        r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at") VALUES ($1, $2, $3)"#
+        r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at") VALUES ($1, $2, $3) RETURNING "id""#
     }
 
     fn insert_process_marker(&self) -> &'static str {
-        r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at", "claim_token") VALUES ($1, $2, $3, $4)"#
+        r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at", "claim_token") VALUES ($1, $2, $3, $4) RETURNING "id""#
+    }
+
+    /// Sets `lock_timeout` with `set_config(.., true)`, i.e. `SET LOCAL`: it ends with the
+    /// transaction, so it is safe behind PgBouncer's transaction pooling, and it rides on
+    /// the INSERT instead of costing a round trip. The WHERE runs before the row is
+    /// inserted, so the INSERT's own wait on another transaction's index entry is bounded
+    /// too. A shorter `lock_timeout` the session already has is kept.
+    fn insert_process_marker_bounding_lock_wait(&self) -> Option<&'static str> {
+        Some(
+            r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at", "claim_token") SELECT $1, $2, $3, $4 WHERE set_config('lock_timeout', CASE WHEN current_setting('lock_timeout') = '0' OR current_setting('lock_timeout')::interval > $5::interval THEN $5 ELSE current_setting('lock_timeout') END, true) IS NOT NULL RETURNING "id""#,
+        )
+    }
+
+    fn marker_insert_returns_id(&self) -> bool {
+        true
     }
 
     fn numbered_placeholders(&self) -> bool {
@@ -51,19 +66,45 @@ pub(super) fn classify(db: &dyn DatabaseError) -> Option<DbErrorKind> {
     })
 }
 
+/// Whether a 42P01 message names the inbox table. The words and the quotes around the
+/// name follow the server's `lc_messages` (`relation "inbox"`, German `Relation »inbox«`,
+/// French `la relation « inbox »`), so this looks for `inbox` as a whole identifier,
+/// possibly schema-qualified (`public.inbox`), and nothing else.
 fn names_inbox_table(message: &str) -> bool {
-    message.starts_with("relation \"inbox\"") || message.contains(".inbox\" does not exist")
+    let is_identifier_char = |ch: char| ch.is_alphanumeric() || ch == '_' || ch == '$';
+    message.match_indices(TABLE_NAME).any(|(at, name)| {
+        let before = message[..at].chars().next_back();
+        let after = message[at + name.len()..].chars().next();
+        !before.is_some_and(is_identifier_char)
+            && !after.is_some_and(|ch| is_identifier_char(ch) || ch == '.')
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    /// The 42P01 texts of PostgreSQL 15's message catalogues (`relation "%s" does not
+    /// exist` and its translations).
     #[test]
-    fn missing_table_messages_name_the_inbox_table() {
-        assert!(names_inbox_table("relation \"inbox\" does not exist"));
-        assert!(!names_inbox_table(
-            "relation \"inbox_archive\" does not exist"
-        ));
+    fn missing_table_messages_name_the_inbox_table_in_every_language() {
+        for template in [
+            "relation \"{table}\" does not exist",
+            "Relation »{table}« existiert nicht",
+            "la relation « {table} » n'existe pas",
+            "リレーション\"{table}\"は存在しません",
+            "отношение \"{table}\" не существует",
+            "no existe la relación «{table}»",
+            "关系 \"{table}\" 不存在",
+            "\"{table}\" 이름의 릴레이션(relation)이 없습니다",
+        ] {
+            let message = |table: &str| template.replace("{table}", table);
+            for ours in ["inbox", "public.inbox"] {
+                assert!(names_inbox_table(&message(ours)), "{}", message(ours));
+            }
+            for other in ["inbox_archive", "my_inbox", "inbox.orders", "orders"] {
+                assert!(!names_inbox_table(&message(other)), "{}", message(other));
+            }
+        }
     }
 }

@@ -1,0 +1,112 @@
+//! A claim held open by a hung replica does not hold up the others for long: on PostgreSQL
+//! `Inbox::process` bounds the claim transaction's lock waits (`Inbox::with_lock_timeout`,
+//! transaction-scoped), so a redelivery ends as a transient failure (retried, then nack)
+//! within the bound, and its pooled connection is free and clean afterwards.
+//!
+//! MySQL/MariaDB bound the wait with the session's `innodb_lock_wait_timeout` and SQLite
+//! with the busy timeout, which the library does not change; `process.rs` covers both
+//! (`transient_lock_failures_are_retried_in_a_fresh_transaction`).
+
+use inbox_tests::{Backend, create_accounts, credit, hold_claim_then_roll_back, migrated_db};
+use sea_orm::{ConnectionTrait, Statement};
+use sea_orm_inbox::prelude::*;
+use sea_orm_inbox::{DbErrorKind, classify};
+use std::time::{Duration, Instant};
+use uuid::Uuid;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_held_claim_ends_as_transient_within_the_lock_timeout() {
+    let Some(db) = migrated_db(Backend::Postgres).await else {
+        return;
+    };
+    let replica = db.connect_with(1).await;
+    create_accounts(&replica).await;
+    let id = Uuid::new_v4();
+    // The holder hangs far longer than the test may wait.
+    let holder =
+        hold_claim_then_roll_back(&db, id, "billing.credit", Duration::from_secs(120)).await;
+
+    let inbox = Inbox::new("billing.credit")
+        .expect("valid name")
+        .with_lock_timeout(Duration::from_secs(1))
+        .expect("within bounds")
+        .with_retry(
+            RetryPolicy::default()
+                .max_attempts(2)
+                .backoff(Duration::from_millis(10), Duration::from_millis(50)),
+        );
+    let started = Instant::now();
+    let result = inbox
+        .process(&replica, id, |txn| {
+            Box::pin(async move { credit(txn, 1).await })
+        })
+        .await;
+    let waited = started.elapsed();
+    match &result {
+        Err(ProcessError::RetriesExhausted {
+            attempts: 2,
+            source,
+        }) => {
+            let cause = source.db_err().expect("a database cause");
+            assert_eq!(classify(cause), DbErrorKind::Transient, "{cause}");
+            assert!(cause.to_string().contains("lock timeout"), "{cause}");
+        }
+        other => panic!("expected RetriesExhausted after two 1 s lock waits, got {other:?}"),
+    }
+    assert_eq!(Settlement::of(&result), Settlement::Nack);
+    // Two attempts of 1 s each; generous for a loaded machine, far below the holder's 120 s.
+    assert!(
+        waited < Duration::from_secs(30),
+        "the claim waited {waited:?}"
+    );
+
+    // The pool's only connection is back, usable, and its session setting untouched:
+    // the bound was SET LOCAL, so it ended with the claim transaction.
+    let setting = tokio::time::timeout(
+        Duration::from_secs(10),
+        replica.query_one_raw(Statement::from_string(
+            replica.get_database_backend(),
+            "SHOW lock_timeout",
+        )),
+    )
+    .await
+    .expect("the pooled connection is free")
+    .expect("SHOW lock_timeout")
+    .expect("one row");
+    assert_eq!(
+        setting.try_get_by_index::<String>(0).expect("text"),
+        "0",
+        "the session keeps its own lock_timeout"
+    );
+    holder.abort();
+    db.cleanup().await;
+}
+
+#[test]
+fn lock_timeouts_outside_the_bounds_are_refused() {
+    let inbox = Inbox::new("billing.credit").expect("valid name");
+    assert_eq!(inbox.lock_timeout(), Inbox::DEFAULT_LOCK_TIMEOUT);
+    assert!(Inbox::DEFAULT_LOCK_TIMEOUT <= Inbox::MAX_LOCK_TIMEOUT);
+    for refused in [Duration::ZERO, Duration::from_millis(10_001)] {
+        assert!(
+            matches!(
+                inbox.clone().with_lock_timeout(refused),
+                Err(InboxError::LockTimeoutOutOfRange { .. })
+            ),
+            "{refused:?}"
+        );
+    }
+    let message = inbox
+        .clone()
+        .with_lock_timeout(Duration::from_secs(60))
+        .expect_err("too long")
+        .to_string();
+    assert!(message.contains("let the broker redeliver"), "{message}");
+    assert_eq!(
+        inbox
+            .with_lock_timeout(Inbox::MAX_LOCK_TIMEOUT)
+            .expect("the maximum is accepted")
+            .lock_timeout(),
+        Duration::from_secs(10)
+    );
+}
