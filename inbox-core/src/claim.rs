@@ -1,13 +1,17 @@
 use crate::backend::{
-    DbErrorKind, claim_marker_statement, classify, marker_held_statement, marker_insert_returns_id,
+    DbErrorKind, ProcessMarker, claim_marker_statement, classify, marker_held_statement,
+    marker_insert_returns_id,
 };
 use crate::batch::{BatchClaim, insert_batch, sorted_batch};
 use crate::consumer::validate_claim;
 use crate::{InboxError, MessageId};
 use chrono::{DurationRound, TimeDelta, Utc};
-use sea_orm::{ConnectionTrait, DatabaseTransaction, DbErr};
+use sea_orm::{
+    ColumnTrait, ConnectionTrait, DatabaseTransaction, DbErr, EntityTrait, QueryFilter, QuerySelect,
+};
+use sea_orm_inbox_entity::inbox;
 use std::future::Future;
-use std::time::Duration;
+use uuid::Uuid;
 
 /// The outcome of [`InboxTransactionExt::claim_message`].
 ///
@@ -339,17 +343,18 @@ impl InboxTransactionExt for DatabaseTransaction {
 }
 
 /// The claim itself, for any connection the crate has already proven is a transaction.
-/// `lock_wait` bounds its lock wait where the backend allows it per transaction (see
-/// [`claim_marker_statement`]).
+/// With `process` (from `Inbox::process`) the marker carries the call's token in
+/// `claim_token` (see [`marker_token`]) and bounds its lock wait where the backend allows
+/// it per transaction (see [`claim_marker_statement`]).
 pub(crate) async fn insert_marker<C: ConnectionTrait>(
     conn: &C,
     message_id: MessageId,
     consumer: &str,
-    lock_wait: Option<Duration>,
+    process: Option<ProcessMarker>,
 ) -> Result<Claim, InboxError> {
     validate_claim(message_id, consumer)?;
     let backend = conn.get_database_backend();
-    let statement = claim_marker_statement(backend, message_id, consumer, now_micros(), lock_wait)?;
+    let statement = claim_marker_statement(backend, message_id, consumer, now_micros(), process)?;
     let marker_id = if marker_insert_returns_id(backend)? {
         match conn.query_one_raw(statement).await {
             Ok(row) => row
@@ -403,6 +408,25 @@ pub(crate) async fn ensure_marker_held<C: ConnectionTrait>(
         }),
         Err(err) => Err(lost(Some(err))),
     }
+}
+
+/// The `claim_token` of the committed marker of `(message_id, consumer)`: `None` when there
+/// is no marker or it carries no token. Who wrote a marker, for a caller that lost the
+/// reply to its own COMMIT.
+pub(crate) async fn marker_token<C: ConnectionTrait>(
+    conn: &C,
+    message_id: MessageId,
+    consumer: &str,
+) -> Result<Option<Uuid>, DbErr> {
+    let token = inbox::Entity::find()
+        .select_only()
+        .column(inbox::Column::ClaimToken)
+        .filter(inbox::Column::MessageId.eq(message_id.as_uuid()))
+        .filter(inbox::Column::Consumer.eq(consumer))
+        .into_tuple::<Option<Uuid>>()
+        .one(conn)
+        .await?;
+    Ok(token.flatten())
 }
 
 fn claim_failure(err: DbErr, message_id: MessageId, consumer: &str) -> Result<Claim, InboxError> {

@@ -1,5 +1,5 @@
-use crate::backend::{CLAIM_TRANSACTION, DbErrorKind, classify};
-use crate::claim::{ensure_marker_held, insert_marker};
+use crate::backend::{CLAIM_TRANSACTION, DbErrorKind, ProcessMarker, classify};
+use crate::claim::{ensure_marker_held, insert_marker, marker_token};
 use crate::consumer::validate_consumer;
 use crate::metrics::{Counter, InboxMetrics};
 use crate::{Claim, InboxError, MessageId, Outcome, ProcessError, RetryPolicy};
@@ -11,6 +11,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tracing::Instrument;
+use uuid::Uuid;
 
 /// The future a handler returns: it borrows the transaction and must be `Send`.
 pub type HandlerFuture<'t, T, E> = Pin<Box<dyn Future<Output = Result<T, E>> + Send + 't>>;
@@ -65,6 +66,25 @@ pub struct Inbox {
     retry: RetryPolicy,
     lock_timeout: Duration,
     metrics: Arc<InboxMetrics>,
+}
+
+/// What the attempts of one `process` call share.
+struct Call<T> {
+    /// Written into the marker's `claim_token` by every attempt of this call, so a retry
+    /// can tell the marker of an attempt whose COMMIT reply was lost from another
+    /// delivery's.
+    token: Uuid,
+    /// The handler's value of an attempt whose COMMIT failed: the work may have committed.
+    in_doubt: Option<T>,
+}
+
+impl<T> Call<T> {
+    fn new() -> Self {
+        Self {
+            token: Uuid::new_v4(),
+            in_doubt: None,
+        }
+    }
 }
 
 /// How one attempt ended short of an outcome.
@@ -216,13 +236,23 @@ impl Inbox {
     ///
     /// The claim's lock wait is bounded by [`with_lock_timeout`](Self::with_lock_timeout).
     ///
+    /// A COMMIT whose reply is lost (the connection dies in the middle of it) may have
+    /// committed. Every attempt of one call writes the same token into the marker's
+    /// `claim_token`, so the retry that meets the marker knows whether it is its own: then
+    /// the work committed, and the call returns [`Outcome::Processed`] with the value of
+    /// that attempt (counted as processed, the handler not run again); a marker of another
+    /// delivery is [`Outcome::Duplicate`]. The check costs one query, only after a failed
+    /// COMMIT. The marker's token needs the second migration (`AddInboxLeases`, which adds
+    /// `claim_token`).
+    ///
     /// # Errors
     /// [`ProcessError::Handler`] when the handler fails (rolled back; not retried unless
     /// transient, as above, and then returned when the attempts run out),
     /// [`ProcessError::Inbox`] for failures a retry would not fix (including
     /// [`InboxError::ClaimLost`]),
     /// [`ProcessError::RetriesExhausted`] when every attempt met a transient failure. All
-    /// of them mean: nack the message.
+    /// of them mean: nack the message. If the last failure was the COMMIT itself, the work
+    /// may have committed; the redelivery then reports `Duplicate` (see [`ProcessError`]).
     pub async fn process<T, E, F>(
         &self,
         db: &DatabaseConnection,
@@ -246,8 +276,9 @@ impl Inbox {
         let started = Instant::now();
         async {
             let mut attempt = 1;
+            let mut call = Call::new();
             let result = loop {
-                match self.attempt(db, message_id, &mut handler).await {
+                match self.attempt(db, message_id, &mut call, &mut handler).await {
                     Ok(outcome) => break Ok(outcome),
                     Err(AttemptError::Handler(err)) => break Err(ProcessError::Handler(err)),
                     Err(AttemptError::Fatal(err)) => break Err(ProcessError::Inbox(err)),
@@ -289,6 +320,7 @@ impl Inbox {
         &self,
         db: &DatabaseConnection,
         message_id: MessageId,
+        call: &mut Call<T>,
         handler: &mut F,
     ) -> Result<Outcome<T>, AttemptError<E>>
     where
@@ -299,16 +331,23 @@ impl Inbox {
             .begin_with_options(CLAIM_TRANSACTION)
             .await
             .map_err(|err| self.database_failure(message_id, err))?;
-        let claimed =
-            match insert_marker(&txn, message_id, &self.consumer, Some(self.lock_timeout)).await {
-                Ok(Claim::Claimed(claimed)) => claimed,
-                Ok(Claim::Duplicate) => {
-                    // Nothing to keep; a failed rollback only means the connection is gone.
-                    txn.rollback().await.ok();
-                    return Ok(Outcome::Duplicate);
-                }
-                Err(err) => return Err(sort_inbox_error(err)),
-            };
+        let process = ProcessMarker {
+            token: call.token,
+            lock_wait: self.lock_timeout,
+        };
+        let claimed = match insert_marker(&txn, message_id, &self.consumer, Some(process)).await {
+            Ok(Claim::Claimed(claimed)) => {
+                // An earlier attempt's COMMIT did not land after all (or there was none).
+                call.in_doubt = None;
+                claimed
+            }
+            Ok(Claim::Duplicate) => {
+                // Nothing to keep; a failed rollback only means the connection is gone.
+                txn.rollback().await.ok();
+                return self.settle_duplicate(db, message_id, call).await;
+            }
+            Err(err) => return Err(sort_inbox_error(err)),
+        };
         let value = match handler(&txn).await {
             Ok(value) => value,
             Err(err) => {
@@ -326,10 +365,35 @@ impl Inbox {
             txn.rollback().await.ok();
             return Err(sort_inbox_error(err));
         }
-        txn.commit()
-            .await
-            .map_err(|err| self.database_failure(message_id, err))?;
+        if let Err(err) = txn.commit().await {
+            // The COMMIT may have landed with its reply lost: keep the value for the retry
+            // that finds out.
+            call.in_doubt = Some(value);
+            return Err(self.database_failure(message_id, err));
+        }
         Ok(Outcome::Processed(value))
+    }
+
+    /// The outcome when the marker exists. After a failed COMMIT of this call, the marker
+    /// may be that attempt's own: its token says so (one extra query, on this path only),
+    /// and then the work committed and the outcome is `Processed` with that attempt's value.
+    async fn settle_duplicate<T, E>(
+        &self,
+        db: &DatabaseConnection,
+        message_id: MessageId,
+        call: &mut Call<T>,
+    ) -> Result<Outcome<T>, AttemptError<E>> {
+        let Some(value) = call.in_doubt.take() else {
+            return Ok(Outcome::Duplicate);
+        };
+        match marker_token(db, message_id, &self.consumer).await {
+            Ok(Some(token)) if token == call.token => Ok(Outcome::Processed(value)),
+            Ok(_) => Ok(Outcome::Duplicate),
+            Err(err) => {
+                call.in_doubt = Some(value);
+                Err(self.database_failure(message_id, err))
+            }
+        }
     }
 
     fn database_failure<E>(&self, message_id: MessageId, err: DbErr) -> AttemptError<E> {

@@ -248,7 +248,17 @@ fn dead_claim(row: &inbox::Model, dead_at: DateTime<Utc>) -> DeadClaim {
 /// Inserts the lease row (attempt 1) unless the pair has a row; otherwise locks that row
 /// and decides: processed, parked, held by a live lease, or expired. An expired lease is
 /// taken over (attempt + 1, a new fencing token) or, if it was the last allowed attempt,
-/// parked as dead. A transient failure (deadlock, busy SQLite) retries the transaction.
+/// parked as dead. A transient failure (deadlock, busy SQLite, a lost connection) retries
+/// the transaction.
+///
+/// One call writes one fencing token, whatever its retries: when a COMMIT lands but its
+/// reply is lost (the connection dies in the middle of it), the retry finds the row
+/// carrying the call's own token and returns that lease ([`LeaseClaim::Claimed`] for
+/// attempt 1, [`LeaseClaim::TakenOver`] after), with the row's attempt and expiry, instead
+/// of mistaking it for another claimant's ([`LeaseClaim::Held`]). An error returned after
+/// the call's last retry may still hide a committed claim: the next call (a new token)
+/// then sees it `Held` until its lease expires, and takes it over as the next attempt. To
+/// retry such a call yourself without that wait, use [`claim_lease_with_token`].
 ///
 /// # Errors
 /// Bad input as for `claim_message` ([`InboxError::EmptyConsumer`],
@@ -284,6 +294,79 @@ pub async fn claim_lease(
     consumer: &str,
     options: &LeaseOptions,
 ) -> Result<LeaseClaim, InboxError> {
+    claim_lease_with_token(db, message_id, consumer, options, ClaimToken::new()).await
+}
+
+/// The fencing token one claim writes, kept by the caller so that retrying a failed
+/// [`claim_lease_with_token`] call recognises a claim that committed although its reply
+/// was lost. Always random: make a new one for every delivery, and reuse it only to
+/// retry that delivery's claim.
+///
+/// ```
+/// use sea_orm_inbox::ClaimToken;
+///
+/// assert_ne!(ClaimToken::new(), ClaimToken::new());
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ClaimToken(Uuid);
+
+impl ClaimToken {
+    /// A new random token.
+    #[allow(clippy::new_without_default)] // `Default` reads as a fixed value; this is fresh
+    pub fn new() -> Self {
+        Self(Uuid::new_v4())
+    }
+
+    /// The token as stored in `claim_token` (and returned by [`Lease::fencing_token`]).
+    pub fn as_uuid(&self) -> Uuid {
+        self.0
+    }
+}
+
+/// [`claim_lease`] with a token the caller keeps: a retry of a failed call with the same
+/// `token` finds the row it may have committed (its reply lost) and returns that lease,
+/// as `claim_lease`'s own retries do, instead of seeing it [`LeaseClaim::Held`] until it
+/// expires.
+///
+/// Use one token per delivery. Reusing it for another delivery of the same message would
+/// let that delivery act as the holder of the earlier lease.
+///
+/// # Errors
+/// As [`claim_lease`].
+///
+/// ```
+/// use sea_orm_inbox::{ClaimToken, LeaseClaim, LeaseOptions, MessageId, claim_lease_with_token};
+/// use std::time::Duration;
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// # use sea_orm_migration::MigratorTrait;
+/// # let db = sea_orm::Database::connect("sqlite::memory:").await?;
+/// # sea_orm_inbox_migration::Migrator::up(&db, None).await?;
+/// let options = LeaseOptions::new(Duration::from_secs(30))?;
+/// let id = MessageId::from_broker_id("invoice-mail-9")?;
+/// let token = ClaimToken::new(); // one per delivery
+/// let mut result = claim_lease_with_token(&db, id, "mailer", &options, token).await;
+/// for _ in 0..3 {
+///     if result.is_ok() {
+///         break;
+///     }
+///     // e.g. the connection died during COMMIT: retry with the same token
+///     result = claim_lease_with_token(&db, id, "mailer", &options, token).await;
+/// }
+/// let claim = result?;
+/// assert!(matches!(claim, LeaseClaim::Claimed(ref lease) if lease.fencing_token() == token.as_uuid()));
+/// // The same token again finds its own claim: still Claimed, not Held.
+/// assert_eq!(claim_lease_with_token(&db, id, "mailer", &options, token).await?, claim);
+/// # Ok(()) }
+/// ```
+pub async fn claim_lease_with_token(
+    db: &DatabaseConnection,
+    message_id: impl Into<MessageId>,
+    consumer: &str,
+    options: &LeaseOptions,
+    token: ClaimToken,
+) -> Result<LeaseClaim, InboxError> {
     let message_id = message_id.into();
     validate_claim(message_id, consumer)?;
     let backend = db.get_database_backend();
@@ -293,7 +376,7 @@ pub async fn claim_lease(
         park: park_lease_sql(backend)?,
     };
     retry_transient(message_id, consumer, || {
-        claim_once(db, message_id, consumer, options, &sql)
+        claim_once(db, message_id, consumer, options, &sql, token.as_uuid())
     })
     .await
 }
@@ -304,18 +387,19 @@ struct LeaseSql {
     park: String,
 }
 
-/// One claim transaction: insert-or-lock the row, decide, commit.
+/// One claim transaction with the call's fencing `token`: insert-or-lock the row, decide,
+/// commit.
 async fn claim_once(
     db: &DatabaseConnection,
     message_id: MessageId,
     consumer: &str,
     options: &LeaseOptions,
     sql: &LeaseSql,
+    token: Uuid,
 ) -> Result<LeaseClaim, DbErr> {
     let backend = db.get_database_backend();
     let txn = db.begin_with_options(CLAIM_TRANSACTION).await?;
     let now = now_micros();
-    let token = Uuid::new_v4();
     let lease_until = options.expiry(now);
     let id = Value::from(message_id.as_uuid());
     txn.execute_raw(Statement::from_sql_and_values(
@@ -344,8 +428,14 @@ async fn claim_once(
         attempt,
         lease_until,
     };
-    let outcome = if row.claim_token == Some(token) {
-        LeaseClaim::Claimed(lease(1))
+    // This call's row: just inserted, or written by an earlier try of this call whose
+    // COMMIT landed although its reply was lost.
+    let own_lease_until = row
+        .lease_until
+        .filter(|_| row.claim_token == Some(token))
+        .filter(|_| row.processed_at.is_none() && row.dead_at.is_none());
+    let outcome = if let Some(own_lease_until) = own_lease_until {
+        own_lease(&row, message_id, consumer, token, own_lease_until)
     } else if let Some(dead_at) = row.dead_at {
         LeaseClaim::Dead(dead_claim(&row, dead_at))
     } else if let (None, Some(held_until), Some(old_token)) =
@@ -383,10 +473,39 @@ async fn claim_once(
     Ok(outcome)
 }
 
+/// The lease a row written with this call's `token` grants: its attempt and expiry as
+/// stored, `Claimed` on attempt 1 and `TakenOver` after.
+fn own_lease(
+    row: &inbox::Model,
+    message_id: MessageId,
+    consumer: &str,
+    token: Uuid,
+    lease_until: DateTime<Utc>,
+) -> LeaseClaim {
+    let attempt = attempts_of(row);
+    let lease = Lease {
+        message_id,
+        consumer: consumer.to_owned(),
+        token,
+        attempt,
+        lease_until,
+    };
+    if attempt <= 1 {
+        LeaseClaim::Claimed(lease)
+    } else {
+        LeaseClaim::TakenOver(lease)
+    }
+}
+
 /// Phase two: marks the lease's message processed, if `lease` is still the current claim
 /// (compare-and-set on its fencing token), in a short transaction of its own.
 ///
 /// A lease that expired is still completed when nobody took it over in the meantime.
+///
+/// Idempotent for the lease's holder: completing the same lease again is `Ok` and keeps
+/// the first `processed_at`. So when the connection dies after the completion committed
+/// but before its reply arrived, the retry (inside this call, or yours) reports success
+/// instead of a stale lease.
 ///
 /// # Errors
 /// [`InboxError::StaleLease`] when another claimant took the message over after this
@@ -406,6 +525,7 @@ async fn claim_once(
 ///     unreachable!("a new message")
 /// };
 /// complete_lease(&db, &lease).await?;
+/// complete_lease(&db, &lease).await?; // a retry after a lost reply: still Ok
 /// # Ok(()) }
 /// ```
 pub async fn complete_lease(db: &DatabaseConnection, lease: &Lease) -> Result<(), InboxError> {
@@ -448,8 +568,9 @@ pub async fn release_lease(db: &DatabaseConnection, lease: &Lease) -> Result<(),
 /// Runs one of the lease's compare-and-set UPDATEs (binds: a timestamp of now, then the
 /// current-lease conditions) as a statement of its own, and reports a stale lease.
 ///
-/// Its affected-row count is exact on every backend: on MySQL sqlx reports *found* rows,
-/// and the WHERE clause only finds a row the UPDATE changes.
+/// Its affected-row count is exact on every backend: PostgreSQL and SQLite count the rows
+/// the WHERE clause found, and on MySQL sqlx reports *found* rows too (so the idempotent
+/// repeat of a completion, which finds its row without changing it, counts 1).
 async fn compare_and_set(
     db: &DatabaseConnection,
     lease: &Lease,

@@ -46,8 +46,8 @@ pub use claim::{Claim, ClaimedMessage, InboxTransactionExt};
 pub use error::InboxError;
 pub use inbox::{HandlerFuture, Inbox};
 pub use lease::{
-    DeadClaim, ExpiredLease, Lease, LeaseClaim, LeaseOptions, claim_lease, complete_lease,
-    list_dead_claims, list_expired_leases, release_lease,
+    ClaimToken, DeadClaim, ExpiredLease, Lease, LeaseClaim, LeaseOptions, claim_lease,
+    claim_lease_with_token, complete_lease, list_dead_claims, list_expired_leases, release_lease,
 };
 pub use message_id::{MESSAGE_ID_NAMESPACE, MessageId};
 pub use metrics::{InboxMetrics, MetricsSnapshot};

@@ -6,9 +6,14 @@ use std::fmt;
 #[must_use = "acknowledge the message: both Processed and Duplicate mean done"]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Outcome<T> {
-    /// This delivery claimed the message, the handler ran, and its transaction committed.
+    /// This delivery claimed the message, the handler ran, and its transaction committed;
+    /// the value is the one of the attempt that committed. That holds when a COMMIT's reply
+    /// was lost too: the retry finds the marker carrying this call's token and returns
+    /// that attempt's value without running the handler again.
     Processed(T),
-    /// The message was already processed by this consumer; the handler did not run.
+    /// Another delivery (an earlier one, or another replica's) already processed the
+    /// message for this consumer; the handler did not run in this call, or ran only in
+    /// attempts that rolled back.
     Duplicate,
 }
 
@@ -29,7 +34,13 @@ impl<T> Outcome<T> {
 
 /// Why [`Inbox::process`](crate::Inbox::process) did not finish a delivery. Every variant
 /// means: do not acknowledge; nack or abandon the message so the broker redelivers it (or
-/// dead-letters it after its own limit). Nothing was committed.
+/// dead-letters it after its own limit).
+///
+/// Nothing of this call committed, with one exception: when the last failure was the
+/// COMMIT itself (its reply lost with the connection, so the client cannot know), the
+/// work may have committed. Nacking is still right: the redelivery then finds the marker
+/// and reports [`Outcome::Duplicate`], and the effect stays applied once. (While attempts
+/// remain, `process` settles that doubt itself and returns [`Outcome::Processed`].)
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum ProcessError<E> {
@@ -115,7 +126,9 @@ pub enum Settlement {
     /// [`Outcome::Duplicate`]). Never nack a duplicate: it would bounce to the dead-letter
     /// queue.
     Ack,
-    /// Negative-acknowledge or abandon: nothing was committed; let the broker redeliver.
+    /// Negative-acknowledge or abandon: let the broker redeliver. Nothing committed, or
+    /// (a lost COMMIT reply on the last attempt) the redelivery will find it committed and
+    /// be a duplicate: see [`ProcessError`].
     Nack,
 }
 

@@ -33,7 +33,9 @@ use sea_orm_inbox_migration::Migrator;
 use sea_orm_migration::MigratorTrait;
 use std::time::Duration;
 
+mod proxy;
 mod stream;
+pub use proxy::LostReplyProxy;
 pub use stream::{
     Broker, BrokerStats, HandlerError, Plan, Report, STREAM_CONSUMER, XorShift,
     assert_exactly_once, create_effects, run_replicas,
@@ -139,25 +141,7 @@ impl TestDb {
 
     /// A new pool with at most `max_connections` connections (SQLite: always 1 writer).
     pub async fn connect_with(&self, max_connections: u32) -> DatabaseConnection {
-        let mut options = ConnectOptions::new(self.url.clone());
-        let max = if self.backend == Backend::Sqlite {
-            1
-        } else {
-            max_connections
-        };
-        options
-            .max_connections(max)
-            .min_connections(0)
-            .acquire_timeout(Duration::from_secs(30))
-            .sqlx_logging(false);
-        let conn = Database::connect(options)
-            .await
-            .unwrap_or_else(|e| panic!("connect to {}: {e}", self.url));
-        if self.backend == Backend::Sqlite {
-            // Many replicas share one file: let writers queue instead of failing at once.
-            run(&conn, "PRAGMA busy_timeout = 60000").await;
-        }
-        conn
+        connect_pool(&self.url, self.backend, max_connections).await
     }
 
     /// Drops the test's database (SQLite: its directory goes with `self`).
@@ -174,6 +158,30 @@ impl TestDb {
             admin.close().await.ok();
         }
     }
+}
+
+/// A new pool to `url` with at most `max_connections` connections (SQLite: always 1
+/// writer).
+async fn connect_pool(url: &str, backend: Backend, max_connections: u32) -> DatabaseConnection {
+    let mut options = ConnectOptions::new(url.to_owned());
+    let max = if backend == Backend::Sqlite {
+        1
+    } else {
+        max_connections
+    };
+    options
+        .max_connections(max)
+        .min_connections(0)
+        .acquire_timeout(Duration::from_secs(30))
+        .sqlx_logging(false);
+    let conn = Database::connect(options)
+        .await
+        .unwrap_or_else(|e| panic!("connect to {url}: {e}"));
+    if backend == Backend::Sqlite {
+        // Many replicas share one file: let writers queue instead of failing at once.
+        run(&conn, "PRAGMA busy_timeout = 60000").await;
+    }
+    conn
 }
 
 /// Runs one SQL statement, panicking with the statement on failure.
@@ -307,7 +315,7 @@ macro_rules! on_every_backend {
 }
 
 /// [`on_every_backend!`] without SQLite, for tests of what only a server does (a killed
-/// connection, a restart): one `#[tokio::test]` per server backend, ignored with the
+/// connection, a restart, a reply lost on the network): one `#[tokio::test]` per server backend, ignored with the
 /// reason when its URL (or the extra `needs` cfg) was not set at build time.
 #[macro_export]
 macro_rules! on_server_backends {

@@ -5,8 +5,8 @@ use chrono::{DateTime, Utc};
 use inbox_tests::{Backend, migrated_db, on_every_backend, scalar_i64};
 use sea_orm::{ColumnTrait, DatabaseConnection, EntityTrait, QueryFilter};
 use sea_orm_inbox::{
-    InboxError, Lease, LeaseClaim, LeaseOptions, MessageId, claim_lease, complete_lease,
-    list_dead_claims, list_expired_leases, release_lease,
+    ClaimToken, InboxError, Lease, LeaseClaim, LeaseOptions, MessageId, claim_lease,
+    claim_lease_with_token, complete_lease, list_dead_claims, list_expired_leases, release_lease,
 };
 use sea_orm_inbox_entity::inbox;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -185,9 +185,50 @@ async fn expired_lease_nobody_took_over_still_completes(backend: Backend) {
     complete_lease(&conn, &lease)
         .await
         .expect("no takeover happened: the token still holds");
+    complete_lease(&conn, &lease)
+        .await
+        .expect("a repeated completion by the holder is idempotent");
+    conn.close().await.ok();
+    db.cleanup().await;
+}
+
+/// Issue 8, defect 4: a completion whose reply was lost is retried (by `complete_lease`'s
+/// own transient retry, or by the caller) after it committed. The holder's repeat must be
+/// `Ok` and keep the first `processed_at`; a stale token stays `StaleLease` before and
+/// after the holder completes, and a release after completion stays refused.
+async fn completion_is_idempotent_for_its_holder_only(backend: Backend) {
+    let db = migrated_db(backend).await;
+    let conn = db.connect().await;
+    let options = LeaseOptions::new(Duration::from_millis(50)).unwrap();
+    let id = MessageId::from_uuid(Uuid::new_v4());
+    let stale = leased(claim_lease(&conn, id, CONSUMER, &options).await.unwrap());
+    wait_past(stale.lease_until()).await;
+    let holder = match claim_lease(&conn, id, CONSUMER, &options).await.unwrap() {
+        LeaseClaim::TakenOver(lease) => lease,
+        other => panic!("expected TakenOver, got {other:?}"),
+    };
+    let is_stale = |result: Result<(), InboxError>| {
+        matches!(result, Err(InboxError::StaleLease { attempt: 1, .. }))
+    };
+    assert!(is_stale(complete_lease(&conn, &stale).await), "before");
+
+    complete_lease(&conn, &holder)
+        .await
+        .expect("the holder completes");
+    let first = row(&conn, id).await.processed_at;
+    assert!(first.is_some());
+    complete_lease(&conn, &holder)
+        .await
+        .expect("the holder's repeated completion (after a lost reply) is Ok");
+    assert_eq!(row(&conn, id).await.processed_at, first, "kept the first");
+
+    assert!(is_stale(complete_lease(&conn, &stale).await), "after");
     assert!(
-        complete_lease(&conn, &lease).await.is_err(),
-        "a second completion finds nothing to complete"
+        matches!(
+            release_lease(&conn, &holder).await,
+            Err(InboxError::StaleLease { attempt: 2, .. })
+        ),
+        "a completed lease cannot be given back"
     );
     conn.close().await.ok();
     db.cleanup().await;
@@ -327,11 +368,49 @@ async fn released_leases_are_listed_for_sweepers_and_taken_over_at_once(backend:
     db.cleanup().await;
 }
 
+/// A caller retrying a claim with its own token (after an error that may hide a committed
+/// claim) gets its lease back; any other token sees it held.
+async fn a_kept_token_recognises_its_own_claim(backend: Backend) {
+    let db = migrated_db(backend).await;
+    let conn = db.connect().await;
+    let options = LeaseOptions::new(Duration::from_secs(30)).unwrap();
+    let id = MessageId::from_uuid(Uuid::new_v4());
+    let token = ClaimToken::new();
+    let first = claim_lease_with_token(&conn, id, CONSUMER, &options, token)
+        .await
+        .unwrap();
+    let lease = leased(first.clone());
+    assert_eq!(lease.fencing_token(), token.as_uuid());
+    assert_eq!(
+        claim_lease_with_token(&conn, id, CONSUMER, &options, token)
+            .await
+            .unwrap(),
+        first,
+        "the same token gets the same lease back"
+    );
+    assert!(matches!(
+        claim_lease(&conn, id, CONSUMER, &options).await.unwrap(),
+        LeaseClaim::Held { attempts: 1, .. }
+    ));
+    assert_eq!(row(&conn, id).await.attempts, 1);
+    complete_lease(&conn, &lease).await.unwrap();
+    assert_eq!(
+        claim_lease_with_token(&conn, id, CONSUMER, &options, token)
+            .await
+            .unwrap(),
+        LeaseClaim::AlreadyProcessed
+    );
+    conn.close().await.ok();
+    db.cleanup().await;
+}
+
 on_every_backend!(
+    a_kept_token_recognises_its_own_claim,
     released_leases_are_listed_for_sweepers_and_taken_over_at_once,
     two_replicas_race_a_two_phase_claim_and_call_once,
     crashed_claimant_is_taken_over_and_its_late_completion_rejected,
     expired_lease_nobody_took_over_still_completes,
+    completion_is_idempotent_for_its_holder_only,
     claims_are_parked_dead_after_max_attempts_and_listed,
     one_phase_markers_count_as_processed_and_bad_input_is_refused,
 );

@@ -14,6 +14,7 @@ use sea_orm::{
     DbBackend, DbErr, RuntimeErr, SqliteTransactionMode, Statement, TransactionOptions, Value,
 };
 use std::time::Duration;
+use uuid::Uuid;
 
 #[cfg(feature = "mysql")]
 mod mysql;
@@ -59,11 +60,16 @@ trait Dialect: Sync {
     /// received_at.
     fn insert_marker(&self) -> &'static str;
 
-    /// The marker INSERT that also bounds the lock waits of its transaction, where the
-    /// database can do that for one transaction without an extra round trip. Binds: those
-    /// of [`insert_marker`](Self::insert_marker), then the bound as text (`"5000ms"`).
-    /// `None`: the database's own setting bounds the wait.
-    fn insert_marker_bounding_lock_wait(&self) -> Option<&'static str> {
+    /// The marker INSERT of [`Inbox::process`](crate::Inbox::process), which also writes
+    /// the call's token, so a retry after a lost COMMIT reply can tell its own marker from
+    /// another delivery's. Binds: message_id, consumer, received_at, claim_token.
+    fn insert_process_marker(&self) -> &'static str;
+
+    /// [`insert_process_marker`](Self::insert_process_marker) that also bounds the lock
+    /// waits of its transaction, where the database can do that for one transaction
+    /// without an extra round trip. Binds: those of `insert_process_marker`, then the bound
+    /// as text (`"5000ms"`). `None`: the database's own setting bounds the wait.
+    fn insert_process_marker_bounding_lock_wait(&self) -> Option<&'static str> {
         None
     }
 
@@ -129,29 +135,46 @@ fn dialect(backend: DbBackend) -> Result<&'static dyn Dialect, InboxError> {
     }
 }
 
-/// The marker INSERT for one claim, with its bind values. `lock_wait` bounds how long the
-/// INSERT (and the rest of its transaction) waits for another transaction's lock where the
-/// dialect can bound it for one transaction (PostgreSQL); elsewhere the database's own
-/// setting applies (MySQL/MariaDB: `innodb_lock_wait_timeout`; SQLite: the busy timeout).
+/// What `Inbox::process` adds to its marker: the call's token and the lock-wait bound.
+pub(crate) struct ProcessMarker {
+    /// Written into `claim_token`, the same for every attempt of one call.
+    pub(crate) token: Uuid,
+    /// Bounds the INSERT's (and its transaction's) lock waits where the dialect can bound
+    /// them for one transaction (PostgreSQL); elsewhere the database's own setting applies
+    /// (MySQL/MariaDB: `innodb_lock_wait_timeout`; SQLite: the busy timeout).
+    pub(crate) lock_wait: Duration,
+}
+
+/// The marker INSERT for one claim, with its bind values: `claim_message`'s plain marker,
+/// or with `process`, `Inbox::process`'s marker carrying its token and lock-wait bound.
 pub(crate) fn claim_marker_statement(
     backend: DbBackend,
     message_id: MessageId,
     consumer: &str,
     received_at: DateTime<Utc>,
-    lock_wait: Option<Duration>,
+    process: Option<ProcessMarker>,
 ) -> Result<Statement, InboxError> {
     let dialect = dialect(backend)?;
-    let mut values = vec![
+    let mut values = Vec::with_capacity(5);
+    values.extend([
         Value::from(message_id.as_uuid()),
         Value::from(consumer),
         dialect.timestamp_value(received_at),
-    ];
-    let sql = match lock_wait.zip(dialect.insert_marker_bounding_lock_wait()) {
-        Some((bound, sql)) => {
-            values.push(Value::from(format!("{}ms", bound.as_millis())));
+    ]);
+    let Some(process) = process else {
+        return Ok(Statement::from_sql_and_values(
+            backend,
+            dialect.insert_marker(),
+            values,
+        ));
+    };
+    values.push(Value::from(process.token));
+    let sql = match dialect.insert_process_marker_bounding_lock_wait() {
+        Some(sql) => {
+            values.push(Value::from(format!("{}ms", process.lock_wait.as_millis())));
             sql
         }
-        None => dialect.insert_marker(),
+        None => dialect.insert_process_marker(),
     };
     Ok(Statement::from_sql_and_values(backend, sql, values))
 }
@@ -261,12 +284,19 @@ pub(crate) fn release_lease_sql(backend: DbBackend) -> Result<String, InboxError
     )
 }
 
-/// Second phase: marks the message processed if the token still holds the lease. Binds:
-/// processed_at, message_id, consumer, token.
+/// Second phase: marks the message processed if the token holds the lease, or already
+/// completed it. Binds: processed_at, message_id, consumer, token.
+///
+/// Idempotent for the holder: a completion repeated by the same token (its first reply
+/// was lost, and the retry runs it again) finds the row again and keeps the first
+/// `processed_at`, so it reports one row like the first. Any other token finds none. The
+/// count is exact on every backend: PostgreSQL and SQLite count the rows the WHERE clause
+/// found, and sqlx asks MySQL/MariaDB for found rows too (`CLIENT_FOUND_ROWS`).
 pub(crate) fn complete_lease_sql(backend: DbBackend) -> Result<String, InboxError> {
     dialect_sql(
         backend,
-        &format!("UPDATE inbox SET processed_at = ? {CURRENT_LEASE}"),
+        "UPDATE inbox SET processed_at = COALESCE(processed_at, ?) \
+         WHERE message_id = ? AND consumer = ? AND claim_token = ? AND dead_at IS NULL",
     )
 }
 

@@ -15,6 +15,10 @@ impl Dialect for MySql {
         "INSERT INTO `inbox` (`message_id`, `consumer`, `received_at`) VALUES (?, ?, ?)"
     }
 
+    fn insert_process_marker(&self) -> &'static str {
+        "INSERT INTO `inbox` (`message_id`, `consumer`, `received_at`, `claim_token`) VALUES (?, ?, ?, ?)"
+    }
+
     /// MySQL has no DO NOTHING, so it gets a no-op `ON DUPLICATE KEY UPDATE consumer =
     /// consumer` (never count its affected rows: sqlx reports found rows). Not `id = id`:
     /// assigning the auto-increment key in the update clause made MariaDB 10.11 hand a

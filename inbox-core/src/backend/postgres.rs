@@ -13,14 +13,18 @@ impl Dialect for Postgres {
         r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at") VALUES ($1, $2, $3) RETURNING "id""#
     }
 
+    fn insert_process_marker(&self) -> &'static str {
+        r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at", "claim_token") VALUES ($1, $2, $3, $4) RETURNING "id""#
+    }
+
     /// Sets `lock_timeout` with `set_config(.., true)`, i.e. `SET LOCAL`: it ends with the
     /// transaction, so it is safe behind PgBouncer's transaction pooling, and it rides on
     /// the INSERT instead of costing a round trip. The WHERE runs before the row is
     /// inserted, so the INSERT's own wait on another transaction's index entry is bounded
     /// too. A shorter `lock_timeout` the session already has is kept.
-    fn insert_marker_bounding_lock_wait(&self) -> Option<&'static str> {
+    fn insert_process_marker_bounding_lock_wait(&self) -> Option<&'static str> {
         Some(
-            r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at") SELECT $1, $2, $3 WHERE set_config('lock_timeout', CASE WHEN current_setting('lock_timeout') = '0' OR current_setting('lock_timeout')::interval > $4::interval THEN $4 ELSE current_setting('lock_timeout') END, true) IS NOT NULL RETURNING "id""#,
+            r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at", "claim_token") SELECT $1, $2, $3, $4 WHERE set_config('lock_timeout', CASE WHEN current_setting('lock_timeout') = '0' OR current_setting('lock_timeout')::interval > $5::interval THEN $5 ELSE current_setting('lock_timeout') END, true) IS NOT NULL RETURNING "id""#,
         )
     }
 

@@ -12,6 +12,10 @@ impl Dialect for Sqlite {
         r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at") VALUES (?, ?, ?)"#
     }
 
+    fn insert_process_marker(&self) -> &'static str {
+        r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at", "claim_token") VALUES (?, ?, ?, ?)"#
+    }
+
     /// SQLite looks the ids of `id IN (subquery)` up by rowid.
     fn purge_batch(&self, purgeable: &str) -> String {
         format!(

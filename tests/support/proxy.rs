@@ -1,0 +1,502 @@
+//! A TCP proxy between a test's pool and a database server that loses one COMMIT reply.
+//!
+//! It forwards every byte both ways until it is [armed](LostReplyProxy::arm). The next
+//! COMMIT a client sends (PostgreSQL: a simple `Query` or an extended-protocol `Parse` of
+//! `COMMIT`; MySQL/MariaDB: a `COM_QUERY` of `COMMIT`) still reaches the server, which
+//! commits and answers; the proxy swallows that answer and cuts the connection, as a
+//! network failure between the server's commit and the client would. The client sees its
+//! connection die in the middle of COMMIT and cannot tell whether it committed.
+//!
+//! A statement outside a transaction commits on its own, without a COMMIT message:
+//! [`arm_next_execute`](LostReplyProxy::arm_next_execute) loses the reply of the next
+//! prepared statement executed (PostgreSQL: `Execute`; MySQL: `COM_STMT_EXECUTE`), which is
+//! how sqlx runs every statement with bind values. A new connection's session setup, pings,
+//! prepares and transaction control (`BEGIN`, `COMMIT`: text queries) do not count.
+//!
+//! The proxy records each reply it dropped. A test calls
+//! [`expect_reply_dropped`](LostReplyProxy::expect_reply_dropped) after the operation
+//! under test, and dropping an armed proxy that never dropped a reply panics, so a test
+//! whose COMMIT took another path fails loudly instead of passing without the fault.
+//!
+//! SQLite is embedded: there is no network between the client and the database, so the
+//! proxy (and every lost-reply test) exists only for the server backends.
+
+use crate::{Backend, TestDb, connect_pool};
+use sea_orm::DatabaseConnection;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinHandle;
+
+/// The wire protocol the proxy reads to find the COMMIT.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Protocol {
+    Postgres,
+    MySql,
+}
+
+/// Which message's reply an armed proxy loses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Trigger {
+    Commit,
+    NextExecute,
+}
+
+/// What a chunk of client bytes completed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Seen {
+    commit: bool,
+    execute: bool,
+}
+
+impl Seen {
+    fn fires(self, trigger: Trigger) -> bool {
+        match trigger {
+            Trigger::Commit => self.commit,
+            Trigger::NextExecute => self.execute,
+        }
+    }
+}
+
+/// What all connections of one proxy share.
+#[derive(Debug, Default)]
+struct Faults {
+    /// Set by `arm*`, taken by the first message it fires on.
+    armed: Mutex<Option<Trigger>>,
+    /// How many times the proxy was armed.
+    armings: AtomicU32,
+    /// COMMIT replies swallowed (each followed by a cut connection).
+    dropped: AtomicU32,
+}
+
+/// A proxy on an ephemeral 127.0.0.1 port in front of a test database's server.
+pub struct LostReplyProxy {
+    backend: Backend,
+    url: String,
+    faults: Arc<Faults>,
+    acceptor: JoinHandle<()>,
+}
+
+impl LostReplyProxy {
+    /// Starts a proxy in front of `db`'s server, or returns `None` (with a note on stderr)
+    /// on SQLite, which has no network to lose a reply on.
+    pub async fn start(db: &TestDb) -> Self {
+        let protocol = match db.backend {
+            Backend::Sqlite => {
+                panic!(
+                    "an embedded SQLite database has no network, so no COMMIT reply can be \
+                     lost between the server and the client: use on_server_backends!"
+                )
+            }
+            Backend::Postgres => Protocol::Postgres,
+            Backend::MySql => Protocol::MySql,
+        };
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind the proxy to an ephemeral 127.0.0.1 port");
+        let port = listener
+            .local_addr()
+            .expect("the proxy's local address")
+            .port();
+        let (upstream, url) = route(&db.url, protocol, port);
+        let faults = Arc::new(Faults::default());
+        let acceptor = tokio::spawn(accept(listener, upstream, protocol, Arc::clone(&faults)));
+        Self {
+            backend: db.backend,
+            url,
+            faults,
+            acceptor,
+        }
+    }
+
+    /// A new pool whose connections all go through the proxy.
+    pub async fn connect(&self) -> DatabaseConnection {
+        connect_pool(&self.url, self.backend, 5).await
+    }
+
+    /// Loses the reply of the next COMMIT any connection sends (once).
+    pub fn arm(&self) {
+        self.arm_for(Trigger::Commit);
+    }
+
+    /// Loses the reply of the next prepared statement any connection executes (once): for
+    /// a statement with bind values that commits on its own, outside a transaction.
+    pub fn arm_next_execute(&self) {
+        self.arm_for(Trigger::NextExecute);
+    }
+
+    fn arm_for(&self, trigger: Trigger) {
+        self.faults.armings.fetch_add(1, Ordering::SeqCst);
+        *self.faults.armed.lock().expect("the proxy's lock") = Some(trigger);
+    }
+
+    /// COMMIT replies dropped so far.
+    pub fn replies_dropped(&self) -> u32 {
+        self.faults.dropped.load(Ordering::SeqCst)
+    }
+
+    /// Panics unless every arming dropped a reply: the fault under test really happened.
+    pub fn expect_reply_dropped(&self) {
+        let (armings, dropped) = (
+            self.faults.armings.load(Ordering::SeqCst),
+            self.replies_dropped(),
+        );
+        assert!(
+            armings > 0 && dropped == armings,
+            "the proxy was armed {armings} times but dropped {dropped} replies: the \
+             operation under test never sent its COMMIT (or statement) through the proxy, \
+             so this test did not exercise a lost reply"
+        );
+    }
+}
+
+impl Drop for LostReplyProxy {
+    fn drop(&mut self) {
+        self.acceptor.abort();
+        let armings = self.faults.armings.load(Ordering::SeqCst);
+        if armings > self.replies_dropped() && !std::thread::panicking() {
+            panic!(
+                "the proxy was armed {armings} times but dropped {} replies: the test did \
+                 not exercise a lost reply",
+                self.replies_dropped()
+            );
+        }
+    }
+}
+
+/// The server's `host:port` from a test database URL, and the same URL pointed at the
+/// proxy's port, with TLS off so the proxy can read the protocol.
+fn route(url: &str, protocol: Protocol, proxy_port: u16) -> (String, String) {
+    let (scheme, rest) = url.split_once("://").expect("a server URL has a scheme");
+    let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+    let (user, host_port) = match authority.rsplit_once('@') {
+        Some((user, host_port)) => (format!("{user}@"), host_port),
+        None => (String::new(), authority),
+    };
+    let default_port = match protocol {
+        Protocol::Postgres => 5432,
+        Protocol::MySql => 3306,
+    };
+    let upstream = if host_port.contains(':') {
+        host_port.to_owned()
+    } else {
+        format!("{host_port}:{default_port}")
+    };
+    let no_tls = match protocol {
+        Protocol::Postgres => "sslmode=disable",
+        Protocol::MySql => "ssl-mode=disabled",
+    };
+    let separator = if path.contains('?') { '&' } else { '?' };
+    let through = format!("{scheme}://{user}127.0.0.1:{proxy_port}{path}{separator}{no_tls}");
+    (upstream, through)
+}
+
+async fn accept(listener: TcpListener, upstream: String, protocol: Protocol, faults: Arc<Faults>) {
+    while let Ok((client, _)) = listener.accept().await {
+        let Ok(server) = TcpStream::connect(&upstream).await else {
+            // The client sees its connection refused, as with the server down.
+            continue;
+        };
+        tokio::spawn(relay(client, server, protocol, Arc::clone(&faults)));
+    }
+}
+
+/// Copies one connection both ways until either side closes or a COMMIT reply is lost.
+async fn relay(client: TcpStream, server: TcpStream, protocol: Protocol, faults: Arc<Faults>) {
+    client.set_nodelay(true).ok();
+    server.set_nodelay(true).ok();
+    let (client_read, client_write) = client.into_split();
+    let (server_read, server_write) = server.into_split();
+    let losing_reply = AtomicBool::new(false);
+    // Whichever direction ends first ends the connection: dropping the halves closes both
+    // sockets, so the client sees the cut right after its COMMIT.
+    tokio::select! {
+        () = requests(client_read, server_write, protocol, &faults, &losing_reply) => {}
+        () = replies(server_read, client_write, &faults, &losing_reply) => {}
+    }
+}
+
+/// Client to server: forwards everything, and once armed, flags the first message the
+/// trigger fires on before the server can see it.
+async fn requests(
+    mut from: OwnedReadHalf,
+    mut to: OwnedWriteHalf,
+    protocol: Protocol,
+    faults: &Faults,
+    losing_reply: &AtomicBool,
+) {
+    let mut framer = Framer::new(protocol);
+    let mut chunk = vec![0u8; 64 * 1024];
+    loop {
+        let Ok(read) = from.read(&mut chunk).await else {
+            return;
+        };
+        if read == 0 {
+            return;
+        }
+        let seen = framer.push(&chunk[..read]);
+        if seen != Seen::default() {
+            let mut armed = faults.armed.lock().expect("the proxy's lock");
+            if armed.is_some_and(|trigger| seen.fires(trigger)) {
+                *armed = None;
+                losing_reply.store(true, Ordering::SeqCst);
+            }
+        }
+        if to.write_all(&chunk[..read]).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Server to client: forwards everything until the flagged COMMIT's reply arrives, which
+/// it drops and records before returning (cutting the connection).
+async fn replies(
+    mut from: OwnedReadHalf,
+    mut to: OwnedWriteHalf,
+    faults: &Faults,
+    losing_reply: &AtomicBool,
+) {
+    let mut chunk = vec![0u8; 64 * 1024];
+    loop {
+        let Ok(read) = from.read(&mut chunk).await else {
+            return;
+        };
+        if read == 0 {
+            return;
+        }
+        // The client sends its COMMIT only after reading every earlier reply, so the first
+        // bytes after the flag are the COMMIT's answer: the server has committed. (PostgreSQL
+        // answers an extended-protocol statement at its Sync, after the implicit commit.)
+        if losing_reply.load(Ordering::SeqCst) {
+            faults.dropped.fetch_add(1, Ordering::SeqCst);
+            return;
+        }
+        if to.write_all(&chunk[..read]).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Splits the client's byte stream into protocol messages and spots COMMITs and
+/// prepared-statement executions.
+struct Framer {
+    protocol: Protocol,
+    buffer: Vec<u8>,
+    /// PostgreSQL: still in the startup phase, whose messages carry no type byte.
+    startup: bool,
+}
+
+/// PostgreSQL's SSLRequest and GSSENCRequest codes: after them the client sends another
+/// untyped startup message.
+const PG_ENCRYPTION_REQUESTS: [u32; 2] = [80_877_103, 80_877_104];
+/// MySQL's COM_QUERY and COM_STMT_EXECUTE command bytes (a command opens sequence 0).
+const MYSQL_COM_QUERY: u8 = 0x03;
+const MYSQL_COM_STMT_EXECUTE: u8 = 0x17;
+
+impl Framer {
+    fn new(protocol: Protocol) -> Self {
+        Self {
+            protocol,
+            buffer: Vec::new(),
+            startup: true,
+        }
+    }
+
+    /// Appends `bytes` and reports what the messages they completed hold.
+    fn push(&mut self, bytes: &[u8]) -> Seen {
+        self.buffer.extend_from_slice(bytes);
+        let mut seen = Seen::default();
+        while let Some(len) = self.next_len() {
+            if len > self.buffer.len() {
+                break;
+            }
+            let message: Vec<u8> = self.buffer.drain(..len).collect();
+            seen.execute |= self.is_execute(&message);
+            seen.commit |= self.is_commit(&message);
+        }
+        seen
+    }
+
+    /// The length of the message at the front of the buffer, once its header is in.
+    fn next_len(&self) -> Option<usize> {
+        let b = &self.buffer;
+        match self.protocol {
+            Protocol::Postgres if self.startup => {
+                let len = u32::from_be_bytes(b.get(..4)?.try_into().ok()?);
+                Some(len as usize)
+            }
+            Protocol::Postgres => {
+                let len = u32::from_be_bytes(b.get(1..5)?.try_into().ok()?);
+                Some(1 + len as usize)
+            }
+            Protocol::MySql => {
+                let header = b.get(..3)?;
+                let len = u32::from_le_bytes([header[0], header[1], header[2], 0]);
+                Some(4 + len as usize)
+            }
+        }
+    }
+
+    /// Whether `message` executes a prepared statement.
+    fn is_execute(&self, message: &[u8]) -> bool {
+        match self.protocol {
+            Protocol::Postgres => !self.startup && message.first() == Some(&b'E'),
+            Protocol::MySql => {
+                message.get(3) == Some(&0) && message.get(4) == Some(&MYSQL_COM_STMT_EXECUTE)
+            }
+        }
+    }
+
+    fn is_commit(&mut self, message: &[u8]) -> bool {
+        match self.protocol {
+            Protocol::Postgres if self.startup => {
+                let code = message.get(4..8).and_then(|c| c.try_into().ok());
+                let code = code.map(u32::from_be_bytes).unwrap_or(0);
+                self.startup = PG_ENCRYPTION_REQUESTS.contains(&code);
+                false
+            }
+            Protocol::Postgres => {
+                let body = message.get(5..).unwrap_or_default();
+                match message.first() {
+                    Some(b'Q') => is_commit_sql(cstr(body)),
+                    // Parse: statement name, then the query text.
+                    Some(b'P') => {
+                        let query = body.splitn(2, |&b| b == 0).nth(1).unwrap_or_default();
+                        is_commit_sql(cstr(query))
+                    }
+                    _ => false,
+                }
+            }
+            // A command starts a new sequence (id 0); handshake packets never do.
+            Protocol::MySql => {
+                message.get(3) == Some(&0)
+                    && message.get(4) == Some(&MYSQL_COM_QUERY)
+                    && is_commit_sql(message.get(5..).unwrap_or_default())
+            }
+        }
+    }
+}
+
+/// The bytes before the first NUL.
+fn cstr(bytes: &[u8]) -> &[u8] {
+    bytes.split(|&b| b == 0).next().unwrap_or_default()
+}
+
+fn is_commit_sql(sql: &[u8]) -> bool {
+    let sql = String::from_utf8_lossy(sql);
+    sql.trim()
+        .trim_end_matches(';')
+        .trim()
+        .eq_ignore_ascii_case("COMMIT")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pg(kind: u8, body: &[u8]) -> Vec<u8> {
+        let mut message = vec![kind];
+        message.extend_from_slice(&(body.len() as u32 + 4).to_be_bytes());
+        message.extend_from_slice(body);
+        message
+    }
+
+    fn pg_startup(code: u32) -> Vec<u8> {
+        let mut message = 8u32.to_be_bytes().to_vec();
+        message.extend_from_slice(&code.to_be_bytes());
+        message
+    }
+
+    fn mysql(sequence: u8, payload: &[u8]) -> Vec<u8> {
+        let len = (payload.len() as u32).to_le_bytes();
+        let mut packet = vec![len[0], len[1], len[2], sequence];
+        packet.extend_from_slice(payload);
+        packet
+    }
+
+    #[test]
+    fn finds_a_postgres_commit_split_across_reads_after_startup() {
+        let commit = |framer: &mut Framer, bytes: &[u8]| framer.push(bytes).commit;
+        let mut framer = Framer::new(Protocol::Postgres);
+        assert!(!commit(&mut framer, &pg_startup(80_877_103)));
+        assert!(!commit(&mut framer, &pg_startup(196_608)));
+        assert!(!commit(
+            &mut framer,
+            &pg(b'Q', b"UPDATE account SET balance = 1\0")
+        ));
+        let message = pg(b'Q', b"COMMIT\0");
+        assert!(!commit(&mut framer, &message[..4]));
+        assert!(commit(&mut framer, &message[4..]));
+        assert!(commit(&mut framer, &pg(b'P', b"s1\0commit;\0\0\0")));
+        assert!(!commit(&mut framer, &pg(b'P', b"s2\0COMMIT_LOG\0\0\0")));
+    }
+
+    #[test]
+    fn finds_a_mysql_commit_query_only() {
+        let commit = |framer: &mut Framer, bytes: &[u8]| framer.push(bytes).commit;
+        let mut framer = Framer::new(Protocol::MySql);
+        assert!(!commit(
+            &mut framer,
+            &mysql(1, b"\x03COMMIT handshake-like")
+        ));
+        assert!(!commit(&mut framer, &mysql(0, b"\x03START TRANSACTION")));
+        assert!(!commit(&mut framer, &mysql(0, b"\x16COMMIT")));
+        assert!(commit(&mut framer, &mysql(0, b"\x03COMMIT")));
+    }
+
+    #[test]
+    fn executions_are_prepared_statements_only() {
+        let execute = |framer: &mut Framer, bytes: &[u8]| framer.push(bytes).execute;
+        let mut framer = Framer::new(Protocol::Postgres);
+        assert!(!execute(&mut framer, &pg_startup(196_608)));
+        assert!(!execute(&mut framer, &pg(b'P', b"s1\0UPDATE inbox\0\0\0")));
+        assert!(!execute(&mut framer, &pg(b'S', b"")));
+        assert!(!execute(&mut framer, &pg(b'Q', b"BEGIN\0")));
+        assert!(execute(&mut framer, &pg(b'E', b"\0\0\0\0\0")));
+        let mut framer = Framer::new(Protocol::MySql);
+        assert!(!execute(&mut framer, &mysql(1, b"\x17handshake-like")));
+        assert!(!execute(&mut framer, &mysql(0, b"\x0e")));
+        assert!(!execute(&mut framer, &mysql(0, b"\x16UPDATE inbox")));
+        assert!(!execute(&mut framer, &mysql(0, b"\x03SET sql_mode = ''")));
+        assert!(execute(&mut framer, &mysql(0, b"\x17\x01\0\0\0")));
+    }
+
+    #[tokio::test]
+    #[should_panic(expected = "did not exercise a lost reply")]
+    async fn an_armed_proxy_that_dropped_nothing_fails_the_test() {
+        let proxy = LostReplyProxy {
+            backend: Backend::Postgres,
+            url: String::new(),
+            faults: Arc::default(),
+            acceptor: tokio::spawn(async {}),
+        };
+        proxy.arm();
+        drop(proxy);
+    }
+
+    #[test]
+    fn points_the_url_at_the_proxy_without_tls() {
+        let (upstream, through) = route(
+            "postgres://postgres@127.0.0.1:5432/inbox_t_1",
+            Protocol::Postgres,
+            4000,
+        );
+        assert_eq!(upstream, "127.0.0.1:5432");
+        assert_eq!(
+            through,
+            "postgres://postgres@127.0.0.1:4000/inbox_t_1?sslmode=disable"
+        );
+        let (upstream, through) = route(
+            "mysql://root@localhost/db?charset=utf8mb4",
+            Protocol::MySql,
+            4001,
+        );
+        assert_eq!(upstream, "localhost:3306");
+        assert_eq!(
+            through,
+            "mysql://root@127.0.0.1:4001/db?charset=utf8mb4&ssl-mode=disabled"
+        );
+    }
+}
