@@ -33,6 +33,7 @@ mod lease;
 mod message_id;
 mod metrics;
 mod outcome;
+mod pooler;
 pub mod prelude;
 mod retention;
 mod retry;
@@ -42,7 +43,6 @@ pub use batch::{BatchClaim, MAX_CLAIM_BATCH};
 pub use claim::{Claim, InboxTransactionExt};
 pub use error::InboxError;
 pub use inbox::{HandlerFuture, Inbox};
-pub use sea_orm_inbox_entity::{CONSUMER_MAX_CHARS, INDEX_NAME, RECEIVED_AT_INDEX_NAME, TABLE_NAME};
 pub use lease::{
     DeadClaim, ExpiredLease, Lease, LeaseClaim, LeaseOptions, claim_lease, complete_lease,
     list_dead_claims, list_expired_leases, release_lease,
@@ -50,7 +50,11 @@ pub use lease::{
 pub use message_id::{MESSAGE_ID_NAMESPACE, MessageId};
 pub use metrics::{InboxMetrics, MetricsSnapshot};
 pub use outcome::{Outcome, ProcessError, Settlement};
+pub use pooler::for_transaction_pooler;
 pub use retention::{
     BrokerRedelivery, PurgeReport, Purger, PurgerSummary, RetentionPolicy, purge, spawn_purger,
 };
 pub use retry::RetryPolicy;
+pub use sea_orm_inbox_entity::{
+    CONSUMER_MAX_CHARS, INDEX_NAME, RECEIVED_AT_INDEX_NAME, TABLE_NAME,
+};

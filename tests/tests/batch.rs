@@ -2,10 +2,10 @@
 //! replicas with their own pools claiming overlapping batches get disjoint winners whose
 //! union is every id exactly once.
 
+use inbox_tests::{Backend, migrated_db, on_every_backend, on_pgbouncer, scalar_i64};
+use sea_orm::{DatabaseConnection, TransactionTrait};
 use sea_orm_inbox::prelude::*;
 use sea_orm_inbox::{DbErrorKind, MAX_CLAIM_BATCH, classify};
-use inbox_tests::{Backend, migrated_db, on_every_backend, scalar_i64};
-use sea_orm::{DatabaseConnection, TransactionTrait};
 use std::collections::BTreeSet;
 use std::sync::Arc;
 use tokio::sync::Barrier;
@@ -190,6 +190,12 @@ async fn bad_batches_are_refused_before_any_sql(backend: Backend) {
 }
 
 on_every_backend!(
+    overlapping_batches_from_two_replicas_have_disjoint_winners,
+    batch_reports_new_and_old_ids_and_rolls_back_with_the_transaction,
+    bad_batches_are_refused_before_any_sql,
+);
+
+on_pgbouncer!(
     overlapping_batches_from_two_replicas_have_disjoint_winners,
     batch_reports_new_and_old_ids_and_rolls_back_with_the_transaction,
     bad_batches_are_refused_before_any_sql,

@@ -1,12 +1,12 @@
 //! Acceptance 3-7 and 9: overlap, all-or-nothing, discrimination, fan-out to several
 //! consumers, the bypass trap, bad input, and what a transaction may do after `Duplicate`.
 
-use sea_orm_inbox::prelude::*;
-use sea_orm_inbox::{DbErrorKind, classify};
 use inbox_tests::{
-    Backend, create_accounts, credit, migrated_db, on_every_backend, run, scalar_i64,
+    Backend, create_accounts, credit, migrated_db, on_every_backend, on_pgbouncer, run, scalar_i64,
 };
 use sea_orm::TransactionTrait;
+use sea_orm_inbox::prelude::*;
+use sea_orm_inbox::{DbErrorKind, classify};
 use std::time::Duration;
 use uuid::Uuid;
 
@@ -94,6 +94,7 @@ fn migrated_db_available(backend: Backend) -> bool {
         Backend::Sqlite => return true,
         Backend::Postgres => "INBOX_TEST_POSTGRES_URL",
         Backend::MySql => "INBOX_TEST_MYSQL_URL",
+        Backend::PgBouncer => "INBOX_TEST_PGBOUNCER_URL",
     };
     let set = std::env::var(var).is_ok();
     if !set {
@@ -405,7 +406,8 @@ async fn missing_table_says_to_run_the_migration(backend: Backend) {
         .expect_err("no table");
     assert!(matches!(err, InboxError::MissingTable { .. }), "{err:?}");
     assert!(
-        err.to_string().contains("sea_orm_inbox_migration::CreateInbox"),
+        err.to_string()
+            .contains("sea_orm_inbox_migration::CreateInbox"),
         "{err}"
     );
     drop(txn);
@@ -433,7 +435,7 @@ async fn after_duplicate_the_transaction_must_roll_back(backend: Backend) {
         Claim::Duplicate
     );
     let next = credit(&txn, 10).await;
-    if backend == Backend::Postgres {
+    if backend.is_postgres() {
         let err = next.expect_err("Postgres aborted the transaction");
         assert!(
             err.to_string().contains("current transaction is aborted"),
@@ -458,6 +460,18 @@ on_every_backend!(
     each_consumer_claims_the_same_message,
     consumer_names_differing_in_case_are_distinct,
     write_through_the_pool_bypasses_the_claim,
+    bad_input_is_refused_before_any_sql,
+    missing_table_says_to_run_the_migration,
+    after_duplicate_the_transaction_must_roll_back,
+);
+
+on_pgbouncer!(
+    blocked_claim_sees_duplicate_after_commit,
+    blocked_claim_wins_after_rollback,
+    failed_business_write_leaves_no_marker,
+    other_unique_violations_are_errors_not_duplicates,
+    each_consumer_claims_the_same_message,
+    consumer_names_differing_in_case_are_distinct,
     bad_input_is_refused_before_any_sql,
     missing_table_says_to_run_the_migration,
     after_duplicate_the_transaction_must_roll_back,
