@@ -17,15 +17,17 @@
 # synchronous standby. The standby's own synchronous_standby_names is '' so that, promoted,
 # it commits alone instead of waiting for a standby it does not have.
 #
-# HAProxy (port $PGF_PROXY_PORT) routes to whichever node answers pg_is_in_recovery() =
-# false, asked every 200 ms by an external check (tests/cluster/pg-is-primary.sh): after a
-# promotion new connections reach the new primary, and none ever reaches a standby.
+# HAProxy (port $PGF_PROXY_PORT) routes to the node that answers pg_is_in_recovery() =
+# false, asked every 200 ms by an external check (tests/cluster/pg-is-primary.sh; three
+# failures mark a node down): after a promotion new connections reach the new primary, and
+# none reaches a standby.
 set -euo pipefail
 
 PGF_DIR=${PGF_DIR:-/tmp/inbox-pgfailover}
 PGF_NODE1_PORT=${PGF_NODE1_PORT:-5433}
 PGF_NODE2_PORT=${PGF_NODE2_PORT:-5434}
 PGF_PROXY_PORT=${PGF_PROXY_PORT:-5435}
+PGF_STATS_PORT=${PGF_STATS_PORT:-5436}
 PG_BIN=${PG_BIN:-/usr/lib/postgresql/15/bin}
 HERE=$(cd "$(dirname "$0")" && pwd)
 
@@ -59,6 +61,14 @@ start_node() {
     as_postgres "$PG_BIN/pg_ctl" -D "$PGF_DIR/$1" -l "$PGF_DIR/$1.log" -w -t 60 start >/dev/null
 }
 
+# "node1 <state> node2 <state>" as HAProxy's checks see them (2: up, 0: down).
+proxy_states() {
+    local reply
+    reply=$(exec 3<>"/dev/tcp/127.0.0.1/$PGF_STATS_PORT" &&
+        echo "show servers state postgres_primary" >&3 && cat <&3) || return 0
+    awk '$4 ~ /^node/ { printf "%s%s %s", sep, $4, $6; sep = " " }' <<<"$reply"
+}
+
 write_proxy_config() {
     cat >"$PGF_DIR/haproxy.cfg" <<CFG
 global
@@ -66,7 +76,7 @@ global
     insecure-fork-wanted
     external-check
     pidfile $PGF_DIR/haproxy.pid
-    log stderr format short local0 warning
+    stats socket ipv4@127.0.0.1:$PGF_STATS_PORT level operator
 
 defaults
     mode tcp
@@ -79,10 +89,17 @@ defaults
 
 listen postgres_primary
     bind 127.0.0.1:$PGF_PROXY_PORT
+    # HAProxy counts a server as up until its first check: 'balance first' sends everything to
+    # the first server that is up, so a standby never gets a connection before its check
+    # failed, and the new primary gets them once its check passes.
+    balance first
     option external-check
     external-check path "/usr/bin:/bin"
     external-check command $HERE/pg-is-primary.sh
-    default-server inter 200ms fall 1 rise 1 on-marked-down shutdown-sessions
+    # A check slowed down by a busy machine only holds new connections back; it never cuts
+    # the sessions of a primary that is still alive (a dead one drops them itself).
+    timeout check 5s
+    default-server inter 200ms fall 3 rise 1
     server node1 127.0.0.1:$PGF_NODE1_PORT check
     server node2 127.0.0.1:$PGF_NODE2_PORT check
 CFG
@@ -140,14 +157,17 @@ CONF
 
     write_proxy_config
     haproxy -D -f "$PGF_DIR/haproxy.cfg" 2>>"$PGF_DIR/haproxy.log"
-    # Up when a write through the proxy commits (in sync mode: once the standby applied it).
+    # Up when HAProxy's checks found node1 up and node2 down, and a write through it
+    # commits (in sync mode: once the standby applied it).
     for _ in $(seq 100); do
-        if psql -h 127.0.0.1 -p "$PGF_PROXY_PORT" -U postgres -d test -qAtc 'CREATE TABLE IF NOT EXISTS cluster_ready (); SELECT 1' >/dev/null 2>&1; then
+        if [[ $(proxy_states) == "node1 2 node2 0" ]] &&
+            psql -h 127.0.0.1 -p "$PGF_PROXY_PORT" -U postgres -d test -qAtc 'CREATE TABLE IF NOT EXISTS cluster_ready ()' >/dev/null 2>&1; then
             urls
             return
         fi
         sleep 0.1
     done
+    proxy_states >&2
     echo "the failover cluster did not come up; logs in $PGF_DIR" >&2
     tail -5 "$PGF_DIR"/*.log >&2 || true
     exit 1

@@ -62,7 +62,6 @@ pub struct TestDb {
 /// Creates a fresh, empty database for one test, or `None` (with a note on stderr) when the
 /// backend's server URL is not set.
 pub async fn fresh_db(backend: Backend) -> Option<TestDb> {
-    let name = format!("inbox_t_{}", uuid::Uuid::new_v4().simple());
     match backend.server_url_var() {
         None => {
             let dir = tempfile::tempdir().expect("create a temporary directory");
@@ -82,40 +81,32 @@ pub async fn fresh_db(backend: Backend) -> Option<TestDb> {
                 eprintln!("skipped on {backend:?}: set {var} to run this suite");
                 return None;
             };
-            let admin = Database::connect(&admin_url)
-                .await
-                .unwrap_or_else(|e| panic!("{var}={admin_url} is set but unreachable: {e}"));
-            run(&admin, &format!("CREATE DATABASE {name}")).await;
-            admin.close().await.ok();
-            let url = replace_database(&admin_url, &name);
-            Some(TestDb {
-                backend,
-                url,
-                server: Some((admin_url, name)),
-                _dir: None,
-            })
+            Some(fresh_db_at(backend, &admin_url).await)
         }
+    }
+}
+
+/// Creates a fresh, empty database on the server `admin_url` points at (a server of the
+/// test's own, e.g. a cluster it started), failing when the server cannot be reached.
+pub async fn fresh_db_at(backend: Backend, admin_url: &str) -> TestDb {
+    let name = format!("inbox_t_{}", uuid::Uuid::new_v4().simple());
+    let admin = Database::connect(admin_url)
+        .await
+        .unwrap_or_else(|e| panic!("{admin_url} is set but unreachable: {e}"));
+    run(&admin, &format!("CREATE DATABASE {name}")).await;
+    admin.close().await.ok();
+    TestDb {
+        backend,
+        url: replace_database(admin_url, &name),
+        server: Some((admin_url.to_owned(), name)),
+        _dir: None,
     }
 }
 
 /// A fresh database with the inbox migration applied.
 pub async fn migrated_db(backend: Backend) -> Option<TestDb> {
     let db = fresh_db(backend).await?;
-    let conn = db.connect().await;
-    if backend == Backend::PgBouncer {
-        // The migrator's own bookkeeping reads run outside a transaction, which a
-        // transaction pooler does not support for prepared statements: give it one.
-        let txn = conn.begin().await.expect("begin the migration");
-        Migrator::up(&txn, None)
-            .await
-            .expect("run the inbox migration");
-        txn.commit().await.expect("commit the migration");
-    } else {
-        Migrator::up(&conn, None)
-            .await
-            .expect("run the inbox migration");
-    }
-    conn.close().await.ok();
+    db.migrate().await;
     Some(db)
 }
 
@@ -165,6 +156,25 @@ impl TestDb {
             run(&conn, "PRAGMA busy_timeout = 60000").await;
         }
         conn
+    }
+
+    /// Applies the inbox migration.
+    pub async fn migrate(&self) {
+        let conn = self.connect().await;
+        if self.backend == Backend::PgBouncer {
+            // The migrator's own bookkeeping reads run outside a transaction, which a
+            // transaction pooler does not support for prepared statements: give it one.
+            let txn = conn.begin().await.expect("begin the migration");
+            Migrator::up(&txn, None)
+                .await
+                .expect("run the inbox migration");
+            txn.commit().await.expect("commit the migration");
+        } else {
+            Migrator::up(&conn, None)
+                .await
+                .expect("run the inbox migration");
+        }
+        conn.close().await.ok();
     }
 
     /// Drops the test's database (SQLite: its directory goes with `self`).

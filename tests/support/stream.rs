@@ -8,8 +8,8 @@
 //! the plan.
 
 use crate::{TestDb, run, scalar_i64, stmt};
-use sea_orm_inbox::{Inbox, Outcome, ProcessError, RetryPolicy, Settlement};
 use sea_orm::{ConnectionTrait, DatabaseConnection, DbErr};
+use sea_orm_inbox::{Inbox, Outcome, ProcessError, RetryPolicy, Settlement};
 use std::collections::{HashSet, VecDeque};
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -176,6 +176,19 @@ impl Broker {
                 state.nacks += 1;
                 state.queue.push_back(id);
             }
+        }
+    }
+
+    /// Waits until `acks` deliveries are acked, failing the test after `timeout`.
+    pub async fn wait_for_acks(&self, acks: u64, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        while self.stats().acks < acks {
+            assert!(
+                Instant::now() < deadline,
+                "the run never got going: {:?}",
+                self.stats()
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
         }
     }
 
