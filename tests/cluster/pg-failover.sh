@@ -18,7 +18,7 @@
 # it commits alone instead of waiting for a standby it does not have.
 #
 # HAProxy (port $PGF_PROXY_PORT) routes to the node that answers pg_is_in_recovery() =
-# false, asked every 200 ms by an external check (tests/cluster/pg-is-primary.sh; three
+# false, asked every second by an external check (tests/cluster/pg-is-primary.sh; two
 # failures mark a node down): after a promotion new connections reach the new primary, and
 # none reaches a standby.
 set -euo pipefail
@@ -96,10 +96,11 @@ listen postgres_primary
     option external-check
     external-check path "/usr/bin:/bin"
     external-check command $HERE/pg-is-primary.sh
-    # A check slowed down by a busy machine only holds new connections back; it never cuts
-    # the sessions of a primary that is still alive (a dead one drops them itself).
-    timeout check 5s
-    default-server inter 200ms fall 3 rise 1
+    # At 200 ms on a busy machine HAProxy killed checks still running ("kill <pid>" in its
+    # log) and the new primary flapped between up and down; every second it holds. A
+    # check that fails anyway only holds new connections back; it never cuts the sessions
+    # of a primary that is still alive (a dead one drops them itself).
+    default-server inter 1s fall 2 rise 1
     server node1 127.0.0.1:$PGF_NODE1_PORT check
     server node2 127.0.0.1:$PGF_NODE2_PORT check
 CFG
