@@ -8,6 +8,7 @@
 #   tests/cluster/pg-failover.sh kill-primary        # pg_ctl stop -m immediate on the primary
 #   tests/cluster/pg-failover.sh promote             # the standby becomes the primary
 #   tests/cluster/pg-failover.sh stop-standby        # stops the standby (fast shutdown)
+#   tests/cluster/pg-failover.sh pause-replication   # the standby stops receiving WAL (lags)
 #   tests/cluster/pg-failover.sh urls                # stable, node1, node2 URLs
 #   tests/cluster/pg-failover.sh stop                # stops everything, deletes the data
 #
@@ -211,15 +212,28 @@ stop_standby() {
     echo "stopped $node"
 }
 
+# The standby stops streaming (an empty primary_conninfo, reloaded): it stays a standby that
+# falls behind, as one does over a slow link. Under asynchronous replication the primary
+# keeps committing; a failover then loses what the standby never received.
+pause_replication() {
+    local node
+    node=$(standby)
+    [[ -n $node ]] || { echo "no running standby" >&2; exit 1; }
+    psql -h 127.0.0.1 -p "$(port_of "$node")" -U postgres -d postgres -qAtc \
+        "ALTER SYSTEM SET primary_conninfo = ''" -c 'SELECT pg_reload_conf()' >/dev/null
+    echo "paused replication to $node"
+}
+
 case ${1:-} in
 start) start "${2:-sync}" ;;
 stop) stop ;;
 kill-primary) kill_primary ;;
 promote) promote ;;
 stop-standby) stop_standby ;;
+pause-replication) pause_replication ;;
 urls) urls ;;
 *)
-    echo "usage: $0 start [sync|async]|stop|kill-primary|promote|stop-standby|urls" >&2
+    echo "usage: $0 start [sync|async]|stop|kill-primary|promote|stop-standby|pause-replication|urls" >&2
     exit 2
     ;;
 esac

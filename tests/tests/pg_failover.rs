@@ -7,10 +7,10 @@
 //! - Synchronous standby (`synchronous_commit = remote_apply`): what a replica saw
 //!   committed is on the standby, so after the failover every message is applied exactly
 //!   once and acked.
-//! - Asynchronous standby: the last commits before the kill may be lost. A marker and its
-//!   effect commit together, so they are lost together: never applied twice, but a message
-//!   acked before the loss is not redelivered and its effect is gone. The run reports how
-//!   many.
+//! - Asynchronous standby, made to lag (it stops receiving WAL 200 acks before the kill):
+//!   the commits it never received are lost. A marker and its effect commit together, so
+//!   they are lost together: never applied twice, but a message acked before the loss is
+//!   not redelivered and its effect is gone. The run reports how many.
 //! - Standby down: a COMMIT waits; cancelling the wait commits locally anyway (a warning,
 //!   no error), so the client sees `Processed` for a commit the standby never got, and a
 //!   redelivery is a `Duplicate`.
@@ -36,6 +36,8 @@ use tokio::sync::Mutex;
 const REPLICAS: usize = 4;
 const MESSAGES: usize = 2_000;
 const CLUSTER_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/cluster/pg-failover.sh");
+/// Acks the asynchronous primary gives while its standby receives nothing.
+const LAG: u64 = 200;
 const STABLE_URL: &str = "postgres://postgres@127.0.0.1:5435/test";
 
 /// One cluster on fixed ports: the tests of this file take turns.
@@ -89,8 +91,12 @@ struct Failover {
 }
 
 /// Runs the stream through the stable address and fails the primary over once a quarter
-/// of the messages are acked.
-async fn consume_through_a_failover(mode: &str) -> (Plan, Report, Failover, DatabaseConnection) {
+/// of the messages are acked. With `lag` acks, the standby first stops receiving WAL and
+/// the primary goes on for that many acks before it is killed.
+async fn consume_through_a_failover(
+    mode: &str,
+    lag: u64,
+) -> (Plan, Report, Failover, DatabaseConnection) {
     fresh_cluster(mode).await;
     let db = fresh_db_at(Backend::Postgres, STABLE_URL).await;
     db.migrate().await;
@@ -102,9 +108,16 @@ async fn consume_through_a_failover(mode: &str) -> (Plan, Report, Failover, Data
     let failover = {
         let broker = broker.clone();
         tokio::spawn(async move {
+            let quarter = MESSAGES as u64 / 4;
             broker
-                .wait_for_acks(MESSAGES as u64 / 4, Duration::from_secs(300))
+                .wait_for_acks(quarter, Duration::from_secs(300))
                 .await;
+            if lag > 0 {
+                cluster(&["pause-replication"]).await;
+                broker
+                    .wait_for_acks(quarter + lag, Duration::from_secs(300))
+                    .await;
+            }
             let acks_before = broker.stats().acks;
             let started = Instant::now();
             cluster(&["kill-primary"]).await;
@@ -137,7 +150,7 @@ async fn synchronous_failover_applies_every_message_once() {
         return;
     }
     let _turn = CLUSTER.lock().await;
-    let (plan, report, _, conn) = consume_through_a_failover("sync").await;
+    let (plan, report, _, conn) = consume_through_a_failover("sync", 0).await;
     assert!(
         report.broker.nacks + report.transient_retries > plan.failing.len() as u64,
         "the failover disrupted some deliveries: {report}"
@@ -153,15 +166,20 @@ async fn asynchronous_failover_never_applies_twice_and_reports_what_it_lost() {
         return;
     }
     let _turn = CLUSTER.lock().await;
-    let (plan, report, _, conn) = consume_through_a_failover("async").await;
+    let (plan, report, _, conn) = consume_through_a_failover("async", LAG).await;
     let messages = plan.ids.len() as i64;
     let effects = scalar_i64(&conn, "SELECT COUNT(*) FROM effect").await;
     let distinct = scalar_i64(&conn, "SELECT COUNT(DISTINCT message_id) FROM effect").await;
     let markers = scalar_i64(&conn, "SELECT COUNT(*) FROM inbox").await;
     let lost = messages - distinct;
     println!(
-        "async failover: {messages} messages, {effects} effects, {markers} markers on the new \
-         primary: {lost} acked messages lost with their markers, 0 applied twice"
+        "async failover, the standby {LAG} acks behind: {messages} messages, {effects} \
+         effects, {markers} markers on the new primary: {lost} acked messages lost with their \
+         markers, 0 applied twice"
+    );
+    assert!(
+        lost > 0,
+        "the commits the standby never received are gone, though acked: {report}"
     );
     assert_eq!(effects, distinct, "never applied twice: {report}");
     assert_eq!(
