@@ -41,6 +41,21 @@ const GATES: &[Gate] = &[
         cfg: "inbox_restart_postgres",
         needs_one: true,
     },
+    Gate {
+        var: "INBOX_TEST_PGBOUNCER_URL",
+        cfg: "inbox_pgbouncer",
+        needs_one: false,
+    },
+    Gate {
+        var: "INBOX_TEST_PG_FAILOVER",
+        cfg: "inbox_pg_failover",
+        needs_one: true,
+    },
+    Gate {
+        var: "INBOX_TEST_GALERA_URLS",
+        cfg: "inbox_galera",
+        needs_one: false,
+    },
 ];
 
 fn main() {

@@ -7,6 +7,7 @@ use crate::backend::{
 };
 use crate::claim::now_micros;
 use crate::consumer::validate_claim;
+use crate::pooler::in_own_transaction;
 use crate::{InboxError, MessageId};
 use chrono::{DateTime, TimeDelta, Utc};
 use sea_orm::sea_query::ExprTrait;
@@ -578,18 +579,17 @@ async fn compare_and_set(
 ) -> Result<(), InboxError> {
     let backend = db.get_database_backend();
     let updated = retry_transient(lease.message_id, &lease.consumer, || async {
-        let result = db
-            .execute_raw(Statement::from_sql_and_values(
-                backend,
-                &sql,
-                [
-                    timestamp_value(backend, now_micros()),
-                    Value::from(lease.message_id.as_uuid()),
-                    Value::from(lease.consumer.as_str()),
-                    Value::from(lease.token),
-                ],
-            ))
-            .await?;
+        let update = Statement::from_sql_and_values(
+            backend,
+            &sql,
+            [
+                timestamp_value(backend, now_micros()),
+                Value::from(lease.message_id.as_uuid()),
+                Value::from(lease.consumer.as_str()),
+                Value::from(lease.token),
+            ],
+        );
+        let result = in_own_transaction(db, async |txn| txn.execute_raw(update).await).await?;
         Ok(result.rows_affected())
     })
     .await?;
@@ -724,11 +724,11 @@ async fn list_rows(
     if let Some(consumer) = consumer {
         query = query.filter(inbox::Column::Consumer.eq(consumer));
     }
-    query
+    let query = query
         .order_by_asc(order)
         .order_by_asc(inbox::Column::Id)
-        .limit(limit)
-        .all(db)
+        .limit(limit);
+    in_own_transaction(db, async |txn| query.all(txn).await)
         .await
         .map_err(|source| InboxError::Query { operation, source })
 }

@@ -36,6 +36,7 @@ mod lease;
 mod message_id;
 mod metrics;
 mod outcome;
+mod pooler;
 pub mod prelude;
 mod retention;
 mod retry;
@@ -52,6 +53,7 @@ pub use lease::{
 pub use message_id::{MESSAGE_ID_NAMESPACE, MessageId};
 pub use metrics::{InboxMetrics, MetricsSnapshot};
 pub use outcome::{Outcome, ProcessError, Settlement};
+pub use pooler::for_transaction_pooler;
 pub use retention::{
     BrokerRedelivery, PurgePacing, PurgeReport, Purger, PurgerSummary, RetentionPolicy, purge,
     spawn_purger,

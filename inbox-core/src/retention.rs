@@ -6,6 +6,7 @@ use crate::backend::{
     purge_batch_sql, timestamp_value,
 };
 use crate::claim::now_micros;
+use crate::pooler::in_own_transaction;
 use chrono::{DateTime, TimeDelta, Utc};
 use sea_orm::{ConnectionTrait, DatabaseConnection, Statement, Value};
 use std::time::{Duration, Instant};
@@ -595,15 +596,15 @@ async fn purge_until(
     loop {
         let batch = pacer.batch();
         let started = Instant::now();
-        let deleted = db
-            .execute_raw(Statement::from_sql_and_values(
-                backend,
-                &delete,
-                [
-                    timestamp_value(backend, cutoff),
-                    Value::from(i64::try_from(batch).unwrap_or(i64::MAX)),
-                ],
-            ))
+        let statement = Statement::from_sql_and_values(
+            backend,
+            &delete,
+            [
+                timestamp_value(backend, cutoff),
+                Value::from(i64::try_from(batch).unwrap_or(i64::MAX)),
+            ],
+        );
+        let deleted = in_own_transaction(db, async |txn| txn.execute_raw(statement).await)
             .await
             .map_err(failed("deleting a purge batch"))?
             .rows_affected();
@@ -667,8 +668,8 @@ async fn read_timestamp(
         operation: "reading received_at for the retention cutoff",
         source,
     };
-    let row = db
-        .query_one_raw(Statement::from_sql_and_values(backend, sql, values))
+    let read = Statement::from_sql_and_values(backend, sql, values);
+    let row = in_own_transaction(db, async |txn| txn.query_one_raw(read).await)
         .await
         .map_err(failed)?;
     match row {

@@ -3,8 +3,10 @@
 //! SQLite always runs, on a file in a fresh temporary directory. The server suites run when
 //! their URL is set (the URL of an existing database the test user may create databases
 //! from): `INBOX_TEST_POSTGRES_URL`, e.g. `postgres://postgres@127.0.0.1:5432/test`, and
-//! `INBOX_TEST_MYSQL_URL`, e.g. `mysql://root@127.0.0.1:3306/test`. A set URL that cannot
-//! be reached fails the test; it never skips. Each test creates its own database with a
+//! `INBOX_TEST_MYSQL_URL`, e.g. `mysql://root@127.0.0.1:3306/test`, and
+//! `INBOX_TEST_PGBOUNCER_URL`, PostgreSQL through PgBouncer in transaction pooling mode
+//! (`tests/cluster/pgbouncer.sh start` prints it). A set URL that cannot be reached fails
+//! the test; it never skips. Each test creates its own database with a
 //! unique name, so tests run in parallel and on servers that earlier runs left dirty.
 //!
 //! # Tests that cannot run are ignored, never passed
@@ -26,9 +28,9 @@
 
 use sea_orm::{
     ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DbBackend, Statement,
-    TransactionTrait,
+    TransactionSession, TransactionTrait,
 };
-use sea_orm_inbox::{CLAIM_TRANSACTION, InboxTransactionExt};
+use sea_orm_inbox::{CLAIM_TRANSACTION, InboxTransactionExt, for_transaction_pooler};
 use sea_orm_inbox_migration::Migrator;
 use sea_orm_migration::MigratorTrait;
 use std::time::Duration;
@@ -47,6 +49,9 @@ pub enum Backend {
     Sqlite,
     Postgres,
     MySql,
+    /// PostgreSQL behind PgBouncer in transaction pooling mode: every pool is configured
+    /// with [`for_transaction_pooler`], and migrations run in one transaction.
+    PgBouncer,
 }
 
 impl Backend {
@@ -55,7 +60,13 @@ impl Backend {
             Backend::Sqlite => None,
             Backend::Postgres => Some("INBOX_TEST_POSTGRES_URL"),
             Backend::MySql => Some("INBOX_TEST_MYSQL_URL"),
+            Backend::PgBouncer => Some("INBOX_TEST_PGBOUNCER_URL"),
         }
+    }
+
+    /// PostgreSQL, directly or through a pooler: the same server behaviour.
+    pub fn is_postgres(self) -> bool {
+        matches!(self, Backend::Postgres | Backend::PgBouncer)
     }
 }
 
@@ -72,7 +83,6 @@ pub struct TestDb {
 /// Panics when the backend's server URL is not set: the test should have been compiled
 /// `#[ignore]`d (see [`on_every_backend!`]); this is reached only with `--ignored`.
 pub async fn fresh_db(backend: Backend) -> TestDb {
-    let name = format!("inbox_t_{}", uuid::Uuid::new_v4().simple());
     match backend.server_url_var() {
         None => {
             let dir = tempfile::tempdir().expect("create a temporary directory");
@@ -90,30 +100,32 @@ pub async fn fresh_db(backend: Backend) -> TestDb {
         Some(var) => {
             let admin_url = std::env::var(var)
                 .unwrap_or_else(|_| panic!("set {var} to run the {backend:?} suite"));
-            let admin = Database::connect(&admin_url)
-                .await
-                .unwrap_or_else(|e| panic!("{var}={admin_url} is set but unreachable: {e}"));
-            run(&admin, &format!("CREATE DATABASE {name}")).await;
-            admin.close().await.ok();
-            let url = replace_database(&admin_url, &name);
-            TestDb {
-                backend,
-                url,
-                server: Some((admin_url, name)),
-                _dir: None,
-            }
+            fresh_db_at(backend, &admin_url).await
         }
+    }
+}
+
+/// Creates a fresh, empty database on the server `admin_url` points at (a server of the
+/// test's own, e.g. a cluster it started), failing when the server cannot be reached.
+pub async fn fresh_db_at(backend: Backend, admin_url: &str) -> TestDb {
+    let name = format!("inbox_t_{}", uuid::Uuid::new_v4().simple());
+    let admin = Database::connect(admin_url)
+        .await
+        .unwrap_or_else(|e| panic!("{admin_url} is set but unreachable: {e}"));
+    run(&admin, &format!("CREATE DATABASE {name}")).await;
+    admin.close().await.ok();
+    TestDb {
+        backend,
+        url: replace_database(admin_url, &name),
+        server: Some((admin_url.to_owned(), name)),
+        _dir: None,
     }
 }
 
 /// A fresh database with the inbox migration applied.
 pub async fn migrated_db(backend: Backend) -> TestDb {
     let db = fresh_db(backend).await;
-    let conn = db.connect().await;
-    Migrator::up(&conn, None)
-        .await
-        .expect("run the inbox migration");
-    conn.close().await.ok();
+    db.migrate().await;
     db
 }
 
@@ -144,6 +156,25 @@ impl TestDb {
         connect_pool(&self.url, self.backend, max_connections).await
     }
 
+    /// Applies the inbox migration.
+    pub async fn migrate(&self) {
+        let conn = self.connect().await;
+        if self.backend == Backend::PgBouncer {
+            // The migrator's own bookkeeping reads run outside a transaction, which a
+            // transaction pooler does not support for prepared statements: give it one.
+            let txn = conn.begin().await.expect("begin the migration");
+            Migrator::up(&txn, None)
+                .await
+                .expect("run the inbox migration");
+            txn.commit().await.expect("commit the migration");
+        } else {
+            Migrator::up(&conn, None)
+                .await
+                .expect("run the inbox migration");
+        }
+        conn.close().await.ok();
+    }
+
     /// Drops the test's database (SQLite: its directory goes with `self`).
     pub async fn cleanup(self) {
         if let Some((admin_url, name)) = &self.server {
@@ -151,7 +182,9 @@ impl TestDb {
                 .await
                 .expect("reconnect to drop the test database");
             let drop = match self.backend {
-                Backend::Postgres => format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"),
+                Backend::Postgres | Backend::PgBouncer => {
+                    format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+                }
                 _ => format!("DROP DATABASE IF EXISTS {name}"),
             };
             run(&admin, &drop).await;
@@ -174,6 +207,9 @@ async fn connect_pool(url: &str, backend: Backend, max_connections: u32) -> Data
         .min_connections(0)
         .acquire_timeout(Duration::from_secs(30))
         .sqlx_logging(false);
+    if backend == Backend::PgBouncer {
+        for_transaction_pooler(&mut options);
+    }
     let conn = Database::connect(options)
         .await
         .unwrap_or_else(|e| panic!("connect to {url}: {e}"));
@@ -191,13 +227,21 @@ pub async fn run(conn: &impl ConnectionTrait, sql: &str) {
         .unwrap_or_else(|e| panic!("{sql}: {e}"));
 }
 
-/// Reads one integer (`COUNT(*)`, a balance) from the first column of the first row.
-pub async fn scalar_i64(conn: &impl ConnectionTrait, sql: &str) -> i64 {
-    let row = conn
+/// Reads one integer (`COUNT(*)`, a balance) from the first column of the first row, in a
+/// transaction of its own (a savepoint inside one), as a transaction pooler needs.
+pub async fn scalar_i64(conn: &(impl ConnectionTrait + TransactionTrait), sql: &str) -> i64 {
+    let txn = conn
+        .begin()
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: begin: {e}"));
+    let row = txn
         .query_one_raw(Statement::from_string(conn.get_database_backend(), sql))
         .await
         .unwrap_or_else(|e| panic!("{sql}: {e}"))
         .unwrap_or_else(|| panic!("{sql}: no row"));
+    txn.commit()
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: commit: {e}"));
     row.try_get_by_index::<i64>(0)
         .unwrap_or_else(|e| panic!("{sql}: {e}"))
 }
@@ -252,6 +296,10 @@ pub async fn impatient_replica(db: &TestDb) -> DatabaseConnection {
         Backend::Postgres => "SET lock_timeout = '150ms'",
         Backend::MySql => "SET SESSION innodb_lock_wait_timeout = 1",
         Backend::Sqlite => "PRAGMA busy_timeout = 150",
+        Backend::PgBouncer => panic!(
+            "a session SET reaches whichever server connection PgBouncer lends next, not \
+             this client's later transactions: set the timeout per transaction instead"
+        ),
     };
     run(&conn, setting).await;
     conn
@@ -346,6 +394,23 @@ macro_rules! on_server_backends {
             $(#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             #[cfg_attr(not(inbox_mysql), ignore = "set INBOX_TEST_MYSQL_URL")]
             async fn $name() { super::$name($crate::Backend::MySql).await }
+            )+
+        }
+    };
+}
+
+/// Defines `#[tokio::test]`s calling `$body(Backend::PgBouncer)` in a module `pgbouncer`:
+/// the scenarios of a suite that also run through PgBouncer in transaction pooling mode
+/// (when `INBOX_TEST_PGBOUNCER_URL` is set). A suite lists those of its
+/// [`on_every_backend!`] scenarios that do not rely on session state or on prepared
+/// statements outside a transaction, which a transaction pooler does not carry.
+#[macro_export]
+macro_rules! on_pgbouncer {
+    ($($name:ident),+ $(,)?) => {
+        mod pgbouncer {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            #[cfg_attr(not(inbox_pgbouncer), ignore = "set INBOX_TEST_PGBOUNCER_URL")]
+            async fn $name() { super::$name($crate::Backend::PgBouncer).await }
             )+
         }
     };

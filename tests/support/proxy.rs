@@ -81,7 +81,7 @@ pub struct LostReplyProxy {
 
 impl LostReplyProxy {
     /// Starts a proxy in front of `db`'s server, or returns `None` (with a note on stderr)
-    /// on SQLite, which has no network to lose a reply on.
+    /// on SQLite, which has no network to lose a reply on (panics there).
     pub async fn start(db: &TestDb) -> Self {
         let protocol = match db.backend {
             Backend::Sqlite => {
@@ -90,7 +90,7 @@ impl LostReplyProxy {
                      lost between the server and the client: use on_server_backends!"
                 )
             }
-            Backend::Postgres => Protocol::Postgres,
+            Backend::Postgres | Backend::PgBouncer => Protocol::Postgres,
             Backend::MySql => Protocol::MySql,
         };
         let listener = TcpListener::bind("127.0.0.1:0")

@@ -179,6 +179,19 @@ impl Broker {
         }
     }
 
+    /// Waits until `acks` deliveries are acked, failing the test after `timeout`.
+    pub async fn wait_for_acks(&self, acks: u64, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        while self.stats().acks < acks {
+            assert!(
+                Instant::now() < deadline,
+                "the run never got going: {:?}",
+                self.stats()
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
     pub fn stats(&self) -> BrokerStats {
         let state = self.lock();
         BrokerStats {

@@ -2,7 +2,7 @@
 //! replicas with their own pools claiming overlapping batches get disjoint winners whose
 //! union is every id exactly once.
 
-use inbox_tests::{Backend, migrated_db, on_every_backend, run, scalar_i64};
+use inbox_tests::{Backend, migrated_db, on_every_backend, on_pgbouncer, run, scalar_i64};
 use sea_orm::{DatabaseConnection, TransactionTrait};
 use sea_orm_inbox::prelude::*;
 use sea_orm_inbox::{DbErrorKind, MAX_CLAIM_BATCH, classify};
@@ -248,6 +248,12 @@ async fn two_rows_of_the_batch_colliding_on_another_key_fail_the_batch(backend: 
 on_every_backend!(
     another_consumers_row_on_another_key_fails_the_batch,
     two_rows_of_the_batch_colliding_on_another_key_fail_the_batch,
+    overlapping_batches_from_two_replicas_have_disjoint_winners,
+    batch_reports_new_and_old_ids_and_rolls_back_with_the_transaction,
+    bad_batches_are_refused_before_any_sql,
+);
+
+on_pgbouncer!(
     overlapping_batches_from_two_replicas_have_disjoint_winners,
     batch_reports_new_and_old_ids_and_rolls_back_with_the_transaction,
     bad_batches_are_refused_before_any_sql,

@@ -2,7 +2,7 @@
 //! consumers, the bypass trap, bad input, and what a transaction may do after `Duplicate`.
 
 use inbox_tests::{
-    Backend, create_accounts, credit, migrated_db, on_every_backend, run, scalar_i64,
+    Backend, create_accounts, credit, migrated_db, on_every_backend, on_pgbouncer, run, scalar_i64,
 };
 use sea_orm::TransactionTrait;
 use sea_orm_inbox::prelude::*;
@@ -407,7 +407,7 @@ async fn after_duplicate_the_transaction_must_roll_back(backend: Backend) {
             .is_duplicate()
     );
     let next = credit(&txn, 10).await;
-    if backend == Backend::Postgres {
+    if backend.is_postgres() {
         let err = next.expect_err("Postgres aborted the transaction");
         assert!(
             err.to_string().contains("current transaction is aborted"),
@@ -432,6 +432,18 @@ on_every_backend!(
     each_consumer_claims_the_same_message,
     consumer_names_differing_in_case_are_distinct,
     write_through_the_pool_bypasses_the_claim,
+    bad_input_is_refused_before_any_sql,
+    missing_table_says_to_run_the_migration,
+    after_duplicate_the_transaction_must_roll_back,
+);
+
+on_pgbouncer!(
+    blocked_claim_sees_duplicate_after_commit,
+    blocked_claim_wins_after_rollback,
+    failed_business_write_leaves_no_marker,
+    other_unique_violations_are_errors_not_duplicates,
+    each_consumer_claims_the_same_message,
+    consumer_names_differing_in_case_are_distinct,
     bad_input_is_refused_before_any_sql,
     missing_table_says_to_run_the_migration,
     after_duplicate_the_transaction_must_roll_back,

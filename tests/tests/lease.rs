@@ -2,8 +2,8 @@
 //! expiry and dead-parking, raced by replicas with their own pools.
 
 use chrono::{DateTime, Utc};
-use inbox_tests::{Backend, migrated_db, on_every_backend, scalar_i64};
-use sea_orm::{ColumnTrait, DatabaseConnection, EntityTrait, QueryFilter};
+use inbox_tests::{Backend, migrated_db, on_every_backend, on_pgbouncer, scalar_i64};
+use sea_orm::{ColumnTrait, DatabaseConnection, EntityTrait, QueryFilter, TransactionTrait};
 use sea_orm_inbox::{
     ClaimToken, InboxError, Lease, LeaseClaim, LeaseOptions, MessageId, claim_lease,
     claim_lease_with_token, complete_lease, list_dead_claims, list_expired_leases, release_lease,
@@ -24,10 +24,12 @@ async fn wait_past(t: DateTime<Utc>) {
 }
 
 async fn row(db: &DatabaseConnection, id: MessageId) -> inbox::Model {
+    // In a transaction: a transaction pooler runs prepared statements only inside one.
+    let txn = db.begin().await.expect("begin the read");
     inbox::Entity::find()
         .filter(inbox::Column::MessageId.eq(id.as_uuid()))
         .filter(inbox::Column::Consumer.eq(CONSUMER))
-        .one(db)
+        .one(&txn)
         .await
         .expect("read the inbox row")
         .expect("the inbox row exists")
@@ -411,6 +413,15 @@ on_every_backend!(
     crashed_claimant_is_taken_over_and_its_late_completion_rejected,
     expired_lease_nobody_took_over_still_completes,
     completion_is_idempotent_for_its_holder_only,
+    claims_are_parked_dead_after_max_attempts_and_listed,
+    one_phase_markers_count_as_processed_and_bad_input_is_refused,
+);
+
+on_pgbouncer!(
+    released_leases_are_listed_for_sweepers_and_taken_over_at_once,
+    two_replicas_race_a_two_phase_claim_and_call_once,
+    crashed_claimant_is_taken_over_and_its_late_completion_rejected,
+    expired_lease_nobody_took_over_still_completes,
     claims_are_parked_dead_after_max_attempts_and_listed,
     one_phase_markers_count_as_processed_and_bad_input_is_refused,
 );

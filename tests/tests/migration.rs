@@ -6,15 +6,19 @@ use inbox_tests::stmt;
 use inbox_tests::{Backend, fresh_db, on_every_backend, scalar_i64};
 use sea_orm::{
     ActiveModelTrait, ActiveValue::Set, ColumnTrait, ConnectionTrait, EntityTrait, QueryFilter,
+    TransactionTrait,
 };
 use sea_orm_inbox::timestamp_value;
 use sea_orm_inbox_entity::{INDEX_NAME, inbox};
 use sea_orm_inbox_migration::Migrator;
 use sea_orm_migration::MigratorTrait;
 
-async fn inbox_table_count(backend: Backend, conn: &impl ConnectionTrait) -> i64 {
+async fn inbox_table_count(
+    backend: Backend,
+    conn: &(impl ConnectionTrait + TransactionTrait),
+) -> i64 {
     let sql = match backend {
-        Backend::Postgres => {
+        Backend::Postgres | Backend::PgBouncer => {
             "SELECT COUNT(*) FROM information_schema.tables WHERE table_schema = current_schema() AND table_name = 'inbox'"
         }
         Backend::MySql => {
@@ -29,9 +33,12 @@ async fn inbox_table_count(backend: Backend, conn: &impl ConnectionTrait) -> i64
 
 /// Counts unique indexes on `inbox` named exactly `ix_inbox_message_id_consumer` over
 /// exactly the columns `(message_id, consumer)`, in that order.
-async fn inbox_index_count(backend: Backend, conn: &impl ConnectionTrait) -> i64 {
+async fn inbox_index_count(
+    backend: Backend,
+    conn: &(impl ConnectionTrait + TransactionTrait),
+) -> i64 {
     let sql = match backend {
-        Backend::Postgres => format!(
+        Backend::Postgres | Backend::PgBouncer => format!(
             "SELECT COUNT(*) FROM pg_indexes WHERE schemaname = current_schema() AND tablename = 'inbox' \
              AND indexname = '{INDEX_NAME}' AND indexdef LIKE 'CREATE UNIQUE INDEX%(message_id, consumer)'"
         ),

@@ -46,15 +46,9 @@ async fn replicas_recover_from_a_postgres_restart() {
     let restart = {
         let broker = broker.clone();
         tokio::spawn(async move {
-            let deadline = Instant::now() + Duration::from_secs(300);
-            while broker.stats().acks < MESSAGES as u64 / 4 {
-                assert!(
-                    Instant::now() < deadline,
-                    "the run never got going: {:?}",
-                    broker.stats()
-                );
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
+            broker
+                .wait_for_acks(MESSAGES as u64 / 4, Duration::from_secs(300))
+                .await;
             let before = broker.stats();
             let started = Instant::now();
             let status = tokio::task::spawn_blocking(move || {

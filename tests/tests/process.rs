@@ -4,7 +4,7 @@
 
 use inbox_tests::{
     Backend, create_accounts, credit, hold_claim_then_roll_back, impatient_replica, migrated_db,
-    on_every_backend, run, scalar_i64,
+    on_every_backend, on_pgbouncer, run, scalar_i64,
 };
 use sea_orm::{ConnAcquireErr, ConnectionTrait, DatabaseConnection, DbErr};
 use sea_orm_inbox::prelude::*;
@@ -315,3 +315,10 @@ fn invalid_consumer_names_are_refused_at_construction() {
         Err(InboxError::ConsumerTooLong { chars: 201 })
     ));
 }
+
+on_pgbouncer!(
+    replicas_process_each_message_once,
+    handler_error_rolls_back_and_is_not_retried,
+    missing_table_is_reported_not_retried,
+    transient_handler_db_errors_are_retried,
+);

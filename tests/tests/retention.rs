@@ -4,8 +4,8 @@
 //! (downtime rule).
 
 use chrono::{DateTime, DurationRound, TimeDelta, Utc};
-use inbox_tests::{Backend, migrated_db, on_every_backend, scalar_i64, stmt};
-use sea_orm::{ConnectionTrait, DatabaseConnection, Value};
+use inbox_tests::{Backend, migrated_db, on_every_backend, on_pgbouncer, scalar_i64, stmt};
+use sea_orm::{ConnectionTrait, DatabaseConnection, TransactionTrait, Value};
 use sea_orm_inbox::{
     BrokerRedelivery, InboxError, LeaseOptions, PurgePacing, RetentionPolicy, claim_lease, purge,
     spawn_purger, timestamp_value,
@@ -45,11 +45,13 @@ async fn insert(
         Marker::Unfinished => (None, Some(received_at + TimeDelta::seconds(1)), None),
         Marker::Dead => (None, Some(received_at), Some(received_at)),
     };
+    // One transaction: a transaction pooler runs prepared statements only inside one.
+    let txn = conn.begin().await.expect("begin the inserts");
     let mut ids = Vec::new();
     for _ in 0..count {
         let id = Uuid::new_v4();
         let token = lease.map(|_| Uuid::new_v4());
-        conn.execute_raw(stmt(
+        txn.execute_raw(stmt(
             conn.get_database_backend(),
             "INSERT INTO inbox (message_id, consumer, received_at, processed_at, lease_until, claim_token, dead_at) \
              VALUES (?, 'c', ?, ?, ?, ?, ?)",
@@ -66,6 +68,7 @@ async fn insert(
         .expect("insert a marker");
         ids.push(id);
     }
+    txn.commit().await.expect("commit the inserts");
     ids
 }
 
@@ -81,9 +84,10 @@ async fn count(conn: &DatabaseConnection) -> i64 {
 }
 
 async fn present(conn: &DatabaseConnection, ids: &[Uuid]) -> usize {
+    let txn = conn.begin().await.expect("begin the reads");
     let mut found = 0;
     for id in ids {
-        let row = conn
+        let row = txn
             .query_one_raw(stmt(
                 conn.get_database_backend(),
                 "SELECT COUNT(*) FROM inbox WHERE message_id = ?",
@@ -440,4 +444,11 @@ on_every_backend!(
     background_purger_runs_and_shuts_down_cleanly,
     paced_purge_rests_between_batches,
     dropped_purger_stops_after_its_current_batch,
+);
+
+on_pgbouncer!(
+    purge_removes_exactly_the_old_finished_rows_in_bounded_batches,
+    live_leases_survive_a_purge,
+    purge_after_downtime_keeps_what_the_broker_may_redeliver,
+    background_purger_runs_and_shuts_down_cleanly,
 );

@@ -15,7 +15,7 @@ use uuid::Uuid;
 
 async fn received_at_index_count(backend: Backend, conn: &DatabaseConnection) -> i64 {
     let sql = match backend {
-        Backend::Postgres => format!(
+        Backend::Postgres | Backend::PgBouncer => format!(
             "SELECT COUNT(*) FROM pg_indexes WHERE schemaname = current_schema() AND tablename = 'inbox' AND indexname = '{RECEIVED_AT_INDEX_NAME}'"
         ),
         Backend::MySql => format!(
