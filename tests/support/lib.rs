@@ -7,19 +7,21 @@
 //! be reached fails the test; it never skips. Each test creates its own database with a
 //! unique name, so tests run in parallel and on servers that earlier runs left dirty.
 
-use sea_orm_inbox::{CLAIM_TRANSACTION, Claim, InboxTransactionExt};
-use sea_orm_inbox_migration::Migrator;
 use sea_orm::{
     ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DbBackend, Statement,
     TransactionTrait,
 };
+use sea_orm_inbox::{CLAIM_TRANSACTION, Claim, InboxTransactionExt};
+use sea_orm_inbox_migration::Migrator;
 use sea_orm_migration::MigratorTrait;
 use std::time::Duration;
 
+mod galera;
 mod stream;
+pub use galera::{GALERA_URLS_VAR, GaleraDb, galera_script, migrated_galera_db};
 pub use stream::{
     Broker, BrokerStats, HandlerError, Plan, Report, STREAM_CONSUMER, XorShift,
-    assert_exactly_once, create_effects, run_replicas,
+    assert_exactly_once, create_effects, run_replicas, run_replicas_on,
 };
 
 /// The database servers a test can run on.

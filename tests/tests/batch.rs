@@ -2,10 +2,10 @@
 //! replicas with their own pools claiming overlapping batches get disjoint winners whose
 //! union is every id exactly once.
 
-use sea_orm_inbox::prelude::*;
-use sea_orm_inbox::{DbErrorKind, MAX_CLAIM_BATCH, classify};
 use inbox_tests::{Backend, migrated_db, on_every_backend, scalar_i64};
 use sea_orm::{DatabaseConnection, TransactionTrait};
+use sea_orm_inbox::prelude::*;
+use sea_orm_inbox::{DbErrorKind, MAX_CLAIM_BATCH, classify};
 use std::collections::BTreeSet;
 use std::sync::Arc;
 use tokio::sync::Barrier;

@@ -1,12 +1,12 @@
 //! Acceptance 3-7 and 9: overlap, all-or-nothing, discrimination, fan-out to several
 //! consumers, the bypass trap, bad input, and what a transaction may do after `Duplicate`.
 
-use sea_orm_inbox::prelude::*;
-use sea_orm_inbox::{DbErrorKind, classify};
 use inbox_tests::{
     Backend, create_accounts, credit, migrated_db, on_every_backend, run, scalar_i64,
 };
 use sea_orm::TransactionTrait;
+use sea_orm_inbox::prelude::*;
+use sea_orm_inbox::{DbErrorKind, classify};
 use std::time::Duration;
 use uuid::Uuid;
 
@@ -405,7 +405,8 @@ async fn missing_table_says_to_run_the_migration(backend: Backend) {
         .expect_err("no table");
     assert!(matches!(err, InboxError::MissingTable { .. }), "{err:?}");
     assert!(
-        err.to_string().contains("sea_orm_inbox_migration::CreateInbox"),
+        err.to_string()
+            .contains("sea_orm_inbox_migration::CreateInbox"),
         "{err}"
     );
     drop(txn);

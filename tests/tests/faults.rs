@@ -5,12 +5,12 @@
 //! (A handler that fails on its first attempt and succeeds on redelivery is
 //! `process.rs::handler_error_rolls_back_and_is_not_retried`, on every backend.)
 
-use sea_orm_inbox::prelude::*;
-use sea_orm_inbox::{DbErrorKind, classify};
 use inbox_tests::{
     Backend, TestDb, create_accounts, credit, migrated_db, on_every_backend, scalar_i64,
 };
 use sea_orm::{ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbErr};
+use sea_orm_inbox::prelude::*;
+use sea_orm_inbox::{DbErrorKind, classify};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};

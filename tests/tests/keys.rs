@@ -4,10 +4,10 @@
 //! different one. The vectors pin the format: a change here breaks deduplication across an
 //! upgrade, so never update them to make a test pass.
 
-use sea_orm_inbox::prelude::*;
-use sea_orm_inbox::{InboxError, MESSAGE_ID_NAMESPACE};
 use inbox_tests::{Backend, migrated_db, on_every_backend};
 use sea_orm::TransactionTrait;
+use sea_orm_inbox::prelude::*;
+use sea_orm_inbox::{InboxError, MESSAGE_ID_NAMESPACE};
 use uuid::Uuid;
 
 fn golden(text: &str) -> MessageId {

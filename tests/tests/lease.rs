@@ -2,13 +2,13 @@
 //! expiry and dead-parking, raced by replicas with their own pools.
 
 use chrono::{DateTime, Utc};
+use inbox_tests::{Backend, migrated_db, on_every_backend, scalar_i64};
+use sea_orm::{ColumnTrait, DatabaseConnection, EntityTrait, QueryFilter};
 use sea_orm_inbox::{
     InboxError, Lease, LeaseClaim, LeaseOptions, MessageId, claim_lease, complete_lease,
     list_dead_claims, list_expired_leases, release_lease,
 };
 use sea_orm_inbox_entity::inbox;
-use inbox_tests::{Backend, migrated_db, on_every_backend, scalar_i64};
-use sea_orm::{ColumnTrait, DatabaseConnection, EntityTrait, QueryFilter};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -257,8 +257,8 @@ async fn claims_are_parked_dead_after_max_attempts_and_listed(backend: Backend) 
 }
 
 async fn one_phase_markers_count_as_processed_and_bad_input_is_refused(backend: Backend) {
-    use sea_orm_inbox::prelude::*;
     use sea_orm::TransactionTrait;
+    use sea_orm_inbox::prelude::*;
     let Some(db) = migrated_db(backend).await else {
         return;
     };

@@ -2,14 +2,14 @@
 //! index under its exact name, is a no-op the second time, and keeps microseconds.
 
 use chrono::{DateTime, TimeZone, Utc};
-use sea_orm_inbox::timestamp_value;
-use sea_orm_inbox_entity::{INDEX_NAME, inbox};
-use sea_orm_inbox_migration::Migrator;
 use inbox_tests::stmt;
 use inbox_tests::{Backend, fresh_db, on_every_backend, scalar_i64};
 use sea_orm::{
     ActiveModelTrait, ActiveValue::Set, ColumnTrait, ConnectionTrait, EntityTrait, QueryFilter,
 };
+use sea_orm_inbox::timestamp_value;
+use sea_orm_inbox_entity::{INDEX_NAME, inbox};
+use sea_orm_inbox_migration::Migrator;
 use sea_orm_migration::MigratorTrait;
 
 async fn inbox_table_count(backend: Backend, conn: &impl ConnectionTrait) -> i64 {

@@ -5,12 +5,12 @@
 //! One global subscriber captures every span; each backend's test runs under a consumer
 //! name of its own and reads only its spans, so the tests run in parallel.
 
-use sea_orm_inbox::prelude::*;
 use inbox_tests::{
     Backend, create_accounts, credit, hold_claim_then_roll_back, impatient_replica, migrated_db,
     on_every_backend,
 };
 use sea_orm::{DatabaseConnection, DbErr};
+use sea_orm_inbox::prelude::*;
 use std::collections::BTreeMap;
 use std::fmt::Debug;
 use std::sync::{Mutex, OnceLock};

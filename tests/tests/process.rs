@@ -2,13 +2,13 @@
 //! not retried (unless they are transient database errors), transient lock failures are
 //! retried in a fresh transaction, exhaustion names its cause, and the metrics count it all.
 
-use sea_orm_inbox::prelude::*;
-use sea_orm_inbox::{DbErrorKind, classify};
 use inbox_tests::{
     Backend, create_accounts, credit, hold_claim_then_roll_back, impatient_replica, migrated_db,
     on_every_backend, run, scalar_i64,
 };
 use sea_orm::{ConnAcquireErr, ConnectionTrait, DatabaseConnection, DbErr};
+use sea_orm_inbox::prelude::*;
+use sea_orm_inbox::{DbErrorKind, classify};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;

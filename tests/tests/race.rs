@@ -1,12 +1,12 @@
 //! Acceptance 2 and 8: replicas with their own pools race for the same messages; the
 //! database lets exactly one of them apply each effect.
 
-use sea_orm_inbox::prelude::*;
 use inbox_tests::{
     Backend, create_accounts, credit, migrated_db, on_every_backend, scalar_i64,
     shuffled_deliveries,
 };
 use sea_orm::{DatabaseConnection, TransactionTrait};
+use sea_orm_inbox::prelude::*;
 use std::collections::VecDeque;
 use std::sync::Arc;
 use tokio::sync::{Barrier, Mutex};

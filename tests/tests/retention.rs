@@ -4,12 +4,12 @@
 //! (downtime rule).
 
 use chrono::{DateTime, DurationRound, TimeDelta, Utc};
+use inbox_tests::{Backend, migrated_db, on_every_backend, scalar_i64, stmt};
+use sea_orm::{ConnectionTrait, DatabaseConnection, Value};
 use sea_orm_inbox::{
     BrokerRedelivery, InboxError, LeaseOptions, RetentionPolicy, claim_lease, purge, spawn_purger,
     timestamp_value,
 };
-use inbox_tests::{Backend, migrated_db, on_every_backend, scalar_i64, stmt};
-use sea_orm::{ConnectionTrait, DatabaseConnection, Value};
 use std::time::Duration;
 use uuid::Uuid;
 

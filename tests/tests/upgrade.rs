@@ -3,12 +3,12 @@
 //! migration goes down and up again on its own; `claim_message` keeps working throughout.
 
 use chrono::{DateTime, DurationRound, TimeDelta, Utc};
+use inbox_tests::{Backend, fresh_db, on_every_backend, scalar_i64, stmt};
+use sea_orm::{ConnectionTrait, DatabaseConnection, EntityTrait, QueryOrder, TransactionTrait};
 use sea_orm_inbox::prelude::*;
 use sea_orm_inbox::timestamp_value;
 use sea_orm_inbox_entity::{RECEIVED_AT_INDEX_NAME, inbox};
 use sea_orm_inbox_migration::Migrator;
-use inbox_tests::{Backend, fresh_db, on_every_backend, scalar_i64, stmt};
-use sea_orm::{ConnectionTrait, DatabaseConnection, EntityTrait, QueryOrder, TransactionTrait};
 use sea_orm_migration::MigratorTrait;
 use std::time::Duration;
 use uuid::Uuid;
