@@ -403,3 +403,175 @@ async fn statements_after_a_cross_node_abort_commit_on_their_own() {
     }
     galera.cleanup().await;
 }
+
+/// Leases across nodes, sequentially: a claim on node 2 while node 1 holds the lease is
+/// `Held`; after the expiry node 2 takes over (attempt 2, new token), node 1's late
+/// completion is `StaleLease`, node 2's completes. No `wsrep_sync_wait`: a decision made
+/// on a stale read always writes the row it read, so certification rejects it when a
+/// newer write of that row committed first, and `claim_lease` retries; the only visible
+/// staleness is a `Held` right after another node completed (counted, never wrong).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn leases_are_taken_over_across_nodes() {
+    const ROUNDS: usize = 10;
+    let Some(galera) = migrated_galera_db().await else {
+        return;
+    };
+    let (first, second) = (galera.connect(0).await, galera.connect(1).await);
+    let options = LeaseOptions::new(Duration::from_millis(400)).unwrap();
+    let mut stale_held = 0;
+    for round in 0..ROUNDS {
+        let id = Uuid::new_v4();
+        let LeaseClaim::Claimed(crashed) =
+            claim_lease(&first, id, "mailer", &options).await.unwrap()
+        else {
+            panic!("round {round}: a new message is Claimed");
+        };
+        assert!(
+            matches!(
+                claim_lease(&second, id, "mailer", &options).await.unwrap(),
+                LeaseClaim::Held { attempts: 1, .. }
+            ),
+            "round {round}: the live lease on the other node holds"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let LeaseClaim::TakenOver(current) =
+            claim_lease(&second, id, "mailer", &options).await.unwrap()
+        else {
+            panic!("round {round}: the expired lease is taken over");
+        };
+        assert_eq!(current.attempt(), 2);
+        assert_ne!(current.fencing_token(), crashed.fencing_token());
+        assert_eq!(current.idempotency_key(), crashed.idempotency_key());
+        assert!(
+            matches!(
+                complete_lease(&first, &crashed).await,
+                Err(InboxError::StaleLease { .. })
+            ),
+            "round {round}: the crashed claimant cannot finish over the new one"
+        );
+        complete_lease(&second, &current).await.unwrap();
+        match claim_lease(&first, id, "mailer", &options).await.unwrap() {
+            LeaseClaim::AlreadyProcessed => {}
+            LeaseClaim::Held { .. } => stale_held += 1,
+            other => panic!("round {round}: after completion: {other:?}"),
+        }
+    }
+    println!(
+        "Galera leases: {ROUNDS} cross-node takeovers; a claim right after another node's \
+         completion read Held (stale) {stale_held} times, AlreadyProcessed otherwise"
+    );
+    for conn in [first, second] {
+        conn.close().await.ok();
+    }
+    galera.cleanup().await;
+}
+
+/// A completion on one node and a takeover on another, at the same moment after the
+/// lease expired: exactly one of them wins, without `wsrep_sync_wait`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn lease_completion_and_takeover_race_across_nodes() {
+    const ROUNDS: usize = 30;
+    let Some(galera) = migrated_galera_db().await else {
+        return;
+    };
+    let (first, second) = (
+        Arc::new(galera.connect(0).await),
+        Arc::new(galera.connect(1).await),
+    );
+    let options = LeaseOptions::new(Duration::from_millis(100)).unwrap();
+    let (mut completed, mut taken_over) = (0, 0);
+    for round in 0..ROUNDS {
+        let id = Uuid::new_v4();
+        let LeaseClaim::Claimed(lease) = claim_lease(&first, id, "mailer", &options).await.unwrap()
+        else {
+            panic!("round {round}: a new message is Claimed");
+        };
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        let barrier = Arc::new(Barrier::new(2));
+        let complete = {
+            let (conn, barrier) = (Arc::clone(&first), Arc::clone(&barrier));
+            tokio::spawn(async move {
+                barrier.wait().await;
+                complete_lease(&conn, &lease).await
+            })
+        };
+        let take_over = {
+            let (conn, barrier) = (Arc::clone(&second), Arc::clone(&barrier));
+            tokio::spawn(async move {
+                barrier.wait().await;
+                claim_lease(&conn, id, "mailer", &options).await
+            })
+        };
+        let completion = complete.await.unwrap();
+        let claim = take_over.await.unwrap().unwrap();
+        match (&completion, &claim) {
+            (Ok(()), LeaseClaim::AlreadyProcessed) => completed += 1,
+            (Err(InboxError::StaleLease { .. }), LeaseClaim::TakenOver(_)) => taken_over += 1,
+            other => panic!("round {round}: both or neither won: {other:?}"),
+        }
+    }
+    println!(
+        "Galera lease race: {ROUNDS} rounds, completion won {completed}, takeover won {taken_over}"
+    );
+    for conn in [first, second] {
+        Arc::try_unwrap(conn).unwrap().close().await.ok();
+    }
+    galera.cleanup().await;
+}
+
+/// The soak on a cluster: one replica per node consumes 5,000 messages (30 % delivered
+/// twice, the copy a few messages later so replicas on different nodes race; 5 % fail
+/// once), and node 3 is killed with `kill -9` once a third of the deliveries are acked,
+/// then restarted (it rejoins by IST). Effects == distinct messages, every message acked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn soak_one_replica_per_node_with_a_node_killed() {
+    const MESSAGES: usize = 5_000;
+    let Some(galera) = migrated_galera_db().await else {
+        return;
+    };
+    assert_eq!(
+        galera.nodes(),
+        3,
+        "the soak kills node 3 of a 3-node cluster"
+    );
+    let admin = galera.connect(0).await;
+    create_effects(&admin).await;
+    galera.wait_for_replication().await;
+    let plan = Plan::new(MESSAGES, 30, 5, 0x9a1e7a);
+    let broker = Broker::new(&plan.deliveries);
+    let mut pools = Vec::new();
+    for node in 0..3 {
+        pools.push(galera.connect(node).await);
+    }
+    let killer = {
+        let broker = Arc::clone(&broker);
+        let third = plan.deliveries.len() as u64 / 3;
+        tokio::spawn(async move {
+            while broker.stats().acks < third {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            let killed = tokio::task::spawn_blocking(|| galera_script(&["kill", "3"]))
+                .await
+                .unwrap();
+            let acks_at_kill = broker.stats().acks;
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            let restarted = tokio::task::spawn_blocking(|| galera_script(&["restart", "3"]))
+                .await
+                .unwrap();
+            format!(
+                "{} at {acks_at_kill} acks; {}",
+                killed.trim(),
+                restarted.trim()
+            )
+        })
+    };
+    let report = run_replicas_on(pools, &broker, &plan, Duration::from_secs(300)).await;
+    let kill = killer.await.expect("the node was killed and restarted");
+    println!("Galera soak, 3 replicas (one per node): {report}; {kill}");
+    let reader = causal_reader(&galera, 0).await;
+    assert_exactly_once(&reader, &plan, &report).await;
+    for conn in [admin, reader] {
+        conn.close().await.ok();
+    }
+    galera.cleanup().await;
+}
