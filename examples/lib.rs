@@ -10,9 +10,9 @@ pub mod scenario;
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
 
-use sea_orm_inbox_migration::{Migrator, MigratorTrait};
 use sea_orm::sea_query::{Alias, Expr, ExprTrait, Query};
 use sea_orm::{ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DbErr, Statement};
+use sea_orm_inbox_migration::{Migrator, MigratorTrait};
 use std::time::Duration;
 
 /// The database the demos use when `DATABASE_URL` is not set: a SQLite file in the

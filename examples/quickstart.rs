@@ -8,11 +8,11 @@
 //! DATABASE_URL=mysql://root@127.0.0.1:3306/test cargo run --example quickstart
 //! ```
 
-use sea_orm_inbox::prelude::*;
 use inbox_examples::{balance, connect_replica, credit_account, database_url, reset_account};
-use sea_orm_inbox_migration::{Migrator, MigratorTrait};
 use sea_orm::sea_query::{Alias, Expr, ExprTrait, Query};
 use sea_orm::{ConnectionTrait, DatabaseConnection, DbErr, TransactionTrait};
+use sea_orm_inbox::prelude::*;
+use sea_orm_inbox_migration::{Migrator, MigratorTrait};
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;

@@ -3,10 +3,10 @@
 
 use crate::BoxError;
 use chrono::{DateTime, Utc};
-use sea_orm_inbox_migration::{Migrator, MigratorTrait};
 use sea_orm::{
     ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DbBackend, Statement, Value,
 };
+use sea_orm_inbox_migration::{Migrator, MigratorTrait};
 use std::time::Duration;
 
 /// The consumer every benchmark message is claimed for.

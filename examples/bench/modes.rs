@@ -4,12 +4,12 @@
 use crate::BoxError;
 use crate::db::{CONSUMER, Sql, timestamp};
 use chrono::Utc;
-use sea_orm_inbox::prelude::*;
 use sea_orm::sqlx;
 use sea_orm::{
     ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend, DbErr, Statement,
     TransactionTrait, Value,
 };
+use sea_orm_inbox::prelude::*;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use uuid::Uuid;
 

@@ -9,8 +9,8 @@ use crate::growth::Cohorts;
 use crate::modes::Mode;
 use crate::run::{Stop, Tally, run_mode, shuffled};
 use chrono::{TimeDelta, Utc};
-use sea_orm_inbox::{RetentionPolicy, purge};
 use sea_orm::{ConnectionTrait, DatabaseConnection, Statement, Value};
+use sea_orm_inbox::{RetentionPolicy, purge};
 use std::time::{Duration, Instant};
 
 /// What one purge did.

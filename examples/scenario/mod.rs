@@ -13,9 +13,9 @@
 pub mod nats;
 pub mod rabbitmq;
 
-use sea_orm_inbox::prelude::*;
 use sea_orm::sea_query::{Alias, Expr, ExprTrait, Query};
 use sea_orm::{ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbErr};
+use sea_orm_inbox::prelude::*;
 use std::collections::HashSet;
 use std::fmt;
 use std::sync::Mutex;

@@ -16,8 +16,8 @@ use async_nats::jetstream::consumer::{PullConsumer, pull};
 use async_nats::jetstream::message::PublishMessage;
 use async_nats::jetstream::{self, AckKind, stream};
 use futures_util::StreamExt;
-use sea_orm_inbox::Settlement;
 use sea_orm::DatabaseConnection;
+use sea_orm_inbox::Settlement;
 use std::time::Duration;
 
 /// The local server the demo uses when `NATS_URL` is not set.

@@ -5,7 +5,6 @@
 
 use super::{BoxError, Demo, Fate, Plan, Publication, Report};
 use futures_util::StreamExt;
-use sea_orm_inbox::Settlement;
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions, BasicQosOptions,
     ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
@@ -14,6 +13,7 @@ use lapin::publisher_confirm::Confirmation;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, Consumer};
 use sea_orm::DatabaseConnection;
+use sea_orm_inbox::Settlement;
 use std::time::Duration;
 
 /// The local broker the demo uses when `AMQP_URL` is not set.

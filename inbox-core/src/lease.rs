@@ -9,12 +9,12 @@ use crate::claim::now_micros;
 use crate::consumer::validate_claim;
 use crate::{InboxError, MessageId};
 use chrono::{DateTime, TimeDelta, Utc};
-use sea_orm_inbox_entity::inbox;
 use sea_orm::sea_query::ExprTrait;
 use sea_orm::{
     ColumnTrait, ConnectionTrait, DatabaseConnection, DbErr, EntityTrait, QueryFilter, QueryOrder,
     QuerySelect, Statement, TransactionTrait, Value,
 };
+use sea_orm_inbox_entity::inbox;
 use std::time::Duration;
 use uuid::Uuid;
 

@@ -42,7 +42,6 @@ pub use batch::{BatchClaim, MAX_CLAIM_BATCH};
 pub use claim::{Claim, InboxTransactionExt};
 pub use error::InboxError;
 pub use inbox::{HandlerFuture, Inbox};
-pub use sea_orm_inbox_entity::{CONSUMER_MAX_CHARS, INDEX_NAME, RECEIVED_AT_INDEX_NAME, TABLE_NAME};
 pub use lease::{
     DeadClaim, ExpiredLease, Lease, LeaseClaim, LeaseOptions, claim_lease, complete_lease,
     list_dead_claims, list_expired_leases, release_lease,
@@ -54,3 +53,6 @@ pub use retention::{
     BrokerRedelivery, PurgeReport, Purger, PurgerSummary, RetentionPolicy, purge, spawn_purger,
 };
 pub use retry::RetryPolicy;
+pub use sea_orm_inbox_entity::{
+    CONSUMER_MAX_CHARS, INDEX_NAME, RECEIVED_AT_INDEX_NAME, TABLE_NAME,
+};
