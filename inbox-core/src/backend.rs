@@ -5,13 +5,13 @@
 
 use crate::InboxError;
 use chrono::{DateTime, Utc};
-use sea_orm_inbox_entity::{INDEX_NAME, TABLE_NAME};
 use sea_orm::sqlx;
 use sea_orm::sqlx::error::DatabaseError;
 use sea_orm::sqlx::mysql::MySqlDatabaseError;
 use sea_orm::sqlx::postgres::PgDatabaseError;
 use sea_orm::sqlx::sqlite::SqliteError;
 use sea_orm::{DbBackend, DbErr, RuntimeErr, SqliteTransactionMode, TransactionOptions, Value};
+use sea_orm_inbox_entity::{INDEX_NAME, TABLE_NAME};
 
 /// Options for a transaction that claims a message: pass them to
 /// [`TransactionTrait::begin_with_options`](sea_orm::TransactionTrait::begin_with_options).
@@ -177,6 +177,24 @@ pub(crate) fn insert_batch_sql(backend: DbBackend, rows: usize) -> Result<String
     }
     let insert = dialect_sql(backend, &template)?;
     Ok(insert + on_inbox_conflict_do_nothing(backend) + " RETURNING message_id, claim_token")
+}
+
+/// Counts, through the batch's transaction, the markers it inserted for `rows` ids: the
+/// proof before COMMIT that the transaction still holds them. Walks the inbox index.
+/// Binds: consumer, tag, then the ids.
+pub(crate) fn held_batch_markers_sql(
+    backend: DbBackend,
+    rows: usize,
+) -> Result<String, InboxError> {
+    let mut template = String::with_capacity(96 + rows * 3);
+    template.push_str(
+        "SELECT COUNT(*) FROM inbox WHERE consumer = ? AND claim_token = ? AND message_id IN (",
+    );
+    for row in 0..rows {
+        template.push_str(if row == 0 { "?" } else { ", ?" });
+    }
+    template.push(')');
+    dialect_sql(backend, &template)
 }
 
 /// Rows the purge may delete: finished, i.e. not an unfinished two-phase claim (a lease

@@ -1,11 +1,11 @@
 //! Claiming many messages for one consumer in one statement (Kafka-style batches).
 
-use crate::backend::{insert_batch_sql, timestamp_value};
+use crate::backend::{held_batch_markers_sql, insert_batch_sql, timestamp_value};
 use crate::claim::now_micros;
 use crate::consumer::validate_consumer;
 use crate::{InboxError, MessageId};
+use sea_orm::{ConnectionTrait, DatabaseTransaction, DbErr, Statement, Value};
 use sea_orm_inbox_entity::INDEX_NAME;
-use sea_orm::{ConnectionTrait, DbErr, Statement, Value};
 use std::collections::BTreeSet;
 use uuid::Uuid;
 
@@ -16,19 +16,107 @@ pub const MAX_CLAIM_BATCH: usize = 1000;
 /// The outcome of [`claim_batch`](crate::InboxTransactionExt::claim_batch): which ids this
 /// transaction claimed and which a committed transaction had claimed before. Each list is
 /// sorted and holds every distinct id of the batch exactly once between them.
-#[must_use = "process exactly the `claimed` ids, then commit"]
+///
+/// Commit the work with [`commit`](Self::commit), which first proves the transaction still
+/// holds the claimed markers.
+#[must_use = "process exactly the `claimed` ids, then commit with BatchClaim::commit"]
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct BatchClaim {
     /// Newly claimed by this transaction: process these, then commit.
     pub claimed: Vec<MessageId>,
     /// Claimed before by a committed transaction: skip them (they are done).
     pub already_claimed: Vec<MessageId>,
+    consumer: String,
+    tag: Uuid,
 }
 
 impl BatchClaim {
     /// Whether `id` was newly claimed by this transaction.
     pub fn is_claimed(&self, id: MessageId) -> bool {
         self.claimed.binary_search(&id).is_ok()
+    }
+
+    /// Commits `txn`, the transaction that claimed this batch, after proving it still holds
+    /// every marker it claimed (one read of the inbox index through the transaction).
+    ///
+    /// The database can end a transaction under its caller: MySQL/MariaDB roll it back on
+    /// a deadlock or, on Galera, when another node's write set wins a conflict, and then
+    /// run the connection's next statements outside it, each committing on its own;
+    /// PostgreSQL aborts it after any failed statement and answers COMMIT with ROLLBACK.
+    /// A plain `txn.commit()` then succeeds with none of the batch's markers committed,
+    /// and acking the batch would lose it. This check fails instead. It cannot undo
+    /// statements that already ran outside the transaction: stop at the first failed
+    /// statement, never go on after one.
+    ///
+    /// # Errors
+    /// [`InboxError::BatchClaimLost`] (rolled back; nothing of the batch committed) when
+    /// markers are missing or the check itself fails; [`InboxError::Database`] when COMMIT
+    /// fails (a 1213 from a Galera certification conflict is transient: re-run the batch).
+    ///
+    /// ```
+    /// use sea_orm_inbox::prelude::*;
+    /// use sea_orm::TransactionTrait;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    /// # use sea_orm_migration::MigratorTrait;
+    /// # let db = sea_orm::Database::connect("sqlite::memory:").await?;
+    /// # sea_orm_inbox_migration::Migrator::up(&db, None).await?;
+    /// let ids = [uuid::Uuid::new_v4(), uuid::Uuid::new_v4()];
+    /// let txn = db.begin_with_options(CLAIM_TRANSACTION).await?;
+    /// let batch = txn.claim_batch(ids, "projector").await?;
+    /// for id in &batch.claimed {
+    ///     // apply record `id` through `txn`, returning at the first error
+    /// }
+    /// batch.commit(txn).await?; // proves the markers are held, then commits
+    /// # Ok(()) }
+    /// ```
+    pub async fn commit(self, txn: DatabaseTransaction) -> Result<(), InboxError> {
+        let named = self
+            .claimed
+            .first()
+            .or(self.already_claimed.first())
+            .copied()
+            .unwrap_or_else(|| MessageId::from_uuid(Uuid::nil()));
+        if !self.claimed.is_empty() {
+            let sql = held_batch_markers_sql(txn.get_database_backend(), self.claimed.len())?;
+            let held = self.held_markers(&txn, sql).await;
+            if let Some(lost) = self.lost(held) {
+                txn.rollback().await.ok();
+                return Err(lost);
+            }
+        }
+        txn.commit()
+            .await
+            .map_err(|err| InboxError::from_claim(err, named, &self.consumer))
+    }
+
+    async fn held_markers(&self, txn: &DatabaseTransaction, sql: String) -> Result<i64, DbErr> {
+        let mut values = Vec::with_capacity(self.claimed.len() + 2);
+        values.push(Value::from(self.consumer.as_str()));
+        values.push(Value::from(self.tag));
+        values.extend(self.claimed.iter().map(|id| Value::from(id.as_uuid())));
+        let backend = txn.get_database_backend();
+        txn.query_one_raw(Statement::from_sql_and_values(backend, sql, values))
+            .await?
+            .ok_or_else(|| DbErr::RecordNotFound("the count of the batch's markers".into()))?
+            .try_get_by_index(0)
+    }
+
+    /// The error for a batch whose transaction does not hold all its markers, if so.
+    fn lost(&self, held: Result<i64, DbErr>) -> Option<InboxError> {
+        let claimed = self.claimed.len();
+        let (held, source) = match held {
+            Ok(count) if usize::try_from(count) == Ok(claimed) => return None,
+            Ok(count) => (usize::try_from(count).unwrap_or(0), None),
+            Err(err) => (0, Some(err)),
+        };
+        Some(InboxError::BatchClaimLost {
+            consumer: self.consumer.clone(),
+            claimed,
+            held,
+            source,
+        })
     }
 }
 
@@ -110,6 +198,8 @@ pub(crate) async fn insert_batch<C: ConnectionTrait>(
     Ok(BatchClaim {
         claimed,
         already_claimed,
+        consumer: consumer.to_owned(),
+        tag,
     })
 }
 

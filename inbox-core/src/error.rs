@@ -153,6 +153,28 @@ pub enum InboxError {
         attempt: u32,
     },
 
+    /// Before COMMIT, a batch claim's transaction no longer held every marker the batch
+    /// claimed: the database had already ended the transaction (MySQL/MariaDB roll it back
+    /// on a deadlock or a Galera certification conflict, and run later statements outside
+    /// it; PostgreSQL aborts it after any failed statement), yet the caller went on.
+    /// Nothing of the batch was committed by this transaction.
+    #[error(
+        "the transaction claiming a batch of {claimed} messages for consumer {consumer:?} held {held} of their markers before COMMIT: the database had ended it (a deadlock, a Galera certification conflict, or a failed statement on PostgreSQL) and the caller went on{}. Nothing of the batch was committed: re-run the whole batch in a new transaction or nack it, and stop at the first failed statement (on MySQL/MariaDB the statements after the abort ran outside the transaction and committed on their own)",
+        .source.as_ref().map(|err| format!(" (the check said: {err})")).unwrap_or_default()
+    )]
+    BatchClaimLost {
+        /// The consumer of the batch.
+        consumer: String,
+        /// How many ids the batch claimed.
+        claimed: usize,
+        /// How many of their markers the transaction still held (0 when the check failed).
+        held: usize,
+        /// The error the check met (e.g. 1213 or PostgreSQL's 25P02), if it did not
+        /// simply count too few markers.
+        #[source]
+        source: Option<DbErr>,
+    },
+
     /// A retention setting that cannot work.
     #[error("invalid retention policy: {reason}")]
     InvalidRetention {
@@ -203,6 +225,7 @@ impl InboxError {
             Self::MissingTable { source }
             | Self::Database { source, .. }
             | Self::Query { source, .. } => Some(source),
+            Self::BatchClaimLost { source, .. } => source.as_ref(),
             Self::EmptyConsumer
             | Self::ConsumerNotTrimmed { .. }
             | Self::ConsumerTooLong { .. }
@@ -286,6 +309,16 @@ mod tests {
             (
                 database(DbErr::Custom("permission denied".into())),
                 "Nack the message",
+            ),
+            (
+                InboxError::BatchClaimLost {
+                    consumer: "projector".into(),
+                    claimed: 3,
+                    held: 0,
+                    source: None,
+                }
+                .to_string(),
+                "re-run the whole batch in a new transaction or nack it",
             ),
         ];
         for (message, instruction) in cases {

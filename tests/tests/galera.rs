@@ -247,17 +247,20 @@ async fn claim_apply_commit(db: &DatabaseConnection, ids: &[Uuid], replica: usiz
                 break;
             }
         }
-        let committed = match applied {
-            Ok(()) => txn.commit().await,
-            Err(err) => {
-                txn.rollback().await.ok();
-                Err(err)
-            }
-        };
-        match committed {
+        if let Err(err) = applied {
+            txn.rollback().await.ok();
+            assert_eq!(
+                classify(&err),
+                DbErrorKind::Transient,
+                "apply failed: {err}"
+            );
+            continue;
+        }
+        match batch.commit(txn).await {
             Ok(()) => return retries,
-            Err(err) if classify(&err) == DbErrorKind::Transient => {}
-            Err(err) => panic!("apply or commit failed: {err}"),
+            Err(InboxError::BatchClaimLost { .. }) => {}
+            Err(err) if is_transient(&err) => {}
+            Err(err) => panic!("commit failed: {err}"),
         }
     }
     panic!("50 transient failures in a row");
@@ -332,9 +335,11 @@ async fn overlapping_batches_on_two_nodes_apply_every_id_once() {
 /// The trap behind the batch double-apply of issue 10: once a cross-node conflict has
 /// aborted a transaction, MariaDB has ended it. The statement that meets the abort fails
 /// with 1213, and every later statement on that connection runs in autocommit mode and
-/// commits on its own, while COMMIT succeeds with nothing to commit. A caller that goes on
-/// after the error applies effects without their markers; the ids are claimed again later
-/// and applied twice. Stop at the first failed statement (as `claim_apply_commit` does).
+/// commits on its own, while a plain COMMIT succeeds with nothing to commit. A caller that
+/// goes on after the error applies effects without their markers; the ids are claimed
+/// again later and applied twice. `BatchClaim::commit` refuses to commit such a batch
+/// (`BatchClaimLost`: nack, never ack), but the statements that already committed on their
+/// own stay: stop at the first failed statement (as `claim_apply_commit` does).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn statements_after_a_cross_node_abort_commit_on_their_own() {
     let Some(galera) = migrated_galera_db().await else {
@@ -383,10 +388,18 @@ async fn statements_after_a_cross_node_abort_commit_on_their_own() {
         [Err(DbErrorKind::Transient), Ok(()), Ok(())],
         "the first statement after the abort fails, the next ones run"
     );
-    loser
-        .commit()
-        .await
-        .expect("COMMIT succeeds: there is no transaction left to commit");
+    let commit = batch.commit(loser).await;
+    assert!(
+        matches!(
+            commit,
+            Err(InboxError::BatchClaimLost {
+                claimed: 3,
+                held: 0,
+                ..
+            })
+        ),
+        "a batch whose markers were rolled back is not committed as if whole: {commit:?}"
+    );
     let reader = causal_reader(&galera, 2 % galera.nodes()).await;
     assert_eq!(
         scalar_i64(&reader, "SELECT COUNT(*) FROM applied").await,
