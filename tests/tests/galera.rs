@@ -532,13 +532,13 @@ async fn lease_completion_and_takeover_race_across_nodes() {
     galera.cleanup().await;
 }
 
-/// The soak on a cluster: one replica per node consumes 5,000 messages (30 % delivered
+/// The soak on a cluster: one replica per node consumes 10,000 messages (30 % delivered
 /// twice, the copy a few messages later so replicas on different nodes race; 5 % fail
 /// once), and node 3 is killed with `kill -9` once a third of the deliveries are acked,
 /// then restarted (it rejoins by IST). Effects == distinct messages, every message acked.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn soak_one_replica_per_node_with_a_node_killed() {
-    const MESSAGES: usize = 5_000;
+    const MESSAGES: usize = 10_000;
     let Some(galera) = migrated_galera_db().await else {
         return;
     };
