@@ -6,6 +6,7 @@
 //! `INBOX_TEST_MYSQL_URL`, e.g. `mysql://root@127.0.0.1:3306/test`. A set URL that cannot
 //! be reached fails the test; it never skips. Each test creates its own database with a
 //! unique name, so tests run in parallel and on servers that earlier runs left dirty.
+//! The Galera suite reads `INBOX_TEST_GALERA_URLS` (see [`migrated_galera_db`]).
 
 use sea_orm::{
     ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DbBackend, Statement,
