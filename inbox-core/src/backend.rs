@@ -277,7 +277,8 @@ pub enum DbErrorKind {
     /// never a duplicate delivery.
     OtherUniqueViolation,
     /// A failure that a fresh transaction may not meet again: serialization failure,
-    /// deadlock, lock wait timeout, SQLite busy/locked, or a lost connection.
+    /// deadlock (on Galera also a certification conflict), lock wait timeout, SQLite
+    /// busy/locked, a lost connection, or a Galera node outside the primary component.
     Transient,
     /// The inbox table does not exist: the migration has not run.
     MissingInboxTable,
@@ -373,7 +374,12 @@ fn classify_mysql(err: &MySqlDatabaseError) -> DbErrorKind {
     const ER_SERVER_SHUTDOWN: u16 = 1053;
     const ER_CONNECTION_KILLED: u16 = 1927;
     const ER_QUERY_INTERRUPTED: u16 = 1317;
+    // Galera: "WSREP has not yet prepared node for application use", SQLSTATE 08S01. The
+    // node is outside the primary component (it lost quorum, is joining, or rejects
+    // queries); it serves again once it rejoins. 1047 without 08S01 is "unknown command".
+    const ER_UNKNOWN_COM_ERROR: u16 = 1047;
     match err.number() {
+        ER_UNKNOWN_COM_ERROR if err.code() == Some("08S01") => DbErrorKind::Transient,
         ER_DUP_ENTRY if names_inbox_key_mysql(err.message()) => DbErrorKind::InboxDuplicate,
         ER_DUP_ENTRY => DbErrorKind::OtherUniqueViolation,
         ER_LOCK_WAIT_TIMEOUT | ER_LOCK_DEADLOCK => DbErrorKind::Transient,
