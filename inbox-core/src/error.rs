@@ -68,6 +68,18 @@ pub enum InboxError {
         backend: String,
     },
 
+    /// The connection's backend is one the inbox supports, but this build of the crate was
+    /// compiled without its cargo feature.
+    #[error(
+        "this connection is {backend}, but sea-orm-inbox was built without its `{feature}` feature: enable it in your Cargo.toml"
+    )]
+    BackendNotEnabled {
+        /// The database the connection speaks to.
+        backend: &'static str,
+        /// The cargo feature of sea-orm-inbox that supports it.
+        feature: &'static str,
+    },
+
     /// The database failed for another reason: a connection problem, a lock timeout, or a
     /// unique violation on an index other than the inbox's (a real bug, never a duplicate).
     /// The message says which, and what to do.
@@ -231,6 +243,7 @@ impl InboxError {
             | Self::ConsumerTooLong { .. }
             | Self::NilMessageId
             | Self::UnsupportedBackend { .. }
+            | Self::BackendNotEnabled { .. }
             | Self::EmptyKeyField { .. }
             | Self::NegativeKafkaPosition { .. }
             | Self::EmptyBatch
@@ -301,6 +314,14 @@ mod tests {
                 }
                 .to_string(),
                 "connect the inbox to one of those",
+            ),
+            (
+                InboxError::BackendNotEnabled {
+                    backend: "SQLite",
+                    feature: "sqlite",
+                }
+                .to_string(),
+                "enable it in your Cargo.toml",
             ),
             (
                 database(DbErr::ConnectionAcquire(ConnAcquireErr::Timeout)),

@@ -23,6 +23,9 @@
 //!
 //! The table comes from the `sea-orm-inbox-migration` crate; its entity from `sea-orm-inbox-entity`.
 
+#[cfg(not(any(feature = "postgres", feature = "mysql", feature = "sqlite")))]
+compile_error!("enable at least one of sea-orm-inbox's backend features: postgres, mysql, sqlite");
+
 mod backend;
 mod batch;
 mod claim;

@@ -1,17 +1,23 @@
-//! The one place that knows how each database speaks: the marker SQL per dialect and how
-//! each driver reports a duplicate, a transient failure or a missing table.
+//! The one place that knows how each database speaks: the SQL per dialect and how each
+//! driver reports a duplicate, a transient failure or a missing table.
 //!
-//! Everything else in the crate asks this module instead of matching on the backend.
+//! Each database has its own module, compiled only with its cargo feature: its statements
+//! (a [`Dialect`]) and its classifier. This module holds what the three share and picks the
+//! module for a connection; everything else in the crate asks it instead of matching on
+//! the backend.
 
 use crate::InboxError;
 use chrono::{DateTime, Utc};
 use sea_orm::sqlx;
 use sea_orm::sqlx::error::DatabaseError;
-use sea_orm::sqlx::mysql::MySqlDatabaseError;
-use sea_orm::sqlx::postgres::PgDatabaseError;
-use sea_orm::sqlx::sqlite::SqliteError;
 use sea_orm::{DbBackend, DbErr, RuntimeErr, SqliteTransactionMode, TransactionOptions, Value};
-use sea_orm_inbox_entity::{INDEX_NAME, TABLE_NAME};
+
+#[cfg(feature = "mysql")]
+mod mysql;
+#[cfg(feature = "postgres")]
+mod postgres;
+#[cfg(feature = "sqlite")]
+mod sqlite;
 
 /// Options for a transaction that claims a message: pass them to
 /// [`TransactionTrait::begin_with_options`](sea_orm::TransactionTrait::begin_with_options).
@@ -36,40 +42,74 @@ pub const CLAIM_TRANSACTION: TransactionOptions = TransactionOptions {
     sqlite_transaction_mode: Some(SqliteTransactionMode::Immediate),
 };
 
-/// The marker INSERT, written once per dialect so the hot path builds no SQL and every
-/// call reuses the driver's cached prepared statement.
+/// What differs between the databases in the statements the crate runs. Each backend
+/// module implements it; the defaults are the SQL standard's forms.
+trait Dialect: Sync {
+    /// The marker INSERT, written once per dialect so the hot path builds no SQL and every
+    /// call reuses the driver's cached prepared statement. Binds: message_id, consumer,
+    /// received_at.
+    fn insert_marker(&self) -> &'static str;
+
+    /// Whether placeholders are `$1, $2, ...` rather than `?`.
+    fn numbered_placeholders(&self) -> bool {
+        false
+    }
+
+    /// The clause that leaves a row conflicting on the inbox index untouched and raises
+    /// nothing, so the transaction stays usable on PostgreSQL.
+    fn on_inbox_conflict_do_nothing(&self) -> &'static str {
+        " ON CONFLICT (message_id, consumer) DO NOTHING"
+    }
+
+    /// One purge batch deleting at most `?` rows meeting `purgeable`, oldest first.
+    fn purge_batch(&self, purgeable: &str) -> String;
+
+    /// `at` as a bind value the database stores without loss.
+    fn timestamp_value(&self, at: DateTime<Utc>) -> Value {
+        Value::from(at)
+    }
+}
+
+/// The dialect of `backend`, or why the inbox cannot use it: not a backend it supports, or
+/// one whose cargo feature is off.
+fn dialect(backend: DbBackend) -> Result<&'static dyn Dialect, InboxError> {
+    match backend {
+        #[cfg(feature = "postgres")]
+        DbBackend::Postgres => Ok(&postgres::Postgres),
+        #[cfg(feature = "mysql")]
+        DbBackend::MySql => Ok(&mysql::MySql),
+        #[cfg(feature = "sqlite")]
+        DbBackend::Sqlite => Ok(&sqlite::Sqlite),
+        #[cfg(not(feature = "postgres"))]
+        DbBackend::Postgres => Err(InboxError::BackendNotEnabled {
+            backend: "PostgreSQL",
+            feature: "postgres",
+        }),
+        #[cfg(not(feature = "mysql"))]
+        DbBackend::MySql => Err(InboxError::BackendNotEnabled {
+            backend: "MySQL/MariaDB",
+            feature: "mysql",
+        }),
+        #[cfg(not(feature = "sqlite"))]
+        DbBackend::Sqlite => Err(InboxError::BackendNotEnabled {
+            backend: "SQLite",
+            feature: "sqlite",
+        }),
+        other => Err(InboxError::UnsupportedBackend {
+            backend: format!("{other:?}"),
+        }),
+    }
+}
+
+/// The marker INSERT of `backend`'s dialect.
 pub(crate) fn insert_marker_sql(backend: DbBackend) -> Result<&'static str, InboxError> {
-    match backend {
-        DbBackend::Postgres => Ok(
-            r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at") VALUES ($1, $2, $3)"#,
-        ),
-        DbBackend::MySql => {
-            Ok("INSERT INTO `inbox` (`message_id`, `consumer`, `received_at`) VALUES (?, ?, ?)")
-        }
-        DbBackend::Sqlite => {
-            Ok(r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at") VALUES (?, ?, ?)"#)
-        }
-        other => Err(InboxError::UnsupportedBackend {
-            backend: format!("{other:?}"),
-        }),
-    }
+    Ok(dialect(backend)?.insert_marker())
 }
 
-/// Fails for backends other than PostgreSQL, MySQL/MariaDB and SQLite.
-fn supported(backend: DbBackend) -> Result<(), InboxError> {
-    match backend {
-        DbBackend::Postgres | DbBackend::MySql | DbBackend::Sqlite => Ok(()),
-        other => Err(InboxError::UnsupportedBackend {
-            backend: format!("{other:?}"),
-        }),
-    }
-}
-
-/// Writes `template` for `backend`: its `?` placeholders become `$1, $2, ...` on
-/// PostgreSQL. Templates use unquoted identifiers and hold no `?` inside literals.
+/// Writes `template` for `backend`: its `?` placeholders become `$1, $2, ...` where the
+/// dialect numbers them. Templates use unquoted identifiers and hold no `?` inside literals.
 fn dialect_sql(backend: DbBackend, template: &str) -> Result<String, InboxError> {
-    supported(backend)?;
-    if backend != DbBackend::Postgres {
+    if !dialect(backend)?.numbered_placeholders() {
         return Ok(template.to_owned());
     }
     let mut out = String::with_capacity(template.len() + 16);
@@ -86,22 +126,10 @@ fn dialect_sql(backend: DbBackend, template: &str) -> Result<String, InboxError>
     Ok(out)
 }
 
-/// Turns an INSERT into one that leaves a row conflicting on the inbox index untouched and
-/// raises nothing, so the transaction stays usable on PostgreSQL.
-///
-/// MySQL has no DO NOTHING, so it gets a no-op `ON DUPLICATE KEY UPDATE consumer =
-/// consumer` (never count its affected rows: sqlx reports found rows). Not `id = id`:
-/// assigning the auto-increment key in the update clause made MariaDB 10.11 hand a
-/// concurrent multi-row insert auto-increment values that collide with another
-/// transaction's rows, and ON DUPLICATE KEY then silently merged new messages into those
-/// rows (measured: 6 of 15 runs of the two-replica batch race lost ids; 0 of 20 with
-/// this clause). `INSERT IGNORE` is not used either: it would also swallow every other
-/// error (a NOT NULL or a foreign key violation) as a warning.
-fn on_inbox_conflict_do_nothing(backend: DbBackend) -> &'static str {
-    match backend {
-        DbBackend::MySql => " ON DUPLICATE KEY UPDATE consumer = consumer",
-        _ => " ON CONFLICT (message_id, consumer) DO NOTHING",
-    }
+/// `backend`'s clause that makes an INSERT leave a row conflicting on the inbox index
+/// untouched (see [`Dialect::on_inbox_conflict_do_nothing`]).
+fn on_inbox_conflict_do_nothing(backend: DbBackend) -> Result<&'static str, InboxError> {
+    Ok(dialect(backend)?.on_inbox_conflict_do_nothing())
 }
 
 /// First phase of a two-phase claim: the lease row for attempt 1, unless a row for the
@@ -112,7 +140,7 @@ pub(crate) fn insert_lease_sql(backend: DbBackend) -> Result<String, InboxError>
         "INSERT INTO inbox (message_id, consumer, received_at, attempts, lease_until, claim_token) \
          VALUES (?, ?, ?, 1, ?, ?)",
     )?;
-    Ok(insert + on_inbox_conflict_do_nothing(backend))
+    Ok(insert + on_inbox_conflict_do_nothing(backend)?)
 }
 
 /// The conditions a row must meet for its lease holder to act on it: still this token,
@@ -176,7 +204,7 @@ pub(crate) fn insert_batch_sql(backend: DbBackend, rows: usize) -> Result<String
         template.push_str("(?, ?, ?, ?)");
     }
     let insert = dialect_sql(backend, &template)?;
-    Ok(insert + on_inbox_conflict_do_nothing(backend) + " RETURNING message_id, claim_token")
+    Ok(insert + on_inbox_conflict_do_nothing(backend)? + " RETURNING message_id, claim_token")
 }
 
 /// Counts, through the batch's transaction, the markers it inserted for `rows` ids: the
@@ -202,29 +230,10 @@ pub(crate) fn held_batch_markers_sql(
 const PURGEABLE: &str = "received_at < ? AND (processed_at IS NOT NULL OR lease_until IS NULL)";
 
 /// One purge batch: at most `?` purgeable rows received before `?`, oldest first, in one
-/// statement that walks `ix_inbox_received_at`. Binds: cutoff, batch size.
-///
-/// MySQL/MariaDB cannot use LIMIT in an `IN (subquery)`, but its single-table DELETE takes
-/// ORDER BY and LIMIT itself (a range scan of the index). PostgreSQL plans
-/// `id IN (subquery)` as a hash semi-join over a sequential scan of the whole table (61 ms
-/// per 1000-row batch at 200k rows, measured), so it gets `id = ANY(ARRAY(subquery))`: an
-/// init plan on the index, then primary-key lookups (4 ms). SQLite already looks the ids
-/// up by rowid.
+/// statement that walks `ix_inbox_received_at` (each dialect picks the form its planner
+/// runs as an index walk). Binds: cutoff, batch size.
 pub(crate) fn purge_batch_sql(backend: DbBackend) -> Result<String, InboxError> {
-    let template = match backend {
-        DbBackend::Postgres => format!(
-            "DELETE FROM inbox WHERE id = ANY(ARRAY(\
-             SELECT id FROM inbox WHERE {PURGEABLE} ORDER BY received_at LIMIT ?))"
-        ),
-        DbBackend::MySql => {
-            format!("DELETE FROM inbox WHERE {PURGEABLE} ORDER BY received_at LIMIT ?")
-        }
-        _ => format!(
-            "DELETE FROM inbox WHERE id IN \
-             (SELECT id FROM inbox WHERE {PURGEABLE} ORDER BY received_at LIMIT ?)"
-        ),
-    };
-    dialect_sql(backend, &template)
+    dialect_sql(backend, &dialect(backend)?.purge_batch(PURGEABLE))
 }
 
 /// The newest `received_at` in the inbox (NULL when it is empty), read off
@@ -250,12 +259,20 @@ pub(crate) fn latest_received_at_or_before_sql(backend: DbBackend) -> Result<Str
 /// A UTC timestamp as a bind value the backend stores without loss.
 ///
 /// sqlx sends `DateTime<Utc>` to MySQL/MariaDB typed as TIMESTAMP, which MariaDB turns into
-/// NULL past 2038 even for a `datetime(6)` column; the same instant as a naive UTC DATETIME
-/// is stored exactly. Other backends take the UTC value as it is.
+/// NULL past 2038 even for a `datetime(6)` column; there the same instant goes as a naive
+/// UTC DATETIME and is stored exactly. Other backends take the UTC value as it is.
+///
+/// ```
+/// use sea_orm::{DbBackend, Value};
+/// use sea_orm_inbox::timestamp_value;
+///
+/// let at = chrono::Utc::now();
+/// assert_eq!(timestamp_value(DbBackend::Postgres, at), Value::from(at));
+/// ```
 pub fn timestamp_value(backend: DbBackend, at: DateTime<Utc>) -> Value {
-    match backend {
-        DbBackend::MySql => Value::from(at.naive_utc()),
-        _ => Value::from(at),
+    match dialect(backend) {
+        Ok(dialect) => dialect.timestamp_value(at),
+        Err(_) => Value::from(at),
     }
 }
 
@@ -331,137 +348,18 @@ fn classify_sqlx(err: &sqlx::Error) -> DbErrorKind {
     }
 }
 
+/// Asks each enabled driver's classifier; the one whose error type `db` is answers.
 fn classify_database(db: &dyn DatabaseError) -> DbErrorKind {
-    if let Some(pg) = db.try_downcast_ref::<PgDatabaseError>() {
-        classify_postgres(pg)
-    } else if let Some(mysql) = db.try_downcast_ref::<MySqlDatabaseError>() {
-        classify_mysql(mysql)
-    } else if let Some(sqlite) = db.try_downcast_ref::<SqliteError>() {
-        classify_sqlite(sqlite)
-    } else {
-        DbErrorKind::Other
-    }
-}
-
-fn classify_postgres(err: &PgDatabaseError) -> DbErrorKind {
-    match err.code() {
-        "23505" if err.constraint() == Some(INDEX_NAME) && err.table() == Some(TABLE_NAME) => {
-            DbErrorKind::InboxDuplicate
-        }
-        "23505" => DbErrorKind::OtherUniqueViolation,
-        // serialization_failure, deadlock_detected, lock_not_available
-        "40001" | "40P01" | "55P03" => DbErrorKind::Transient,
-        // admin_shutdown (pg_terminate_backend), crash_shutdown, cannot_connect_now
-        "57P01" | "57P02" | "57P03" => DbErrorKind::Transient,
-        code if code.starts_with("08") => DbErrorKind::Transient,
-        "42P01" if names_inbox_table_pg(err.message()) => DbErrorKind::MissingInboxTable,
-        _ => DbErrorKind::Other,
-    }
-}
-
-fn names_inbox_table_pg(message: &str) -> bool {
-    message.starts_with("relation \"inbox\"") || message.contains(".inbox\" does not exist")
-}
-
-/// MariaDB reports `... for key 'ix_inbox_message_id_consumer'`; MySQL 8.0.19+ writes
-/// `... for key 'inbox.ix_inbox_message_id_consumer'`. The duplicate entry text before it
-/// holds raw UUID bytes, so only the key name at the end is matched.
-fn classify_mysql(err: &MySqlDatabaseError) -> DbErrorKind {
-    const ER_DUP_ENTRY: u16 = 1062;
-    const ER_LOCK_WAIT_TIMEOUT: u16 = 1205;
-    const ER_LOCK_DEADLOCK: u16 = 1213;
-    const ER_NO_SUCH_TABLE: u16 = 1146;
-    const ER_SERVER_SHUTDOWN: u16 = 1053;
-    const ER_CONNECTION_KILLED: u16 = 1927;
-    const ER_QUERY_INTERRUPTED: u16 = 1317;
-    // Galera: "WSREP has not yet prepared node for application use", SQLSTATE 08S01. The
-    // node is outside the primary component (it lost quorum, is joining, or rejects
-    // queries); it serves again once it rejoins. 1047 without 08S01 is "unknown command".
-    const ER_UNKNOWN_COM_ERROR: u16 = 1047;
-    match err.number() {
-        ER_UNKNOWN_COM_ERROR if err.code() == Some("08S01") => DbErrorKind::Transient,
-        ER_DUP_ENTRY if names_inbox_key_mysql(err.message()) => DbErrorKind::InboxDuplicate,
-        ER_DUP_ENTRY => DbErrorKind::OtherUniqueViolation,
-        ER_LOCK_WAIT_TIMEOUT | ER_LOCK_DEADLOCK => DbErrorKind::Transient,
-        ER_SERVER_SHUTDOWN | ER_CONNECTION_KILLED | ER_QUERY_INTERRUPTED => DbErrorKind::Transient,
-        ER_NO_SUCH_TABLE if names_inbox_table_mysql(err.message()) => {
-            DbErrorKind::MissingInboxTable
-        }
-        _ => DbErrorKind::Other,
-    }
-}
-
-fn names_inbox_key_mysql(message: &str) -> bool {
-    let Some(key) = message
-        .rsplit_once(" for key '")
-        .and_then(|(_, rest)| rest.strip_suffix('\''))
-    else {
-        return false;
-    };
-    key == INDEX_NAME || key.strip_prefix("inbox.") == Some(INDEX_NAME)
-}
-
-fn names_inbox_table_mysql(message: &str) -> bool {
-    message.starts_with("Table '") && message.ends_with(".inbox' doesn't exist")
-}
-
-/// SQLite names the columns, not the index: `UNIQUE constraint failed: inbox.message_id,
-/// inbox.consumer`. Only that exact list is the inbox index.
-fn classify_sqlite(err: &SqliteError) -> DbErrorKind {
-    const SQLITE_CONSTRAINT_UNIQUE: &str = "2067";
-    const SQLITE_CONSTRAINT_PRIMARYKEY: &str = "1555";
-    const INBOX_COLUMNS: &str = "UNIQUE constraint failed: inbox.message_id, inbox.consumer";
-    let Some(code) = err.code() else {
-        return DbErrorKind::Other;
-    };
-    match code.as_ref() {
-        SQLITE_CONSTRAINT_UNIQUE if err.message() == INBOX_COLUMNS => DbErrorKind::InboxDuplicate,
-        SQLITE_CONSTRAINT_UNIQUE | SQLITE_CONSTRAINT_PRIMARYKEY => {
-            DbErrorKind::OtherUniqueViolation
-        }
-        // BUSY, LOCKED and their extended codes (BUSY_RECOVERY 261, BUSY_SNAPSHOT 517,
-        // BUSY_TIMEOUT 773, LOCKED_SHAREDCACHE 262, LOCKED_VTAB 518).
-        "5" | "6" | "261" | "517" | "773" | "262" | "518" => DbErrorKind::Transient,
-        "1" if err.message() == "no such table: inbox" => DbErrorKind::MissingInboxTable,
-        _ => DbErrorKind::Other,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn mysql_key_matches_mariadb_and_mysql8_forms_only() {
-        assert!(names_inbox_key_mysql(
-            "Duplicate entry '\u{1}\u{2}-billing' for key 'ix_inbox_message_id_consumer'"
-        ));
-        assert!(names_inbox_key_mysql(
-            "Duplicate entry 'x-billing' for key 'inbox.ix_inbox_message_id_consumer'"
-        ));
-        assert!(!names_inbox_key_mysql(
-            "Duplicate entry 'x-billing' for key 'orders.ix_inbox_message_id_consumer'"
-        ));
-        assert!(!names_inbox_key_mysql(
-            "Duplicate entry 'x' for key 'ix_inbox_message_id_consumer_2'"
-        ));
-        assert!(!names_inbox_key_mysql(
-            "Duplicate entry ' for key 'ix_inbox_message_id_consumer'' for key 'uq_order_no'"
-        ));
-        assert!(!names_inbox_key_mysql(
-            "Duplicate entry 'x' for key 'PRIMARY'"
-        ));
-    }
-
-    #[test]
-    fn missing_table_messages_name_the_inbox_table() {
-        assert!(names_inbox_table_pg("relation \"inbox\" does not exist"));
-        assert!(!names_inbox_table_pg(
-            "relation \"inbox_archive\" does not exist"
-        ));
-        assert!(names_inbox_table_mysql("Table 'test.inbox' doesn't exist"));
-        assert!(!names_inbox_table_mysql(
-            "Table 'test.orders' doesn't exist"
-        ));
-    }
+    let classifiers: &[fn(&dyn DatabaseError) -> Option<DbErrorKind>] = &[
+        #[cfg(feature = "postgres")]
+        postgres::classify,
+        #[cfg(feature = "mysql")]
+        mysql::classify,
+        #[cfg(feature = "sqlite")]
+        sqlite::classify,
+    ];
+    classifiers
+        .iter()
+        .find_map(|classify| classify(db))
+        .unwrap_or(DbErrorKind::Other)
 }
