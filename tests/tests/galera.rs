@@ -227,6 +227,69 @@ async fn claim_message_conflict_across_nodes_is_transient_then_duplicate() {
     galera.cleanup().await;
 }
 
+/// `Inbox::process` meeting the conflict at its own COMMIT: while the handler runs on node
+/// 1, a replica on node 2 claims and commits the same message. The handler's credit was
+/// made, the handler returned `Ok`, and the COMMIT fails with 1213; `process` retries in
+/// a fresh transaction, finds the duplicate, and never reports `Processed`: no credit,
+/// one marker (the winner's).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn process_with_1213_at_commit_retries_and_finds_the_duplicate() {
+    const ROUNDS: usize = 10;
+    let Some(galera) = migrated_galera_db().await else {
+        return;
+    };
+    let (loser_node, winner_node) = (galera.connect(0).await, Arc::new(galera.connect(1).await));
+    create_accounts(&loser_node).await;
+    galera.wait_for_replication(&[0, 1]).await;
+    let inbox = Inbox::new(CONSUMER)
+        .unwrap()
+        .with_retry(RetryPolicy::default().max_attempts(20));
+    for round in 0..ROUNDS {
+        let id = Uuid::new_v4();
+        let winner_committed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let outcome = inbox
+            .process(&loser_node, id, |txn| {
+                let (winner_node, winner_committed) =
+                    (Arc::clone(&winner_node), Arc::clone(&winner_committed));
+                Box::pin(async move {
+                    credit(txn, 1).await?;
+                    if !winner_committed.swap(true, std::sync::atomic::Ordering::SeqCst) {
+                        let winner = winner_node.begin_with_options(CLAIM_TRANSACTION).await?;
+                        let claim = winner.claim_message(id, CONSUMER).await;
+                        assert!(matches!(claim, Ok(Claim::Claimed)), "{claim:?}");
+                        winner.commit().await?;
+                    }
+                    Ok::<_, DbErr>(())
+                })
+            })
+            .await;
+        assert!(
+            matches!(outcome, Ok(Outcome::Duplicate)),
+            "round {round}: {outcome:?}"
+        );
+    }
+    let retries = inbox.metrics().snapshot().transient_retries;
+    println!(
+        "Galera 1213 at process's COMMIT: {ROUNDS} rounds, all Duplicate after {retries} \
+         transient retries"
+    );
+    assert!(retries >= ROUNDS as u64, "each round retried at least once");
+    let reader = causal_reader(&galera, 1).await;
+    assert_eq!(
+        scalar_i64(&reader, "SELECT balance FROM account WHERE id = 1").await,
+        0,
+        "no credit of the losing attempts committed"
+    );
+    assert_eq!(
+        scalar_i64(&reader, "SELECT COUNT(*) FROM inbox").await,
+        ROUNDS as i64
+    );
+    reader.close().await.ok();
+    loser_node.close().await.ok();
+    Arc::try_unwrap(winner_node).unwrap().close().await.ok();
+    galera.cleanup().await;
+}
+
 /// One pump iteration on one node: claim the batch, apply exactly the claimed ids through
 /// the transaction, commit; stop at the first failed statement, and re-run the whole
 /// transaction on a transient failure. Returns the number of transient retries.
