@@ -1,6 +1,6 @@
 //! Claiming many messages for one consumer in one statement (Kafka-style batches).
 
-use crate::backend::{held_batch_markers_sql, insert_batch_sql, timestamp_value};
+use crate::backend::{batch_marker_held_sql, insert_batch_sql, timestamp_value};
 use crate::claim::now_micros;
 use crate::consumer::validate_consumer;
 use crate::{InboxError, MessageId};
@@ -37,7 +37,8 @@ impl BatchClaim {
     }
 
     /// Commits `txn`, the transaction that claimed this batch, after proving it still holds
-    /// every marker it claimed (one read of the inbox index through the transaction).
+    /// the markers it claimed (one read of the inbox index through the transaction: a
+    /// rollback takes all of them or none).
     ///
     /// The database can end a transaction under its caller: MySQL/MariaDB roll it back on
     /// a deadlock or, on Galera, when another node's write set wins a conflict, and then
@@ -50,8 +51,9 @@ impl BatchClaim {
     ///
     /// # Errors
     /// [`InboxError::BatchClaimLost`] (rolled back; nothing of the batch committed) when
-    /// markers are missing or the check itself fails; [`InboxError::Database`] when COMMIT
-    /// fails (a 1213 from a Galera certification conflict is transient: re-run the batch).
+    /// the marker is missing or the check itself fails; [`InboxError::Database`] when
+    /// COMMIT fails (a 1213 from a Galera certification conflict is transient: re-run the
+    /// batch).
     ///
     /// ```
     /// use sea_orm_inbox::prelude::*;
@@ -78,12 +80,20 @@ impl BatchClaim {
             .or(self.already_claimed.first())
             .copied()
             .unwrap_or_else(|| MessageId::from_uuid(Uuid::nil()));
-        if !self.claimed.is_empty() {
-            let sql = held_batch_markers_sql(txn.get_database_backend(), self.claimed.len())?;
-            let held = self.held_markers(&txn, sql).await;
-            if let Some(lost) = self.lost(held) {
+        if let Some(&marker) = self.claimed.first() {
+            let sql = batch_marker_held_sql(txn.get_database_backend())?;
+            let lost = match self.marker_count(&txn, sql, marker).await {
+                Ok(1) => None,
+                Ok(_) => Some(None),
+                Err(err) => Some(Some(err)),
+            };
+            if let Some(source) = lost {
                 txn.rollback().await.ok();
-                return Err(lost);
+                return Err(InboxError::BatchClaimLost {
+                    consumer: self.consumer,
+                    claimed: self.claimed.len(),
+                    source,
+                });
             }
         }
         txn.commit()
@@ -91,32 +101,22 @@ impl BatchClaim {
             .map_err(|err| InboxError::from_claim(err, named, &self.consumer))
     }
 
-    async fn held_markers(&self, txn: &DatabaseTransaction, sql: String) -> Result<i64, DbErr> {
-        let mut values = Vec::with_capacity(self.claimed.len() + 2);
-        values.push(Value::from(self.consumer.as_str()));
-        values.push(Value::from(self.tag));
-        values.extend(self.claimed.iter().map(|id| Value::from(id.as_uuid())));
+    async fn marker_count(
+        &self,
+        txn: &DatabaseTransaction,
+        sql: String,
+        marker: MessageId,
+    ) -> Result<i64, DbErr> {
+        let values = [
+            Value::from(marker.as_uuid()),
+            Value::from(self.consumer.as_str()),
+            Value::from(self.tag),
+        ];
         let backend = txn.get_database_backend();
         txn.query_one_raw(Statement::from_sql_and_values(backend, sql, values))
             .await?
-            .ok_or_else(|| DbErr::RecordNotFound("the count of the batch's markers".into()))?
+            .ok_or_else(|| DbErr::RecordNotFound("the count of the batch's marker".into()))?
             .try_get_by_index(0)
-    }
-
-    /// The error for a batch whose transaction does not hold all its markers, if so.
-    fn lost(&self, held: Result<i64, DbErr>) -> Option<InboxError> {
-        let claimed = self.claimed.len();
-        let (held, source) = match held {
-            Ok(count) if usize::try_from(count) == Ok(claimed) => return None,
-            Ok(count) => (usize::try_from(count).unwrap_or(0), None),
-            Err(err) => (0, Some(err)),
-        };
-        Some(InboxError::BatchClaimLost {
-            consumer: self.consumer.clone(),
-            claimed,
-            held,
-            source,
-        })
     }
 }
 

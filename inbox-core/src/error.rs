@@ -165,13 +165,13 @@ pub enum InboxError {
         attempt: u32,
     },
 
-    /// Before COMMIT, a batch claim's transaction no longer held every marker the batch
+    /// Before COMMIT, a batch claim's transaction no longer held the markers the batch
     /// claimed: the database had already ended the transaction (MySQL/MariaDB roll it back
     /// on a deadlock or a Galera certification conflict, and run later statements outside
     /// it; PostgreSQL aborts it after any failed statement), yet the caller went on.
     /// Nothing of the batch was committed by this transaction.
     #[error(
-        "the transaction claiming a batch of {claimed} messages for consumer {consumer:?} held {held} of their markers before COMMIT: the database had ended it (a deadlock, a Galera certification conflict, or a failed statement on PostgreSQL) and the caller went on{}. Nothing of the batch was committed: re-run the whole batch in a new transaction or nack it, and stop at the first failed statement (on MySQL/MariaDB the statements after the abort ran outside the transaction and committed on their own)",
+        "the transaction claiming a batch of {claimed} messages for consumer {consumer:?} no longer held their markers before COMMIT: the database had ended it (a deadlock, a Galera certification conflict, or a failed statement on PostgreSQL) and the caller went on{}. Nothing of the batch was committed: re-run the whole batch in a new transaction or nack it, and stop at the first failed statement (on MySQL/MariaDB the statements after the abort ran outside the transaction and committed on their own)",
         .source.as_ref().map(|err| format!(" (the check said: {err})")).unwrap_or_default()
     )]
     BatchClaimLost {
@@ -179,10 +179,8 @@ pub enum InboxError {
         consumer: String,
         /// How many ids the batch claimed.
         claimed: usize,
-        /// How many of their markers the transaction still held (0 when the check failed).
-        held: usize,
         /// The error the check met (e.g. 1213 or PostgreSQL's 25P02), if it did not
-        /// simply count too few markers.
+        /// simply find the marker gone.
         #[source]
         source: Option<DbErr>,
     },
@@ -335,7 +333,6 @@ mod tests {
                 InboxError::BatchClaimLost {
                     consumer: "projector".into(),
                     claimed: 3,
-                    held: 0,
                     source: None,
                 }
                 .to_string(),

@@ -458,7 +458,7 @@ async fn statements_after_a_cross_node_abort_commit_on_their_own() {
             commit,
             Err(InboxError::BatchClaimLost {
                 claimed: 3,
-                held: 0,
+                source: None,
                 ..
             })
         ),

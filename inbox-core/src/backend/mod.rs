@@ -207,22 +207,14 @@ pub(crate) fn insert_batch_sql(backend: DbBackend, rows: usize) -> Result<String
     Ok(insert + on_inbox_conflict_do_nothing(backend)? + " RETURNING message_id, claim_token")
 }
 
-/// Counts, through the batch's transaction, the markers it inserted for `rows` ids: the
-/// proof before COMMIT that the transaction still holds them. Walks the inbox index.
-/// Binds: consumer, tag, then the ids.
-pub(crate) fn held_batch_markers_sql(
-    backend: DbBackend,
-    rows: usize,
-) -> Result<String, InboxError> {
-    let mut template = String::with_capacity(96 + rows * 3);
-    template.push_str(
-        "SELECT COUNT(*) FROM inbox WHERE consumer = ? AND claim_token = ? AND message_id IN (",
-    );
-    for row in 0..rows {
-        template.push_str(if row == 0 { "?" } else { ", ?" });
-    }
-    template.push(')');
-    dialect_sql(backend, &template)
+/// Reads, through a batch's transaction, one marker it inserted: the proof before COMMIT
+/// that the transaction still holds its markers (a rollback takes all of them or none).
+/// One probe of the inbox index. Binds: message_id, consumer, tag.
+pub(crate) fn batch_marker_held_sql(backend: DbBackend) -> Result<String, InboxError> {
+    dialect_sql(
+        backend,
+        "SELECT COUNT(*) FROM inbox WHERE message_id = ? AND consumer = ? AND claim_token = ?",
+    )
 }
 
 /// Rows the purge may delete: finished, i.e. not an unfinished two-phase claim (a lease
