@@ -405,7 +405,7 @@ impl Worker {
         }
         let claimed = i64::try_from(claim.claimed.len())?;
         self.credit(&txn, claimed).await?;
-        txn.commit().await?;
+        claim.commit(txn).await?;
         Ok(Done {
             messages: BATCH_IDS as u64,
             claimed: BATCH_IDS as u64,

@@ -1,10 +1,10 @@
 //! Claiming many messages for one consumer in one statement (Kafka-style batches).
 
-use crate::backend::{BatchClaimSql, batch_claim_sql, timestamp_value};
+use crate::backend::{BatchClaimSql, batch_claim_sql, batch_marker_held_sql, timestamp_value};
 use crate::claim::now_micros;
 use crate::consumer::validate_consumer;
 use crate::{InboxError, MessageId};
-use sea_orm::{ConnectionTrait, DbErr, QueryResult, Statement, Value};
+use sea_orm::{ConnectionTrait, DatabaseTransaction, DbErr, QueryResult, Statement, Value};
 use sea_orm_inbox_entity::INDEX_NAME;
 use std::collections::BTreeSet;
 use uuid::Uuid;
@@ -16,19 +16,107 @@ pub const MAX_CLAIM_BATCH: usize = 1000;
 /// The outcome of [`claim_batch`](crate::InboxTransactionExt::claim_batch): which ids this
 /// transaction claimed and which a committed transaction had claimed before. Each list is
 /// sorted and holds every distinct id of the batch exactly once between them.
-#[must_use = "process exactly the `claimed` ids, then commit"]
+///
+/// Commit the work with [`commit`](Self::commit), which first proves the transaction still
+/// holds the claimed markers.
+#[must_use = "process exactly the `claimed` ids, then commit with BatchClaim::commit"]
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct BatchClaim {
     /// Newly claimed by this transaction: process these, then commit.
     pub claimed: Vec<MessageId>,
     /// Claimed before by a committed transaction: skip them (they are done).
     pub already_claimed: Vec<MessageId>,
+    consumer: String,
+    tag: Uuid,
 }
 
 impl BatchClaim {
     /// Whether `id` was newly claimed by this transaction.
     pub fn is_claimed(&self, id: MessageId) -> bool {
         self.claimed.binary_search(&id).is_ok()
+    }
+
+    /// Commits `txn`, the transaction that claimed this batch, after proving it still holds
+    /// the markers it claimed (one read of the inbox index through the transaction: a
+    /// rollback takes all of them or none).
+    ///
+    /// The database can end a transaction under its caller: MySQL/MariaDB roll it back on
+    /// a deadlock or, on Galera, when another node's write set wins a conflict, and then
+    /// run the connection's next statements outside it, each committing on its own;
+    /// PostgreSQL aborts it after any failed statement and answers COMMIT with ROLLBACK.
+    /// A plain `txn.commit()` then succeeds with none of the batch's markers committed,
+    /// and acking the batch would lose it. This check fails instead. It cannot undo
+    /// statements that already ran outside the transaction: stop at the first failed
+    /// statement, never go on after one.
+    ///
+    /// # Errors
+    /// [`InboxError::BatchClaimLost`] (rolled back; nothing of the batch committed) when
+    /// the marker is missing or the check itself fails; [`InboxError::Database`] when
+    /// COMMIT fails (a 1213 from a Galera certification conflict is transient: re-run the
+    /// batch).
+    ///
+    /// ```
+    /// use sea_orm_inbox::prelude::*;
+    /// use sea_orm::TransactionTrait;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    /// # use sea_orm_migration::MigratorTrait;
+    /// # let db = sea_orm::Database::connect("sqlite::memory:").await?;
+    /// # sea_orm_inbox_migration::Migrator::up(&db, None).await?;
+    /// let ids = [uuid::Uuid::new_v4(), uuid::Uuid::new_v4()];
+    /// let txn = db.begin_with_options(CLAIM_TRANSACTION).await?;
+    /// let batch = txn.claim_batch(ids, "projector").await?;
+    /// for id in &batch.claimed {
+    ///     // apply record `id` through `txn`, returning at the first error
+    /// }
+    /// batch.commit(txn).await?; // proves the markers are held, then commits
+    /// # Ok(()) }
+    /// ```
+    pub async fn commit(self, txn: DatabaseTransaction) -> Result<(), InboxError> {
+        let named = self
+            .claimed
+            .first()
+            .or(self.already_claimed.first())
+            .copied()
+            .unwrap_or_else(|| MessageId::from_uuid(Uuid::nil()));
+        if let Some(&marker) = self.claimed.first() {
+            let sql = batch_marker_held_sql(txn.get_database_backend())?;
+            let lost = match self.marker_count(&txn, sql, marker).await {
+                Ok(1) => None,
+                Ok(_) => Some(None),
+                Err(err) => Some(Some(err)),
+            };
+            if let Some(source) = lost {
+                txn.rollback().await.ok();
+                return Err(InboxError::BatchClaimLost {
+                    consumer: self.consumer,
+                    claimed: self.claimed.len(),
+                    source,
+                });
+            }
+        }
+        txn.commit()
+            .await
+            .map_err(|err| InboxError::from_claim(err, named, &self.consumer))
+    }
+
+    async fn marker_count(
+        &self,
+        txn: &DatabaseTransaction,
+        sql: String,
+        marker: MessageId,
+    ) -> Result<i64, DbErr> {
+        let values = [
+            Value::from(marker.as_uuid()),
+            Value::from(self.consumer.as_str()),
+            Value::from(self.tag),
+        ];
+        let backend = txn.get_database_backend();
+        txn.query_one_raw(Statement::from_sql_and_values(backend, sql, values))
+            .await?
+            .ok_or_else(|| DbErr::RecordNotFound("the count of the batch's marker".into()))?
+            .try_get_by_index(0)
     }
 }
 
@@ -209,6 +297,8 @@ fn sort_out(
     Ok(BatchClaim {
         claimed,
         already_claimed,
+        consumer: consumer.to_owned(),
+        tag,
     })
 }
 

@@ -256,9 +256,10 @@ pub trait InboxTransactionExt: sealed::Sealed {
     /// lock index entries in the same order (no deadlock between them). A row that exists
     /// for an id leaves it unchanged and raises nothing (`ON CONFLICT DO NOTHING`; MySQL:
     /// `ON DUPLICATE KEY UPDATE consumer = consumer`), so the transaction stays usable:
-    /// process the `claimed` ids through this transaction, then commit. An id another open
-    /// transaction holds makes the statement wait for it, as
-    /// [`claim_message`](Self::claim_message) does.
+    /// process the `claimed` ids through this transaction, stopping at the first failed
+    /// statement, then commit with [`BatchClaim::commit`](crate::BatchClaim::commit), which
+    /// refuses a transaction the database has already ended. An id another open transaction
+    /// holds makes the statement wait for it, as [`claim_message`](Self::claim_message) does.
     ///
     /// PostgreSQL and SQLite learn the inserted rows from `INSERT ... RETURNING`; MySQL 8 has
     /// no `RETURNING`, so the MySQL family (MariaDB too) reads this consumer's rows of the
@@ -299,13 +300,13 @@ pub trait InboxTransactionExt: sealed::Sealed {
     /// for id in &batch.claimed {
     ///     // apply record `id` through `txn`
     /// }
-    /// txn.commit().await?;
     /// assert_eq!(batch.claimed.len(), 2);
+    /// batch.commit(txn).await?;
     ///
     /// let txn = db.begin_with_options(CLAIM_TRANSACTION).await?;
     /// let again = txn.claim_batch(ids, "projector").await?;
     /// assert!(again.claimed.is_empty() && again.already_claimed.len() == 2);
-    /// txn.commit().await?;
+    /// again.commit(txn).await?; // nothing newly claimed: a plain commit
     /// # Ok(()) }
     /// ```
     fn claim_batch<I>(

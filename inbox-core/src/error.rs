@@ -184,6 +184,26 @@ pub enum InboxError {
         source: Option<DbErr>,
     },
 
+    /// Before COMMIT, a batch claim's transaction no longer held the markers the batch
+    /// claimed: the database had already ended the transaction (MySQL/MariaDB roll it back
+    /// on a deadlock or a Galera certification conflict, and run later statements outside
+    /// it; PostgreSQL aborts it after any failed statement), yet the caller went on.
+    /// Nothing of the batch was committed by this transaction.
+    #[error(
+        "the transaction claiming a batch of {claimed} messages for consumer {consumer:?} no longer held their markers before COMMIT: the database had ended it (a deadlock, a Galera certification conflict, or a failed statement on PostgreSQL) and the caller went on{}. Nothing of the batch was committed: re-run the whole batch in a new transaction or nack it, and stop at the first failed statement (on MySQL/MariaDB the statements after the abort ran outside the transaction and committed on their own)",
+        .source.as_ref().map(|err| format!(" (the check said: {err})")).unwrap_or_default()
+    )]
+    BatchClaimLost {
+        /// The consumer of the batch.
+        consumer: String,
+        /// How many ids the batch claimed.
+        claimed: usize,
+        /// The error the check met (e.g. 1213 or PostgreSQL's 25P02), if it did not
+        /// simply find the marker gone.
+        #[source]
+        source: Option<DbErr>,
+    },
+
     /// A claim lock timeout outside the accepted range.
     #[error(
         "a claim lock timeout of {timeout:?} is outside {min:?}..={max:?}: a claim another replica holds means that replica is on the message, so wait briefly and let the broker redeliver"
@@ -248,6 +268,7 @@ impl InboxError {
             | Self::Database { source, .. }
             | Self::Query { source, .. } => Some(source),
             Self::ClaimLost { source, .. } => source.as_ref(),
+            Self::BatchClaimLost { source, .. } => source.as_ref(),
             Self::EmptyConsumer
             | Self::ConsumerNotTrimmed { .. }
             | Self::ConsumerTooLong { .. }
@@ -341,6 +362,15 @@ mod tests {
             (
                 database(DbErr::Custom("permission denied".into())),
                 "Nack the message",
+            ),
+            (
+                InboxError::BatchClaimLost {
+                    consumer: "projector".into(),
+                    claimed: 3,
+                    source: None,
+                }
+                .to_string(),
+                "re-run the whole batch in a new transaction or nack it",
             ),
         ];
         for (message, instruction) in cases {

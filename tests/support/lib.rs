@@ -25,6 +25,8 @@
 //!    or pass `needs(inbox_galera, "set INBOX_TEST_GALERA_URLS")` to the macros;
 //! 3. in the test, read the variable and panic if it is missing (that happens only under
 //!    `--ignored`): never return early, which would report a test that ran nothing as ok.
+//!
+//! The Galera suite reads `INBOX_TEST_GALERA_URLS` (see [`migrated_galera_db`]).
 
 use sea_orm::{
     ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DbBackend, Statement,
@@ -35,12 +37,14 @@ use sea_orm_inbox_migration::Migrator;
 use sea_orm_migration::MigratorTrait;
 use std::time::Duration;
 
+mod galera;
 mod proxy;
 mod stream;
+pub use galera::{GALERA_URLS_VAR, GaleraDb, galera_script, migrated_galera_db};
 pub use proxy::LostReplyProxy;
 pub use stream::{
     Broker, BrokerStats, HandlerError, Plan, Report, STREAM_CONSUMER, XorShift,
-    assert_exactly_once, create_effects, run_replicas,
+    assert_exactly_once, create_effects, run_replicas, run_replicas_on,
 };
 
 /// The database servers a test can run on.

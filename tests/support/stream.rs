@@ -301,6 +301,20 @@ pub async fn run_replicas(
     replicas: usize,
     timeout: Duration,
 ) -> Report {
+    let mut pools = Vec::with_capacity(replicas);
+    for _ in 0..replicas {
+        pools.push(db.connect().await);
+    }
+    run_replicas_on(pools, broker, plan, timeout).await
+}
+
+/// [`run_replicas`] with one replica per given pool (e.g. one per cluster node).
+pub async fn run_replicas_on(
+    pools: Vec<DatabaseConnection>,
+    broker: &Arc<Broker>,
+    plan: &Plan,
+    timeout: Duration,
+) -> Report {
     let retry = RetryPolicy::default()
         .max_attempts(10)
         .backoff(Duration::from_millis(10), Duration::from_secs(2));
@@ -309,8 +323,7 @@ pub async fn run_replicas(
     let failing = Arc::new(plan.failing.clone());
     let failed_once = Arc::new(Mutex::new(HashSet::new()));
     let mut tasks = Vec::new();
-    for replica in 0..replicas {
-        let conn = db.connect().await;
+    for (replica, conn) in pools.into_iter().enumerate() {
         let inbox = Inbox::new(STREAM_CONSUMER)
             .expect("valid consumer")
             .with_retry(retry);

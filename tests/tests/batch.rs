@@ -3,7 +3,7 @@
 //! union is every id exactly once.
 
 use inbox_tests::{Backend, migrated_db, on_every_backend, on_pgbouncer, run, scalar_i64};
-use sea_orm::{DatabaseConnection, TransactionTrait};
+use sea_orm::{ConnectionTrait, DatabaseConnection, TransactionTrait};
 use sea_orm_inbox::prelude::*;
 use sea_orm_inbox::{DbErrorKind, MAX_CLAIM_BATCH, classify};
 use std::collections::BTreeSet;
@@ -20,10 +20,12 @@ async fn claim_and_commit(db: &DatabaseConnection, ids: &[Uuid]) -> BatchClaim {
         let txn = db.begin_with_options(CLAIM_TRANSACTION).await.unwrap();
         match txn.claim_batch(ids.iter().copied(), CONSUMER).await {
             Ok(batch) => {
-                txn.commit()
+                let claimed = batch.clone();
+                batch
+                    .commit(txn)
                     .await
                     .unwrap_or_else(|err| panic!("commit of a claimed batch failed: {err:?}"));
-                return batch;
+                return claimed;
             }
             Err(err)
                 if err
@@ -245,7 +247,46 @@ async fn two_rows_of_the_batch_colliding_on_another_key_fail_the_batch(backend: 
     );
 }
 
+/// `BatchClaim::commit` returns `Ok` only when the batch's markers committed. A caller
+/// that ignores a failed statement: PostgreSQL has aborted the transaction (and a plain
+/// COMMIT would answer ROLLBACK without an error), so the commit is refused; MySQL/MariaDB
+/// and SQLite keep the transaction after an ordinary failed statement, so it commits. (The
+/// Galera suite shows the MariaDB case where the server ends the transaction.)
+async fn batch_commit_is_ok_only_when_the_markers_committed(backend: Backend) {
+    let db = migrated_db(backend).await;
+    let conn = db.connect().await;
+    let txn = conn.begin_with_options(CLAIM_TRANSACTION).await.unwrap();
+    let batch = txn
+        .claim_batch([Uuid::new_v4(), Uuid::new_v4()], CONSUMER)
+        .await
+        .unwrap();
+    assert_eq!(batch.claimed.len(), 2);
+    txn.execute_unprepared("SELECT * FROM no_such_table")
+        .await
+        .expect_err("a statement that fails, and that the caller ignores");
+    let committed = batch.commit(txn).await;
+    let markers = scalar_i64(&conn, "SELECT COUNT(*) FROM inbox").await;
+    match committed {
+        Ok(()) => assert_eq!(markers, 2, "Ok means both markers committed"),
+        Err(err) => {
+            assert!(
+                matches!(err, InboxError::BatchClaimLost { claimed: 2, .. }),
+                "{err}"
+            );
+            assert_eq!(markers, 0, "refused: nothing committed");
+        }
+    }
+    assert_eq!(
+        markers == 0,
+        backend == Backend::Postgres,
+        "only PostgreSQL aborts the transaction at a failed statement"
+    );
+    conn.close().await.ok();
+    db.cleanup().await;
+}
+
 on_every_backend!(
+    batch_commit_is_ok_only_when_the_markers_committed,
     another_consumers_row_on_another_key_fails_the_batch,
     two_rows_of_the_batch_colliding_on_another_key_fail_the_batch,
     overlapping_batches_from_two_replicas_have_disjoint_winners,

@@ -354,6 +354,16 @@ fn push_placeholder_list(sql: &mut String, rows: usize, item: &str) {
     }
 }
 
+/// Reads, through a batch's transaction, one marker it inserted: the proof before COMMIT
+/// that the transaction still holds its markers (a rollback takes all of them or none).
+/// One probe of the inbox index. Binds: message_id, consumer, tag.
+pub(crate) fn batch_marker_held_sql(backend: DbBackend) -> Result<String, InboxError> {
+    dialect_sql(
+        backend,
+        "SELECT COUNT(*) FROM inbox WHERE message_id = ? AND consumer = ? AND claim_token = ?",
+    )
+}
+
 /// Rows the purge may delete: finished, i.e. not an unfinished two-phase claim (a lease
 /// without `processed_at`, parked or not).
 const PURGEABLE: &str = "received_at < ? AND (processed_at IS NOT NULL OR lease_until IS NULL)";
@@ -423,7 +433,8 @@ pub enum DbErrorKind {
     /// never a duplicate delivery.
     OtherUniqueViolation,
     /// A failure that a fresh transaction may not meet again: serialization failure,
-    /// deadlock, lock wait timeout, SQLite busy/locked, or a lost connection.
+    /// deadlock (on Galera also a certification conflict), lock wait timeout, SQLite
+    /// busy/locked, a lost connection, or a Galera node outside the primary component.
     Transient,
     /// The inbox table does not exist: the migration has not run.
     MissingInboxTable,

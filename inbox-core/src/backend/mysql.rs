@@ -66,8 +66,13 @@ pub(super) fn classify(db: &dyn DatabaseError) -> Option<DbErrorKind> {
     const ER_SERVER_SHUTDOWN: u16 = 1053;
     const ER_CONNECTION_KILLED: u16 = 1927;
     const ER_QUERY_INTERRUPTED: u16 = 1317;
+    // Galera: "WSREP has not yet prepared node for application use", SQLSTATE 08S01. The
+    // node is outside the primary component (it lost quorum, is joining, or rejects
+    // queries); it serves again once it rejoins. 1047 without 08S01 is "unknown command".
+    const ER_UNKNOWN_COM_ERROR: u16 = 1047;
     let err = db.try_downcast_ref::<MySqlDatabaseError>()?;
     Some(match err.number() {
+        ER_UNKNOWN_COM_ERROR if err.code() == Some("08S01") => DbErrorKind::Transient,
         ER_DUP_ENTRY if names_inbox_key(err.message()) => DbErrorKind::InboxDuplicate,
         ER_DUP_ENTRY => DbErrorKind::OtherUniqueViolation,
         ER_LOCK_WAIT_TIMEOUT | ER_LOCK_DEADLOCK => DbErrorKind::Transient,
