@@ -1,27 +1,5 @@
-//! Exactly-once effects for SeaORM message handlers: the transactional inbox.
-//!
-//! Brokers deliver at least once. Claim each message in the same transaction as the
-//! handler's writes, and the database's unique index decides which delivery (or which
-//! replica) does the work:
-//!
-//! ```no_run
-//! use sea_orm_inbox::prelude::*;
-//! use sea_orm::{DatabaseConnection, TransactionTrait};
-//!
-//! # async fn handle(db: &DatabaseConnection, message_id: uuid::Uuid) -> Result<(), Box<dyn std::error::Error>> {
-//! let txn = db.begin().await?;
-//! match txn.claim_message(message_id, "billing.credit").await? {
-//!     Claim::Claimed => {
-//!         // business writes through `txn`, never through `db`
-//!         txn.commit().await?;
-//!     }
-//!     Claim::Duplicate => txn.rollback().await?,
-//! }
-//! // acknowledge the message in both cases
-//! # Ok(()) }
-//! ```
-//!
-//! The table comes from the `sea-orm-inbox-migration` crate; its entity from `sea-orm-inbox-entity`.
+#![doc = include_str!("../README.md")]
+#![warn(missing_docs)]
 
 #[cfg(not(any(feature = "postgres", feature = "mysql", feature = "sqlite")))]
 compile_error!("enable at least one of sea-orm-inbox's backend features: postgres, mysql, sqlite");
