@@ -1,7 +1,7 @@
 use crate::backend::{CLAIM_TRANSACTION, DbErrorKind, classify};
 use crate::claim::insert_marker;
 use crate::consumer::validate_consumer;
-use crate::metrics::{Counter, InboxMetrics};
+use crate::metrics::{Counter, InboxMetrics, facade};
 use crate::{Claim, InboxError, MessageId, Outcome, ProcessError, RetryPolicy};
 use sea_orm::{DatabaseConnection, DatabaseTransaction, DbErr, TransactionTrait};
 use std::any::Any;
@@ -208,6 +208,7 @@ impl Inbox {
 
     async fn before_retry(&self, attempt: u32, cause: &(dyn Display + Sync)) {
         self.metrics.count(Counter::TransientRetry);
+        facade::transient_retry(&self.consumer);
         tracing::debug!(attempt, error = %cause, "transient database failure; retrying in a fresh transaction");
         tokio::time::sleep(self.retry.delay_before(attempt + 1)).await;
     }
@@ -226,7 +227,10 @@ impl Inbox {
             .begin_with_options(CLAIM_TRANSACTION)
             .await
             .map_err(|err| self.database_failure(message_id, err))?;
-        match insert_marker(&txn, message_id, &self.consumer).await {
+        let claim_started = Instant::now();
+        let claim = insert_marker(&txn, message_id, &self.consumer).await;
+        facade::claim_wait(&self.consumer, claim_started.elapsed());
+        match claim {
             Ok(Claim::Claimed) => {}
             Ok(Claim::Duplicate) => {
                 // Nothing to keep; a failed rollback only means the connection is gone.
@@ -273,6 +277,7 @@ impl Inbox {
             Err(ProcessError::RetriesExhausted { .. }) => (Counter::Failure, "retries_exhausted"),
         };
         self.metrics.count(counter);
+        facade::settled(&self.consumer, outcome, started.elapsed());
         let span = tracing::Span::current();
         span.record("outcome", outcome);
         span.record("attempts", attempts);

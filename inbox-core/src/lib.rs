@@ -28,7 +28,7 @@ pub use lease::{
     list_dead_claims, list_expired_leases, release_lease,
 };
 pub use message_id::{MESSAGE_ID_NAMESPACE, MessageId};
-pub use metrics::{InboxMetrics, MetricsSnapshot};
+pub use metrics::{InboxMetrics, MetricsSnapshot, metric_names};
 pub use outcome::{Outcome, ProcessError, Settlement};
 pub use retention::{
     BrokerRedelivery, PurgeReport, Purger, PurgerSummary, RetentionPolicy, purge, spawn_purger,

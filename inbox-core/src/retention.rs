@@ -6,6 +6,7 @@ use crate::backend::{
     purge_batch_sql, timestamp_value,
 };
 use crate::claim::now_micros;
+use crate::metrics::facade;
 use chrono::{DateTime, TimeDelta, Utc};
 use sea_orm::{ConnectionTrait, DatabaseConnection, Statement, Value};
 use std::time::Duration;
@@ -351,6 +352,7 @@ async fn purge_until(
             report.rows += deleted;
             report.batches += 1;
             report.largest_batch = report.largest_batch.max(deleted);
+            facade::purged(deleted);
         }
         if deleted < batch_size || stop() {
             return Ok(report);
