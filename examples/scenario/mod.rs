@@ -179,11 +179,25 @@ impl Fate {
         }
     }
 
+    /// Whether the replica has begun crashing: it settles nothing from now on. A crashing
+    /// replica that receives no further delivery must still die, or what it withheld is
+    /// never redelivered (see [`CRASH_WHEN_IDLE`]).
+    pub fn is_crashing(&self) -> bool {
+        self.acks_left == Some(0)
+    }
+
     /// Whether the replica has crashed: it must drop its connection now.
     pub fn is_dead(&self) -> bool {
         self.acks_left == Some(0) && self.unacked_left == 0
     }
 }
+
+/// How long a crashing replica waits for its next delivery before it dies with fewer
+/// withheld deliveries than the plan asked for. A broker that redelivers only when the
+/// connection goes away (RabbitMQ) sends nothing more to a replica that holds its whole
+/// prefetch window unacked, or once the other replica has taken every other copy; waiting
+/// for more would leave the withheld copies unacked for good.
+pub const CRASH_WHEN_IDLE: Duration = Duration::from_millis(500);
 
 /// The state of one run, shared by the publisher and both replicas.
 pub struct Demo {

@@ -3,7 +3,7 @@
 //! prefetch window; one replica closes its connection with deliveries committed but not
 //! acked, and RabbitMQ redelivers them (and its unprocessed prefetch) to the other.
 
-use super::{BoxError, Demo, Fate, Plan, Publication, Report};
+use super::{BoxError, CRASH_WHEN_IDLE, Demo, Fate, Plan, Publication, Report};
 use futures_util::StreamExt;
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions, BasicQosOptions,
@@ -153,6 +153,7 @@ impl Replica {
                     Some(delivery) => delivery?,
                     None => return Err("RabbitMQ cancelled the consumer".into()),
                 },
+                () = tokio::time::sleep(CRASH_WHEN_IDLE), if fate.is_crashing() => break,
             };
             let id = delivery
                 .properties
