@@ -2,6 +2,7 @@
 //! "account" the quickstart credits, and [`scenario`], the real-broker demos that the
 //! `rabbitmq` and `nats` examples run and the broker tests call.
 
+pub mod metrics_demo;
 pub mod scenario;
 
 /// The README's code blocks, compiled as doctests of this crate (its dependencies include

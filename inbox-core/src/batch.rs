@@ -152,7 +152,9 @@ pub(crate) async fn insert_batch<C: ConnectionTrait>(
 ) -> Result<BatchClaim, InboxError> {
     let ids = ids?;
     let backend = conn.get_database_backend();
-    let first = ids[0];
+    let Some(&first) = ids.first() else {
+        return Err(InboxError::EmptyBatch);
+    };
     let fail = |err: DbErr| InboxError::from_claim(err, first, consumer);
     // The tag tells this call's rows from the ones a committed transaction wrote before.
     let tag = Uuid::new_v4();

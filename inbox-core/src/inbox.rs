@@ -1,7 +1,7 @@
 use crate::backend::{CLAIM_TRANSACTION, DbErrorKind, ProcessMarker, classify};
 use crate::claim::{ensure_marker_held, insert_marker, marker_token};
 use crate::consumer::validate_consumer;
-use crate::metrics::{Counter, InboxMetrics};
+use crate::metrics::{Counter, InboxMetrics, facade};
 use crate::{Claim, InboxError, MessageId, Outcome, ProcessError, RetryPolicy};
 use sea_orm::{DatabaseConnection, DatabaseTransaction, DbErr, TransactionTrait};
 use std::any::Any;
@@ -312,6 +312,7 @@ impl Inbox {
 
     async fn before_retry(&self, attempt: u32, cause: &(dyn Display + Sync)) {
         self.metrics.count(Counter::TransientRetry);
+        facade::transient_retry(&self.consumer);
         tracing::debug!(attempt, error = %cause, "transient database failure; retrying in a fresh transaction");
         tokio::time::sleep(self.retry.delay_before(attempt + 1)).await;
     }
@@ -335,7 +336,10 @@ impl Inbox {
             token: call.token,
             lock_wait: self.lock_timeout,
         };
-        let claimed = match insert_marker(&txn, message_id, &self.consumer, Some(process)).await {
+        let claim_started = Instant::now();
+        let claim = insert_marker(&txn, message_id, &self.consumer, Some(process)).await;
+        facade::claim_wait(&self.consumer, claim_started.elapsed());
+        let claimed = match claim {
             Ok(Claim::Claimed(claimed)) => {
                 // An earlier attempt's COMMIT did not land after all (or there was none).
                 call.in_doubt = None;
@@ -418,6 +422,7 @@ impl Inbox {
             Err(ProcessError::RetriesExhausted { .. }) => (Counter::Failure, "retries_exhausted"),
         };
         self.metrics.count(counter);
+        facade::settled(&self.consumer, outcome, started.elapsed());
         let span = tracing::Span::current();
         span.record("outcome", outcome);
         span.record("attempts", attempts);

@@ -1,27 +1,5 @@
-//! Exactly-once effects for SeaORM message handlers: the transactional inbox.
-//!
-//! Brokers deliver at least once. Claim each message in the same transaction as the
-//! handler's writes, and the database's unique index decides which delivery (or which
-//! replica) does the work:
-//!
-//! ```no_run
-//! use sea_orm_inbox::prelude::*;
-//! use sea_orm::{DatabaseConnection, TransactionTrait};
-//!
-//! # async fn handle(db: &DatabaseConnection, message_id: uuid::Uuid) -> Result<(), Box<dyn std::error::Error>> {
-//! let txn = db.begin_with_options(CLAIM_TRANSACTION).await?;
-//! match txn.claim_message(message_id, "billing.credit").await? {
-//!     Claim::Claimed(claimed) => {
-//!         // business writes through `txn`, never through `db`
-//!         claimed.commit(txn).await?; // proves the marker is still held, then commits
-//!     }
-//!     Claim::Duplicate => txn.rollback().await?,
-//! }
-//! // acknowledge the message in both cases
-//! # Ok(()) }
-//! ```
-//!
-//! The table comes from the `sea-orm-inbox-migration` crate; its entity from `sea-orm-inbox-entity`.
+#![doc = include_str!("../README.md")]
+#![warn(missing_docs)]
 
 #[cfg(not(any(feature = "postgres", feature = "mysql", feature = "sqlite")))]
 compile_error!("enable at least one of sea-orm-inbox's backend features: postgres, mysql, sqlite");
@@ -51,7 +29,7 @@ pub use lease::{
     claim_lease_with_token, complete_lease, list_dead_claims, list_expired_leases, release_lease,
 };
 pub use message_id::{MESSAGE_ID_NAMESPACE, MessageId};
-pub use metrics::{InboxMetrics, MetricsSnapshot};
+pub use metrics::{InboxMetrics, MetricsSnapshot, metric_names};
 pub use outcome::{Outcome, ProcessError, Settlement};
 pub use pooler::for_transaction_pooler;
 pub use retention::{

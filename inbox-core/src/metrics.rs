@@ -66,3 +66,79 @@ impl InboxMetrics {
         }
     }
 }
+
+/// The names under which the crate reports through the [`metrics`](https://docs.rs/metrics)
+/// facade when its `metrics` feature is on, after OpenTelemetry's messaging conventions
+/// where one fits. A Prometheus exporter writes the dots as underscores
+/// (`messaging_process_duration`).
+///
+/// ```
+/// use sea_orm_inbox::metric_names;
+///
+/// assert_eq!(metric_names::CONSUMED_MESSAGES, "messaging.client.consumed.messages");
+/// ```
+pub mod metric_names {
+    /// Counter: deliveries that `Inbox::process` settled, labelled by
+    /// [`CONSUMER_LABEL`] and [`OUTCOME_LABEL`] (`processed`, `duplicate`,
+    /// `handler_error`, `failed`, `retries_exhausted`).
+    pub const CONSUMED_MESSAGES: &str = "messaging.client.consumed.messages";
+    /// Histogram, seconds: one `Inbox::process` call from start to settlement, retries
+    /// included, labelled by [`CONSUMER_LABEL`] and [`OUTCOME_LABEL`].
+    pub const PROCESS_DURATION: &str = "messaging.process.duration";
+    /// Histogram, seconds: how long the claim (the marker INSERT) of one attempt took,
+    /// which is mostly the wait behind another replica holding the same message. Labelled
+    /// by [`CONSUMER_LABEL`].
+    pub const CLAIM_WAIT: &str = "inbox.claim.wait.duration";
+    /// Counter: attempts restarted after a transient database failure, labelled by
+    /// [`CONSUMER_LABEL`].
+    pub const TRANSIENT_RETRIES: &str = "inbox.transient_retries";
+    /// Counter: inbox rows deleted by the retention purge.
+    pub const PURGED_ROWS: &str = "inbox.purge.deleted_rows";
+    /// Label: the consumer name (OpenTelemetry's consumer group).
+    pub const CONSUMER_LABEL: &str = "messaging.consumer.group.name";
+    /// Label: how the delivery was settled.
+    pub const OUTCOME_LABEL: &str = "inbox.outcome";
+}
+
+/// Reports to the `metrics` facade; without the `metrics` feature every call is a no-op the
+/// compiler removes, so callers never look at the feature.
+#[cfg(feature = "metrics")]
+pub(crate) mod facade {
+    use super::metric_names::*;
+    use std::time::Duration;
+
+    pub(crate) fn settled(consumer: &str, outcome: &'static str, took: Duration) {
+        let labels = [
+            (CONSUMER_LABEL, consumer.to_owned()),
+            (OUTCOME_LABEL, outcome.to_owned()),
+        ];
+        metrics::counter!(CONSUMED_MESSAGES, &labels).increment(1);
+        metrics::histogram!(PROCESS_DURATION, &labels).record(took.as_secs_f64());
+    }
+
+    pub(crate) fn claim_wait(consumer: &str, took: Duration) {
+        metrics::histogram!(CLAIM_WAIT, CONSUMER_LABEL => consumer.to_owned())
+            .record(took.as_secs_f64());
+    }
+
+    pub(crate) fn transient_retry(consumer: &str) {
+        metrics::counter!(TRANSIENT_RETRIES, CONSUMER_LABEL => consumer.to_owned()).increment(1);
+    }
+
+    pub(crate) fn purged(rows: u64) {
+        metrics::counter!(PURGED_ROWS).increment(rows);
+    }
+}
+
+#[cfg(not(feature = "metrics"))]
+pub(crate) mod facade {
+    use std::time::Duration;
+
+    pub(crate) fn settled(_consumer: &str, _outcome: &'static str, _took: Duration) {}
+
+    pub(crate) fn claim_wait(_consumer: &str, _took: Duration) {}
+
+    pub(crate) fn transient_retry(_consumer: &str) {}
+
+    pub(crate) fn purged(_rows: u64) {}
+}

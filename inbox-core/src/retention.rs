@@ -6,6 +6,7 @@ use crate::backend::{
     purge_batch_sql, timestamp_value,
 };
 use crate::claim::now_micros;
+use crate::metrics::facade;
 use crate::pooler::in_own_transaction;
 use chrono::{DateTime, TimeDelta, Utc};
 use sea_orm::{ConnectionTrait, DatabaseConnection, Statement, Value};
@@ -614,6 +615,7 @@ async fn purge_until(
             report.rows += deleted;
             report.batches += 1;
             report.largest_batch = report.largest_batch.max(deleted);
+            facade::purged(deleted);
         }
         if deleted < batch || stop.requested() {
             return Ok(report);

@@ -1,19 +1,5 @@
-//! The SeaORM entity for the transactional inbox table.
-//!
-//! One row records that `consumer` has claimed `message_id`. The pair is unique (index
-//! [`INDEX_NAME`]); the surrogate `id` keeps InnoDB's clustered index append-only, which a
-//! random UUID primary key would fragment.
-//!
-//! Most applications never touch this entity directly: `sea-orm-inbox` writes the markers.
-//! It is public so that dashboards, admin tools and tests can read the table with SeaORM.
-//!
-//! ```
-//! use sea_orm_inbox_entity::{inbox, INDEX_NAME, TABLE_NAME};
-//! use sea_orm::EntityName;
-//!
-//! assert_eq!(inbox::Entity.table_name(), TABLE_NAME);
-//! assert_eq!(INDEX_NAME, "ix_inbox_message_id_consumer");
-//! ```
+#![doc = include_str!("../README.md")]
+#![warn(missing_docs)]
 
 /// Name of the inbox table.
 pub const TABLE_NAME: &str = "inbox";
