@@ -428,10 +428,10 @@ async fn dropped_purger_stops_after_its_current_batch(backend: Backend) {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let remaining = count(&conn).await;
     assert_eq!(remaining, last, "the dropped purger kept deleting");
+    let old_left = remaining - 1;
     assert!(
-        remaining - 1 >= OLD / 2,
-        "only {} of {OLD} old rows left: the dropped purger went on after its batch",
-        remaining - 1
+        old_left >= OLD / 2,
+        "only {old_left} of {OLD} old rows left: the dropped purger went on after its batch"
     );
     conn.close().await.ok();
     db.cleanup().await;
