@@ -26,7 +26,7 @@ trap cleanup EXIT
 INBOX_TEST_PGBOUNCER_URL=$("$HERE/pgbouncer.sh" start)
 export INBOX_TEST_PGBOUNCER_URL
 echo "== PgBouncer (transaction pooling): $INBOX_TEST_PGBOUNCER_URL"
-cargo test -p inbox-tests --test claim --test process --test lease --test batch \
+cargo test -p inbox-tests --test claim --test process --test lease --test batch --test lock_wait \
     --test retention pgbouncer::
 
 echo "== PostgreSQL failover behind HAProxy (synchronous, asynchronous, standby down)"

@@ -7,17 +7,17 @@
 //! with the busy timeout, which the library does not change; `process.rs` covers both
 //! (`transient_lock_failures_are_retried_in_a_fresh_transaction`).
 
-use inbox_tests::{Backend, create_accounts, credit, hold_claim_then_roll_back, migrated_db};
-use sea_orm::{ConnectionTrait, Statement};
+use inbox_tests::{
+    Backend, create_accounts, credit, hold_claim_then_roll_back, migrated_db, on_pgbouncer,
+};
+use sea_orm::{ConnectionTrait, Statement, TransactionTrait};
 use sea_orm_inbox::prelude::*;
 use sea_orm_inbox::{DbErrorKind, classify};
 use std::time::{Duration, Instant};
 use uuid::Uuid;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[cfg_attr(not(inbox_postgres), ignore = "set INBOX_TEST_POSTGRES_URL")]
-async fn postgres_held_claim_ends_as_transient_within_the_lock_timeout() {
-    let db = migrated_db(Backend::Postgres).await;
+async fn held_claim_ends_as_transient_within_the_lock_timeout(backend: Backend) {
+    let db = migrated_db(backend).await;
     let replica = db.connect_with(1).await;
     create_accounts(&replica).await;
     let id = Uuid::new_v4();
@@ -60,18 +60,23 @@ async fn postgres_held_claim_ends_as_transient_within_the_lock_timeout() {
     );
 
     // The pool's only connection is back, usable, and its session setting untouched:
-    // the bound was SET LOCAL, so it ended with the claim transaction.
-    let setting = tokio::time::timeout(
-        Duration::from_secs(10),
-        replica.query_one_raw(Statement::from_string(
-            replica.get_database_backend(),
-            "SHOW lock_timeout",
-        )),
-    )
+    // the bound was SET LOCAL, so it ended with the claim transaction (through PgBouncer:
+    // no server connection it lends out keeps it).
+    let setting = tokio::time::timeout(Duration::from_secs(10), async {
+        let txn = replica.begin().await.expect("begin");
+        let row = txn
+            .query_one_raw(Statement::from_string(
+                replica.get_database_backend(),
+                "SHOW lock_timeout",
+            ))
+            .await
+            .expect("SHOW lock_timeout")
+            .expect("one row");
+        txn.commit().await.expect("commit");
+        row
+    })
     .await
-    .expect("the pooled connection is free")
-    .expect("SHOW lock_timeout")
-    .expect("one row");
+    .expect("the pooled connection is free");
     assert_eq!(
         setting.try_get_by_index::<String>(0).expect("text"),
         "0",
@@ -80,6 +85,17 @@ async fn postgres_held_claim_ends_as_transient_within_the_lock_timeout() {
     holder.abort();
     db.cleanup().await;
 }
+
+mod postgres {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    #[cfg_attr(not(inbox_postgres), ignore = "set INBOX_TEST_POSTGRES_URL")]
+    async fn held_claim_ends_as_transient_within_the_lock_timeout() {
+        super::held_claim_ends_as_transient_within_the_lock_timeout(inbox_tests::Backend::Postgres)
+            .await
+    }
+}
+
+on_pgbouncer!(held_claim_ends_as_transient_within_the_lock_timeout);
 
 #[test]
 fn lock_timeouts_outside_the_bounds_are_refused() {
