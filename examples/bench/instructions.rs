@@ -17,7 +17,7 @@ use std::process::Command;
 use std::sync::Arc;
 
 /// The modes counted, the floor first.
-const MODES: [Mode; 3] = [Mode::Raw, Mode::Claim, Mode::Process];
+const MODES: [Mode; 4] = [Mode::Raw, Mode::ClaimUnchecked, Mode::Claim, Mode::Process];
 
 /// Instructions per message of each counted mode.
 #[derive(Debug)]
@@ -103,7 +103,9 @@ pub async fn count_only(run: &str) -> Result<(), BoxError> {
     let mode = MODES
         .into_iter()
         .find(|mode| mode.name() == name)
-        .ok_or_else(|| format!("--count-only counts raw, claim or process, not {name}"))?;
+        .ok_or_else(|| {
+            format!("--count-only counts raw, claim_unchecked, claim or process, not {name}")
+        })?;
     let count: u64 = count.parse()?;
     let mut options = ConnectOptions::new("sqlite::memory:");
     options

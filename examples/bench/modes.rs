@@ -25,8 +25,12 @@ pub enum Mode {
     Raw,
     /// `raw` in plain sqlx, without SeaORM: shows SeaORM's own cost, not ours.
     Sqlx,
-    /// Through `txn.claim_message`.
+    /// Through `txn.claim_message`, committed with `ClaimedMessage::commit` (which
+    /// proves the marker is still held before COMMIT).
     Claim,
+    /// `claim_message`, then a plain `txn.commit()` without the proof: counted by
+    /// `--instructions` only, to price the proof.
+    ClaimUnchecked,
     /// Through the high-level `Inbox::process`.
     Process,
     /// The marker INSERT inside a SAVEPOINT (a nested SeaORM transaction).
@@ -100,6 +104,7 @@ impl Mode {
             Mode::Raw => "raw",
             Mode::Sqlx => "sqlx",
             Mode::Claim => "claim",
+            Mode::ClaimUnchecked => "claim_unchecked",
             Mode::Process => "process",
             Mode::Savepoint => "savepoint",
             Mode::OnConflict => "on_conflict",
@@ -224,6 +229,7 @@ impl Worker {
             Mode::Raw => self.raw().await,
             Mode::Sqlx => self.sqlx().await,
             Mode::Claim => self.claim().await,
+            Mode::ClaimUnchecked => self.claim_unchecked().await,
             Mode::Savepoint => self.savepoint().await,
             Mode::OnConflict => self.on_conflict().await,
             Mode::Duplicate => self.duplicate().await,
@@ -321,6 +327,18 @@ impl Worker {
             Claim::Claimed(claimed) => {
                 self.credit(&txn, 1).await?;
                 claimed.commit(txn).await?;
+                Ok(Done::CLAIMED_ONE)
+            }
+            Claim::Duplicate => Err("a fresh message id was reported as a duplicate".into()),
+        }
+    }
+
+    async fn claim_unchecked(&self) -> Result<Done, BoxError> {
+        let txn = self.begin().await?;
+        match txn.claim_message(Uuid::new_v4(), CONSUMER).await? {
+            Claim::Claimed(_unproven) => {
+                self.credit(&txn, 1).await?;
+                txn.commit().await?;
                 Ok(Done::CLAIMED_ONE)
             }
             Claim::Duplicate => Err("a fresh message id was reported as a duplicate".into()),
