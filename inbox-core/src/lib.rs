@@ -31,6 +31,7 @@ pub use lease::{
 pub use message_id::{MESSAGE_ID_NAMESPACE, MessageId};
 pub use metrics::{InboxMetrics, MetricsSnapshot, metric_names};
 pub use outcome::{Outcome, ProcessError, Settlement};
+#[cfg(feature = "postgres")]
 pub use pooler::for_transaction_pooler;
 pub use retention::{
     BrokerRedelivery, PurgePacing, PurgeReport, Purger, PurgerSummary, RetentionPolicy, purge,

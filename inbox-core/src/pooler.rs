@@ -11,7 +11,9 @@
 //! of its own ([`in_own_transaction`]), and [`for_transaction_pooler`] turns off the
 //! statement cache, whose names would outlive the transaction that created them.
 
-use sea_orm::{ConnectOptions, DatabaseConnection, DatabaseTransaction, DbErr, TransactionTrait};
+#[cfg(feature = "postgres")]
+use sea_orm::ConnectOptions;
+use sea_orm::{DatabaseConnection, DatabaseTransaction, DbErr, TransactionTrait};
 
 /// Configures a SeaORM pool for PostgreSQL behind a pooler in transaction mode (PgBouncer
 /// `pool_mode = transaction`): it turns off sqlx's prepared-statement cache, so no client
@@ -25,7 +27,7 @@ use sea_orm::{ConnectOptions, DatabaseConnection, DatabaseTransaction, DbErr, Tr
 /// every statement with bound values must run inside a transaction (outside one it fails
 /// with `26000 prepared statement "sqlx_s_N" does not exist`, never silently): the
 /// inbox's own functions do; run migrations in one transaction (as below) or on a direct
-/// connection. Other backends ignore the setting.
+/// connection. Other backends ignore the setting. Needs the crate's `postgres` feature.
 ///
 /// ```no_run
 /// use sea_orm::{ConnectOptions, Database, TransactionTrait};
@@ -42,6 +44,7 @@ use sea_orm::{ConnectOptions, DatabaseConnection, DatabaseTransaction, DbErr, Tr
 /// txn.commit().await?;
 /// # Ok(()) }
 /// ```
+#[cfg(feature = "postgres")]
 pub fn for_transaction_pooler(options: &mut ConnectOptions) -> &mut ConnectOptions {
     options.map_sqlx_postgres_opts(|postgres| postgres.statement_cache_capacity(0))
 }
