@@ -26,7 +26,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .await?;
     let (first, second) = outcome?;
     println!("postgres-only: first claim {first:?}, second claim {second:?}");
-    if (first, second) != (Claim::Claimed, Claim::Duplicate) {
+    if (first, second) != ("Claimed", "Duplicate") {
         return Err("expected Claimed, then Duplicate".into());
     }
     Ok(())
@@ -34,14 +34,22 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
 async fn claim_twice(
     db: &sea_orm::DatabaseConnection,
-) -> Result<(Claim, Claim), Box<dyn std::error::Error>> {
+) -> Result<(&'static str, &'static str), Box<dyn std::error::Error>> {
     sea_orm_inbox_migration::Migrator::up(db, None).await?;
     let id = uuid::Uuid::new_v4();
     let mut claims = Vec::new();
     for _ in 0..2 {
         let txn = db.begin_with_options(CLAIM_TRANSACTION).await?;
-        claims.push(txn.claim_message(id, "postgres-only").await?);
-        txn.commit().await?;
+        match txn.claim_message(id, "postgres-only").await? {
+            Claim::Claimed(claimed) => {
+                claimed.commit(txn).await?;
+                claims.push("Claimed");
+            }
+            Claim::Duplicate => {
+                txn.rollback().await?;
+                claims.push("Duplicate");
+            }
+        }
     }
     Ok((claims[0], claims[1]))
 }

@@ -14,11 +14,19 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut claims = Vec::new();
     for _ in 0..2 {
         let txn = db.begin_with_options(CLAIM_TRANSACTION).await?;
-        claims.push(txn.claim_message(id, "sqlite-only").await?);
-        txn.commit().await?;
+        match txn.claim_message(id, "sqlite-only").await? {
+            Claim::Claimed(claimed) => {
+                claimed.commit(txn).await?;
+                claims.push("Claimed");
+            }
+            Claim::Duplicate => {
+                txn.rollback().await?;
+                claims.push("Duplicate");
+            }
+        }
     }
     println!("sqlite-only: claims {claims:?}");
-    if claims != [Claim::Claimed, Claim::Duplicate] {
+    if claims != ["Claimed", "Duplicate"] {
         return Err("expected Claimed, then Duplicate".into());
     }
     Ok(())
