@@ -292,6 +292,17 @@ pub async fn credit(conn: &impl ConnectionTrait, amount: i64) -> Result<(), sea_
     .map(|_| ())
 }
 
+/// One delivery of `id` through `inbox.process` whose handler credits account 1 by one.
+pub async fn credit_once(
+    inbox: &sea_orm_inbox::Inbox,
+    db: &DatabaseConnection,
+    id: uuid::Uuid,
+) -> Result<sea_orm_inbox::Outcome<()>, sea_orm_inbox::ProcessError<sea_orm::DbErr>> {
+    inbox
+        .process(db, id, |txn| Box::pin(async move { credit(txn, 1).await }))
+        .await
+}
+
 /// A pool of one connection whose lock waits give up quickly, so a claim blocked by
 /// another transaction fails with the backend's transient lock error.
 pub async fn impatient_replica(db: &TestDb) -> DatabaseConnection {

@@ -11,7 +11,7 @@
 
 use inbox_tests::{
     Broker, GaleraDb, Plan, XorShift, assert_exactly_once, create_accounts, create_effects, credit,
-    galera_script, migrated_galera_db, run, run_replicas_on, scalar_i64, stmt,
+    credit_once, galera_script, migrated_galera_db, run, run_replicas_on, scalar_i64, stmt,
 };
 use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend, DbErr, TransactionTrait};
 use sea_orm_inbox::prelude::*;
@@ -267,11 +267,7 @@ async fn process_with_1213_at_commit_retries_and_finds_the_duplicate() {
             Ok(Outcome::Duplicate) => {}
             Err(ProcessError::Inbox(InboxError::ClaimLost { .. })) => {
                 claims_lost += 1;
-                let redelivery = inbox
-                    .process(&loser_node, id, |txn| {
-                        Box::pin(async move { credit(txn, 1).await })
-                    })
-                    .await;
+                let redelivery = credit_once(&inbox, &loser_node, id).await;
                 assert!(
                     matches!(redelivery, Ok(Outcome::Duplicate)),
                     "round {round}: the redelivery after ClaimLost: {redelivery:?}"

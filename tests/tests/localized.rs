@@ -10,7 +10,7 @@
 //! translated texts of PostgreSQL 15's catalogues instead.
 
 use inbox_tests::{
-    Backend, TestDb, create_accounts, credit, fresh_db, migrated_db, run, scalar_i64,
+    Backend, TestDb, create_accounts, credit_once, fresh_db, migrated_db, run, scalar_i64,
 };
 use sea_orm::{ConnectionTrait, DatabaseConnection, DbErr, TransactionTrait};
 use sea_orm_inbox::prelude::*;
@@ -58,11 +58,7 @@ async fn mysql_duplicates_are_duplicates_in_every_language() {
         let inbox = Inbox::new(format!("billing.{language}")).expect("valid name");
         let id = Uuid::new_v4();
         for expected_duplicate in [false, true] {
-            let result = inbox
-                .process(&conn, id, |txn| {
-                    Box::pin(async move { credit(txn, 1).await })
-                })
-                .await;
+            let result = credit_once(&inbox, &conn, id).await;
             match (&result, expected_duplicate) {
                 (Ok(Outcome::Processed(())), false) | (Ok(Outcome::Duplicate), true) => {}
                 (other, _) => panic!(

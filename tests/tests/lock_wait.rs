@@ -8,7 +8,7 @@
 //! (`transient_lock_failures_are_retried_in_a_fresh_transaction`).
 
 use inbox_tests::{
-    Backend, create_accounts, credit, hold_claim_then_roll_back, migrated_db, on_pgbouncer,
+    Backend, create_accounts, credit_once, hold_claim_then_roll_back, migrated_db, on_pgbouncer,
 };
 use sea_orm::{ConnectionTrait, Statement, TransactionTrait};
 use sea_orm_inbox::prelude::*;
@@ -35,11 +35,7 @@ async fn held_claim_ends_as_transient_within_the_lock_timeout(backend: Backend) 
                 .backoff(Duration::from_millis(10), Duration::from_millis(50)),
         );
     let started = Instant::now();
-    let result = inbox
-        .process(&replica, id, |txn| {
-            Box::pin(async move { credit(txn, 1).await })
-        })
-        .await;
+    let result = credit_once(&inbox, &replica, id).await;
     let waited = started.elapsed();
     match &result {
         Err(ProcessError::RetriesExhausted {

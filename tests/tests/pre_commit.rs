@@ -5,7 +5,8 @@
 //! callers of `claim_message` the same proof.
 
 use inbox_tests::{
-    Backend, TestDb, create_accounts, credit, migrated_db, on_every_backend, run, scalar_i64,
+    Backend, TestDb, create_accounts, credit, credit_once, migrated_db, on_every_backend, run,
+    scalar_i64,
 };
 use sea_orm::{ConnectionTrait, DatabaseConnection, DbErr, RuntimeErr, TransactionTrait, sqlx};
 use sea_orm_inbox::prelude::*;
@@ -15,16 +16,6 @@ use std::time::{Duration, Instant};
 use uuid::Uuid;
 
 const CONSUMER: &str = "billing.credit";
-
-async fn credit_once(
-    inbox: &Inbox,
-    db: &DatabaseConnection,
-    id: Uuid,
-) -> Result<Outcome<()>, ProcessError<DbErr>> {
-    inbox
-        .process(db, id, |txn| Box::pin(async move { credit(txn, 1).await }))
-        .await
-}
 
 /// The SQLSTATE of a database error, if it is one.
 fn sql_state(err: &DbErr) -> Option<String> {

@@ -3,8 +3,8 @@
 //! retried in a fresh transaction, exhaustion names its cause, and the metrics count it all.
 
 use inbox_tests::{
-    Backend, create_accounts, credit, hold_claim_then_roll_back, impatient_replica, migrated_db,
-    on_every_backend, on_pgbouncer, run, scalar_i64,
+    Backend, create_accounts, credit, credit_once, hold_claim_then_roll_back, impatient_replica,
+    migrated_db, on_every_backend, on_pgbouncer, run, scalar_i64,
 };
 use sea_orm::{ConnAcquireErr, ConnectionTrait, DatabaseConnection, DbErr};
 use sea_orm_inbox::prelude::*;
@@ -13,16 +13,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 use uuid::Uuid;
-
-async fn credit_once(
-    inbox: &Inbox,
-    db: &DatabaseConnection,
-    id: Uuid,
-) -> Result<Outcome<()>, ProcessError<DbErr>> {
-    inbox
-        .process(db, id, |txn| Box::pin(async move { credit(txn, 1).await }))
-        .await
-}
 
 async fn replicas_process_each_message_once(backend: Backend) {
     let db = migrated_db(backend).await;
