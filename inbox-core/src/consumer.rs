@@ -1,15 +1,23 @@
 use crate::{InboxError, MessageId};
 use sea_orm_inbox_entity::CONSUMER_MAX_CHARS;
 
-/// Checks a consumer name before it reaches SQL: non-empty, no surrounding white space
-/// (MySQL's PAD SPACE comparison would make "billing" and "billing " one consumer), and no
-/// longer than the column.
+/// Checks a consumer name before it reaches SQL, so that a name is valid on every backend
+/// or on none: non-empty, no surrounding white space (MySQL's PAD SPACE comparison would
+/// make "billing" and "billing " one consumer), no NUL (PostgreSQL cannot store it in
+/// text, so every claim would fail), and no longer than the column counts: `varchar(200)`
+/// counts characters on PostgreSQL and on MySQL/MariaDB (utf8mb4); SQLite enforces no
+/// length, and gets the same bound so that a name moves between backends.
 pub(crate) fn validate_consumer(consumer: &str) -> Result<(), InboxError> {
     if consumer.trim().is_empty() {
         return Err(InboxError::EmptyConsumer);
     }
     if consumer.trim() != consumer {
         return Err(InboxError::ConsumerNotTrimmed {
+            consumer: consumer.to_owned(),
+        });
+    }
+    if consumer.contains('\0') {
+        return Err(InboxError::ConsumerContainsNul {
             consumer: consumer.to_owned(),
         });
     }
@@ -48,6 +56,16 @@ mod tests {
             ));
         }
         assert!(validate_consumer("billing credit").is_ok());
+    }
+
+    #[test]
+    fn rejects_names_holding_nul() {
+        for name in ["billing\0", "\0billing", "bill\0ing"] {
+            assert!(matches!(
+                validate_consumer(name),
+                Err(InboxError::ConsumerContainsNul { consumer }) if consumer == name
+            ));
+        }
     }
 
     #[test]

@@ -6,8 +6,10 @@ use std::time::Duration;
 /// Everything that can go wrong when claiming a message.
 ///
 /// Input errors ([`EmptyConsumer`](Self::EmptyConsumer),
-/// [`ConsumerNotTrimmed`](Self::ConsumerNotTrimmed), [`ConsumerTooLong`](Self::ConsumerTooLong), [`NilMessageId`](Self::NilMessageId)) are
-/// returned before any SQL runs. Database failures keep the original [`DbErr`] so the
+/// [`ConsumerNotTrimmed`](Self::ConsumerNotTrimmed),
+/// [`ConsumerContainsNul`](Self::ConsumerContainsNul),
+/// [`ConsumerTooLong`](Self::ConsumerTooLong), [`NilMessageId`](Self::NilMessageId),
+/// [`ValueOutOfRange`](Self::ValueOutOfRange)) are returned before any SQL runs. Database failures keep the original [`DbErr`] so the
 /// caller can inspect it; [`crate::classify`] tells transient ones from the rest.
 ///
 /// ```
@@ -30,6 +32,15 @@ pub enum InboxError {
         "the consumer name {consumer:?} starts or ends with white space, which MySQL/MariaDB ignore when comparing: trim it"
     )]
     ConsumerNotTrimmed {
+        /// The rejected name.
+        consumer: String,
+    },
+
+    /// The consumer name holds a NUL character, which PostgreSQL cannot store in text.
+    #[error(
+        "the consumer name {consumer:?} holds a NUL character, which PostgreSQL cannot store: remove it"
+    )]
+    ConsumerContainsNul {
         /// The rejected name.
         consumer: String,
     },
@@ -144,6 +155,21 @@ pub enum InboxError {
         min: Duration,
         /// The longest lease accepted.
         max: Duration,
+    },
+
+    /// A number larger than the library or the inbox table can hold (an attempt count
+    /// above the 32-bit `attempts` column, a listing limit above SQL's 64-bit LIMIT, a
+    /// retry backoff above [`crate::RetryPolicy::MAX_BACKOFF`]).
+    #[error("{what} is {value}, more than the largest accepted, {max}: {advice}")]
+    ValueOutOfRange {
+        /// What the value is.
+        what: &'static str,
+        /// The rejected value.
+        value: String,
+        /// The largest value accepted.
+        max: String,
+        /// What to choose instead.
+        advice: &'static str,
     },
 
     /// A maximum attempt count of zero.
@@ -271,6 +297,7 @@ impl InboxError {
             Self::BatchClaimLost { source, .. } => source.as_ref(),
             Self::EmptyConsumer
             | Self::ConsumerNotTrimmed { .. }
+            | Self::ConsumerContainsNul { .. }
             | Self::ConsumerTooLong { .. }
             | Self::NilMessageId
             | Self::UnsupportedBackend { .. }
@@ -280,6 +307,7 @@ impl InboxError {
             | Self::EmptyBatch
             | Self::BatchTooLarge { .. }
             | Self::LeaseOutOfRange { .. }
+            | Self::ValueOutOfRange { .. }
             | Self::ZeroMaxAttempts
             | Self::StaleLease { .. }
             | Self::LockTimeoutOutOfRange { .. }
@@ -333,6 +361,13 @@ mod tests {
                 "use a shorter",
             ),
             (InboxError::NilMessageId.to_string(), "derive it from"),
+            (
+                InboxError::ConsumerContainsNul {
+                    consumer: "bill\0ing".into(),
+                }
+                .to_string(),
+                "remove it",
+            ),
             (
                 InboxError::MissingTable {
                     source: DbErr::Custom("no such table: inbox".into()),
