@@ -5,7 +5,7 @@ use crate::backend::{
 use crate::batch::{BatchClaim, insert_batch, sorted_batch};
 use crate::consumer::validate_claim;
 use crate::{InboxError, MessageId};
-use chrono::{DurationRound, TimeDelta, Utc};
+use chrono::Utc;
 use sea_orm::{
     ColumnTrait, ConnectionTrait, DatabaseTransaction, DbErr, EntityTrait, QueryFilter, QuerySelect,
 };
@@ -238,7 +238,8 @@ pub trait InboxTransactionExt: sealed::Sealed {
     /// and [`crate::Inbox::process`] answer the same.
     ///
     /// # Errors
-    /// - [`InboxError::EmptyConsumer`], [`InboxError::ConsumerTooLong`],
+    /// - [`InboxError::EmptyConsumer`], [`InboxError::ConsumerNotTrimmed`],
+    ///   [`InboxError::ConsumerContainsNul`], [`InboxError::ConsumerTooLong`],
     ///   [`InboxError::NilMessageId`] before any SQL runs;
     /// - [`InboxError::MissingTable`] when the migration has not run;
     /// - [`InboxError::Database`] for every other failure, including a unique violation on
@@ -440,7 +441,5 @@ fn claim_failure(err: DbErr, message_id: MessageId, consumer: &str) -> Result<Cl
 /// The current UTC time cut to microseconds, the precision every backend stores, so a
 /// value read back equals the value written.
 pub(crate) fn now_micros() -> chrono::DateTime<Utc> {
-    let now = Utc::now();
-    now.duration_trunc(TimeDelta::microseconds(1))
-        .unwrap_or(now)
+    crate::clock::truncate_to_micros(Utc::now())
 }

@@ -7,6 +7,7 @@ compile_error!("enable at least one of sea-orm-inbox's backend features: postgre
 mod backend;
 mod batch;
 mod claim;
+mod clock;
 mod consumer;
 mod error;
 mod inbox;
