@@ -2,11 +2,12 @@
 //! charge, a blob write): claim and commit, call the side effect, then complete.
 
 use crate::backend::{
-    CLAIM_TRANSACTION, DbErrorKind, classify, complete_lease_sql, insert_lease_sql, park_lease_sql,
-    release_lease_sql, take_over_lease_sql, timestamp_value,
+    CLAIM_TRANSACTION, DbErrorKind, classify, complete_lease_sql, consumer_is, insert_lease_sql,
+    park_lease_sql, release_lease_sql, take_over_lease_sql, timestamp_value,
 };
 use crate::claim::now_micros;
-use crate::consumer::validate_claim;
+use crate::clock::truncate_to_micros;
+use crate::consumer::{validate_claim, validate_consumer};
 use crate::pooler::in_own_transaction;
 use crate::{InboxError, MessageId};
 use chrono::{DateTime, TimeDelta, Utc};
@@ -50,6 +51,8 @@ impl LeaseOptions {
     /// Attempts a claim gets unless [`with_max_attempts`](Self::with_max_attempts) says
     /// otherwise.
     pub const DEFAULT_MAX_ATTEMPTS: u32 = 5;
+    /// The most attempts accepted: what the 32-bit `attempts` column holds.
+    pub const MAX_ATTEMPTS: u32 = i32::MAX as u32;
 
     /// Leases of `lease`, with [`DEFAULT_MAX_ATTEMPTS`](Self::DEFAULT_MAX_ATTEMPTS).
     ///
@@ -73,10 +76,19 @@ impl LeaseOptions {
     /// Parks a claim as dead when its lease expires on attempt `max_attempts`.
     ///
     /// # Errors
-    /// [`InboxError::ZeroMaxAttempts`] for 0.
+    /// [`InboxError::ZeroMaxAttempts`] for 0; [`InboxError::ValueOutOfRange`] above
+    /// [`MAX_ATTEMPTS`](Self::MAX_ATTEMPTS), a count the `attempts` column cannot hold.
     pub fn with_max_attempts(self, max_attempts: u32) -> Result<Self, InboxError> {
         if max_attempts == 0 {
             return Err(InboxError::ZeroMaxAttempts);
+        }
+        if max_attempts > Self::MAX_ATTEMPTS {
+            return Err(InboxError::ValueOutOfRange {
+                what: "max_attempts",
+                value: max_attempts.to_string(),
+                max: Self::MAX_ATTEMPTS.to_string(),
+                advice: "the inbox's attempts column is 32-bit; park a claim after a handful of attempts",
+            });
         }
         Ok(Self {
             max_attempts,
@@ -94,11 +106,16 @@ impl LeaseOptions {
         self.max_attempts
     }
 
+    /// When a lease taken at `now` expires, as the `lease_until` column stores it: a lease
+    /// that is not a whole number of microseconds would otherwise report an expiry the
+    /// database never stored, and a retry with the same token a different `Lease`.
     fn expiry(&self, now: DateTime<Utc>) -> DateTime<Utc> {
         // `new` bounds the lease to a year, so both conversions succeed.
         let lease = TimeDelta::from_std(self.lease).unwrap_or(TimeDelta::MAX);
-        now.checked_add_signed(lease)
-            .unwrap_or(DateTime::<Utc>::MAX_UTC)
+        truncate_to_micros(
+            now.checked_add_signed(lease)
+                .unwrap_or(DateTime::<Utc>::MAX_UTC),
+        )
     }
 }
 
@@ -626,7 +643,14 @@ pub struct ExpiredLease {
 /// it over, or parks it after the last attempt) when it can rebuild the message; the
 /// broker's redelivery does the same otherwise.
 ///
+/// The consumer name is compared exactly on every backend (MySQL/MariaDB's PAD SPACE
+/// collation does not make "mailer" list the rows of "mailer ").
+///
 /// # Errors
+/// A consumer name every claim refuses, as for `claim_message`
+/// ([`InboxError::EmptyConsumer`], [`InboxError::ConsumerNotTrimmed`],
+/// [`InboxError::ConsumerContainsNul`], [`InboxError::ConsumerTooLong`]);
+/// [`InboxError::ValueOutOfRange`] for a `limit` above `i64::MAX`;
 /// [`InboxError::Query`] when the database fails.
 ///
 /// ```
@@ -676,7 +700,7 @@ pub async fn list_expired_leases(
 /// (with `None`) for all.
 ///
 /// # Errors
-/// [`InboxError::Query`] when the database fails.
+/// As [`list_expired_leases`].
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")]
@@ -711,7 +735,7 @@ pub async fn list_dead_claims(
 }
 
 /// Rows matching `condition` (and `consumer`, if given), ordered by `order` then id;
-/// a failure is reported as `operation`.
+/// a failure is reported as `operation`. The input is checked before any SQL runs.
 async fn list_rows(
     db: &DatabaseConnection,
     condition: sea_orm::sea_query::Expr,
@@ -720,9 +744,18 @@ async fn list_rows(
     limit: u64,
     operation: &'static str,
 ) -> Result<Vec<inbox::Model>, InboxError> {
+    if i64::try_from(limit).is_err() {
+        return Err(InboxError::ValueOutOfRange {
+            what: "the listing limit",
+            value: limit.to_string(),
+            max: i64::MAX.to_string(),
+            advice: "list in pages of at most a few thousand rows",
+        });
+    }
     let mut query = inbox::Entity::find().filter(condition);
     if let Some(consumer) = consumer {
-        query = query.filter(inbox::Column::Consumer.eq(consumer));
+        validate_consumer(consumer)?;
+        query = query.filter(consumer_is(db.get_database_backend(), consumer)?);
     }
     let query = query
         .order_by_asc(order)
@@ -731,4 +764,33 @@ async fn list_rows(
     in_own_transaction(db, async |txn| query.all(txn).await)
         .await
         .map_err(|source| InboxError::Query { operation, source })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chrono::Timelike;
+
+    #[test]
+    fn refuses_more_attempts_than_the_column_holds() {
+        let options = LeaseOptions::new(Duration::from_secs(30)).expect("a valid lease");
+        let most = options
+            .with_max_attempts(LeaseOptions::MAX_ATTEMPTS)
+            .expect("i32::MAX fits the column");
+        assert_eq!(most.max_attempts(), 2_147_483_647);
+        for over in [LeaseOptions::MAX_ATTEMPTS + 1, u32::MAX] {
+            assert!(matches!(
+                options.with_max_attempts(over),
+                Err(InboxError::ValueOutOfRange { what: "max_attempts", value, .. })
+                    if value == over.to_string()
+            ));
+        }
+    }
+
+    #[test]
+    fn expiry_is_cut_to_the_microseconds_the_column_stores() {
+        let options = LeaseOptions::new(Duration::from_nanos(30_000_000_500)).expect("valid");
+        let expiry = options.expiry(now_micros());
+        assert_eq!(expiry.nanosecond() % 1_000, 0, "{expiry:?}");
+    }
 }

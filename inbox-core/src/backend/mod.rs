@@ -8,11 +8,14 @@
 
 use crate::{InboxError, MessageId};
 use chrono::{DateTime, Utc};
+use sea_orm::sea_query::Expr;
 use sea_orm::sqlx;
 use sea_orm::sqlx::error::DatabaseError;
 use sea_orm::{
-    DbBackend, DbErr, RuntimeErr, SqliteTransactionMode, Statement, TransactionOptions, Value,
+    ColumnTrait, DbBackend, DbErr, RuntimeErr, SqliteTransactionMode, Statement,
+    TransactionOptions, Value,
 };
+use sea_orm_inbox_entity::inbox;
 use std::time::Duration;
 use uuid::Uuid;
 
@@ -101,6 +104,12 @@ trait Dialect: Sync {
     /// `at` as a bind value the database stores without loss.
     fn timestamp_value(&self, at: DateTime<Utc>) -> Value {
         Value::from(at)
+    }
+
+    /// The condition "the row's consumer is exactly `consumer`", for a query that filters
+    /// by the given name.
+    fn consumer_is(&self, consumer: &str) -> Expr {
+        inbox::Column::Consumer.eq(consumer)
     }
 }
 
@@ -413,6 +422,12 @@ pub fn timestamp_value(backend: DbBackend, at: DateTime<Utc>) -> Value {
         Ok(dialect) => dialect.timestamp_value(at),
         Err(_) => Value::from(at),
     }
+}
+
+/// The condition "the row's consumer is exactly `consumer`" on `backend`: no two names
+/// match each other, even where the column's collation pads trailing spaces.
+pub(crate) fn consumer_is(backend: DbBackend, consumer: &str) -> Result<Expr, InboxError> {
+    Ok(dialect(backend)?.consumer_is(consumer))
 }
 
 /// What a database error means for a message handler.

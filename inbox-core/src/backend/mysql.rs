@@ -4,6 +4,7 @@
 use super::{DbErrorKind, Dialect};
 use chrono::{DateTime, Utc};
 use sea_orm::Value;
+use sea_orm::sea_query::Expr;
 use sea_orm::sqlx::error::DatabaseError;
 use sea_orm::sqlx::mysql::MySqlDatabaseError;
 use sea_orm_inbox_entity::INDEX_NAME;
@@ -50,6 +51,13 @@ impl Dialect for MySql {
     /// DATETIME is stored exactly.
     fn timestamp_value(&self, at: DateTime<Utc>) -> Value {
         Value::from(at.naive_utc())
+    }
+
+    /// The `consumer` column's `utf8mb4_bin` collation is PAD SPACE: `'mailer ' =
+    /// 'mailer'` holds. Compared as binary strings, trailing spaces count, as they do on
+    /// PostgreSQL and SQLite.
+    fn consumer_is(&self, consumer: &str) -> Expr {
+        Expr::cust_with_values("CAST(`consumer` AS BINARY) = ?", [consumer])
     }
 }
 
