@@ -1,3 +1,4 @@
+use crate::InboxError;
 use std::collections::hash_map::RandomState;
 use std::hash::{BuildHasher, Hasher};
 use std::time::Duration;
@@ -16,8 +17,9 @@ use std::time::Duration;
 ///
 /// let policy = RetryPolicy::default()
 ///     .max_attempts(8)
-///     .backoff(Duration::from_millis(5), Duration::from_millis(500));
+///     .backoff(Duration::from_millis(5), Duration::from_millis(500))?;
 /// assert_eq!(policy.attempts(), 8);
+/// # Ok::<(), sea_orm_inbox::InboxError>(())
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RetryPolicy {
@@ -49,11 +51,31 @@ impl RetryPolicy {
         self
     }
 
-    /// The backoff cap before the second attempt, and the cap it doubles up to.
-    pub fn backoff(mut self, initial: Duration, max: Duration) -> Self {
+    /// The longest backoff accepted: a minute. A retry belongs to one delivery, which the
+    /// broker redelivers elsewhere once its lock or visibility timeout runs out; sleeping
+    /// longer only holds the message.
+    pub const MAX_BACKOFF: Duration = Duration::from_secs(60);
+
+    /// The backoff cap before the second attempt, and the cap it doubles up to (raised to
+    /// `initial` when smaller).
+    ///
+    /// # Errors
+    /// [`InboxError::ValueOutOfRange`] when `initial` or `max` exceeds
+    /// [`MAX_BACKOFF`](Self::MAX_BACKOFF).
+    pub fn backoff(mut self, initial: Duration, max: Duration) -> Result<Self, InboxError> {
+        for backoff in [initial, max] {
+            if backoff > Self::MAX_BACKOFF {
+                return Err(InboxError::ValueOutOfRange {
+                    what: "the retry backoff",
+                    value: format!("{backoff:?}"),
+                    max: format!("{:?}", Self::MAX_BACKOFF),
+                    advice: "back off for milliseconds to seconds, and let the broker redeliver a message that keeps failing",
+                });
+            }
+        }
         self.initial_backoff = initial;
         self.max_backoff = max.max(initial);
-        self
+        Ok(self)
     }
 
     /// Total attempts, the first one included.
@@ -85,8 +107,9 @@ mod tests {
 
     #[test]
     fn backoff_grows_and_stays_under_the_cap() {
-        let policy =
-            RetryPolicy::default().backoff(Duration::from_millis(10), Duration::from_millis(40));
+        let policy = RetryPolicy::default()
+            .backoff(Duration::from_millis(10), Duration::from_millis(40))
+            .expect("a short backoff");
         for _ in 0..100 {
             assert!(policy.delay_before(2) <= Duration::from_millis(10));
             assert!(policy.delay_before(3) <= Duration::from_millis(20));
@@ -95,6 +118,28 @@ mod tests {
         let spread: std::collections::HashSet<_> =
             (0..20).map(|_| policy.delay_before(4)).collect();
         assert!(spread.len() > 1, "jittered");
+    }
+
+    #[test]
+    fn refuses_a_backoff_above_the_maximum() {
+        let over = RetryPolicy::MAX_BACKOFF + Duration::from_nanos(1);
+        for (initial, max) in [
+            (Duration::from_millis(10), Duration::MAX),
+            (Duration::MAX, Duration::from_millis(10)),
+            (over, over),
+        ] {
+            assert!(matches!(
+                RetryPolicy::default().backoff(initial, max),
+                Err(InboxError::ValueOutOfRange {
+                    what: "the retry backoff",
+                    ..
+                })
+            ));
+        }
+        let longest = RetryPolicy::default()
+            .backoff(RetryPolicy::MAX_BACKOFF, RetryPolicy::MAX_BACKOFF)
+            .expect("the maximum itself");
+        assert!(longest.delay_before(30) <= RetryPolicy::MAX_BACKOFF);
     }
 
     #[test]

@@ -317,7 +317,8 @@ pub async fn run_replicas_on(
 ) -> Report {
     let retry = RetryPolicy::default()
         .max_attempts(10)
-        .backoff(Duration::from_millis(10), Duration::from_secs(2));
+        .backoff(Duration::from_millis(10), Duration::from_secs(2))
+        .expect("a short backoff");
     let started = Instant::now();
     let tally = Arc::new(Tally::default());
     let failing = Arc::new(plan.failing.clone());

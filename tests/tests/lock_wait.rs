@@ -32,7 +32,8 @@ async fn held_claim_ends_as_transient_within_the_lock_timeout(backend: Backend) 
         .with_retry(
             RetryPolicy::default()
                 .max_attempts(2)
-                .backoff(Duration::from_millis(10), Duration::from_millis(50)),
+                .backoff(Duration::from_millis(10), Duration::from_millis(50))
+                .expect("a short backoff"),
         );
     let started = Instant::now();
     let result = credit_once(&inbox, &replica, id).await;

@@ -174,7 +174,8 @@ async fn spans_and_counters_describe_a_scripted_run(backend: Backend) {
         .with_retry(
             RetryPolicy::default()
                 .max_attempts(30)
-                .backoff(Duration::from_millis(50), Duration::from_millis(200)),
+                .backoff(Duration::from_millis(50), Duration::from_millis(200))
+                .expect("a short backoff"),
         );
     let (a, b, c) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
 

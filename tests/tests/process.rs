@@ -126,7 +126,8 @@ async fn transient_lock_failures_are_retried_in_a_fresh_transaction(backend: Bac
         .with_retry(
             RetryPolicy::default()
                 .max_attempts(20)
-                .backoff(Duration::from_millis(50), Duration::from_millis(300)),
+                .backoff(Duration::from_millis(50), Duration::from_millis(300))
+                .expect("a short backoff"),
         );
     let runs = AtomicU32::new(0);
     let result = inbox
@@ -165,7 +166,8 @@ async fn exhausted_retries_name_the_last_transient_cause(backend: Backend) {
         .with_retry(
             RetryPolicy::default()
                 .max_attempts(2)
-                .backoff(Duration::from_millis(1), Duration::from_millis(1)),
+                .backoff(Duration::from_millis(1), Duration::from_millis(1))
+                .expect("a short backoff"),
         );
     let result = credit_once(&inbox, &replica, id).await;
     match &result {
@@ -209,7 +211,8 @@ async fn credit_failing_first<E: Send + 'static>(
         .with_retry(
             RetryPolicy::default()
                 .max_attempts(3)
-                .backoff(Duration::from_millis(1), Duration::from_millis(5)),
+                .backoff(Duration::from_millis(1), Duration::from_millis(5))
+                .expect("a short backoff"),
         );
     let runs = AtomicU32::new(0);
     let result = inbox
