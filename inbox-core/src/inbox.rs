@@ -1,6 +1,6 @@
 use crate::backend::{CLAIM_TRANSACTION, DbErrorKind, ProcessMarker, classify};
 use crate::claim::{ensure_marker_held, insert_marker, marker_token};
-use crate::consumer::validate_consumer;
+use crate::consumer::{validate_claim, validate_consumer};
 use crate::metrics::{Counter, InboxMetrics, facade};
 use crate::{Claim, InboxError, MessageId, Outcome, ProcessError, RetryPolicy};
 use sea_orm::{DatabaseConnection, DatabaseTransaction, DbErr, TransactionTrait};
@@ -125,7 +125,9 @@ impl Inbox {
     /// two consumers of the same message each process it once).
     ///
     /// # Errors
-    /// [`InboxError::EmptyConsumer`] or [`InboxError::ConsumerTooLong`].
+    /// A name no backend can claim under: [`InboxError::EmptyConsumer`],
+    /// [`InboxError::ConsumerNotTrimmed`], [`InboxError::ConsumerContainsNul`] or
+    /// [`InboxError::ConsumerTooLong`].
     pub fn new(consumer: impl Into<String>) -> Result<Self, InboxError> {
         let consumer = consumer.into();
         validate_consumer(&consumer)?;
@@ -248,8 +250,8 @@ impl Inbox {
     /// # Errors
     /// [`ProcessError::Handler`] when the handler fails (rolled back; not retried unless
     /// transient, as above, and then returned when the attempts run out),
-    /// [`ProcessError::Inbox`] for failures a retry would not fix (including
-    /// [`InboxError::ClaimLost`]),
+    /// [`ProcessError::Inbox`] for failures a retry would not fix
+    /// ([`InboxError::NilMessageId`], before any SQL runs, and [`InboxError::ClaimLost`]),
     /// [`ProcessError::RetriesExhausted`] when every attempt met a transient failure. All
     /// of them mean: nack the message. If the last failure was the COMMIT itself, the work
     /// may have committed; the redelivery then reports `Duplicate` (see [`ProcessError`]).
@@ -275,6 +277,13 @@ impl Inbox {
         );
         let started = Instant::now();
         async {
+            // Before any transaction: with the database down, a nil id must still come
+            // back as the input error it is, not as exhausted retries of BEGIN.
+            if let Err(err) = validate_claim(message_id, &self.consumer) {
+                let result = Err(ProcessError::Inbox(err));
+                self.record(&result, 0, started);
+                return result;
+            }
             let mut attempt = 1;
             let mut call = Call::new();
             let result = loop {
