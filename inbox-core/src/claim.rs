@@ -413,9 +413,10 @@ pub(crate) async fn ensure_marker_held<C: ConnectionTrait>(
 
 /// The `claim_token` of the committed marker of `(message_id, consumer)`: `None` when there
 /// is no marker or it carries no token. Who wrote a marker, for a caller that lost the
-/// reply to its own COMMIT.
-pub(crate) async fn marker_token<C: ConnectionTrait>(
-    conn: &C,
+/// reply to its own COMMIT. It takes a transaction, never a pool: behind a transaction
+/// pooler a statement with bound values outside one fails with 26000.
+pub(crate) async fn marker_token(
+    conn: &DatabaseTransaction,
     message_id: MessageId,
     consumer: &str,
 ) -> Result<Option<Uuid>, DbErr> {

@@ -6,10 +6,10 @@
 //! tests are listed as ignored with that reason).
 
 use inbox_tests::{
-    Backend, LostReplyProxy, TestDb, create_accounts, credit, migrated_db, on_server_backends,
-    scalar_i64,
+    Backend, LostReplyProxy, TestDb, create_accounts, credit, migrated_db, on_pgbouncer,
+    on_server_backends, scalar_i64,
 };
-use sea_orm::{ColumnTrait, DatabaseConnection, DbErr, EntityTrait, QueryFilter};
+use sea_orm::{ColumnTrait, DatabaseConnection, DbErr, EntityTrait, QueryFilter, TransactionTrait};
 use sea_orm_inbox::{
     Inbox, LeaseClaim, LeaseOptions, Outcome, ProcessError, Settlement, claim_lease,
     complete_lease, release_lease,
@@ -53,14 +53,18 @@ impl Fixture {
     }
 }
 
+/// Reads the row in a transaction of its own, as a transaction pooler needs.
 async fn inbox_row(db: &DatabaseConnection, id: Uuid) -> inbox::Model {
-    inbox::Entity::find()
+    let txn = db.begin().await.expect("begin the read");
+    let row = inbox::Entity::find()
         .filter(inbox::Column::MessageId.eq(id))
         .filter(inbox::Column::Consumer.eq(CONSUMER))
-        .one(db)
+        .one(&txn)
         .await
         .expect("read the inbox row")
-        .expect("the lost reply's COMMIT landed: the row exists")
+        .expect("the lost reply's COMMIT landed: the row exists");
+    txn.commit().await.expect("end the read");
+    row
 }
 
 /// Defect 5: `process` meets a lost COMMIT reply, retries, and meets its own marker. It
@@ -285,6 +289,16 @@ async fn complete_lease_after_a_lost_reply_is_ok(backend: Backend) {
 }
 
 on_server_backends!(
+    complete_lease_after_a_lost_reply_is_ok,
+    process_after_a_lost_commit_reply_reports_processed,
+    process_without_retry_nacks_a_lost_reply_and_the_redelivery_is_a_duplicate,
+    claim_lease_after_a_lost_commit_reply_is_claimed,
+    takeover_after_a_lost_commit_reply_is_taken_over,
+);
+
+// The same faults with PgBouncer (transaction pooling) between the proxy and the server:
+// every statement the retry sends to tell its own row from another's runs in a transaction.
+on_pgbouncer!(
     complete_lease_after_a_lost_reply_is_ok,
     process_after_a_lost_commit_reply_reports_processed,
     process_without_retry_nacks_a_lost_reply_and_the_redelivery_is_a_duplicate,
