@@ -252,9 +252,9 @@ async fn takeover_after_a_lost_commit_reply_is_taken_over(backend: Backend) {
     fixture.cleanup().await;
 }
 
-/// Defect 4 end to end: `complete_lease`'s UPDATE (a statement of its own, committing
-/// without a COMMIT message) lands, its reply is lost; the call's own transient retry runs
-/// it again and must report success, not `StaleLease`.
+/// Defect 4 end to end: the reply to `complete_lease`'s UPDATE is lost (the connection
+/// dies before its transaction commits); the call's own transient retry runs it again and
+/// must report success, not `StaleLease`.
 async fn complete_lease_after_a_lost_reply_is_ok(backend: Backend) {
     let fixture = Fixture::new(backend).await;
     let Fixture {
@@ -288,8 +288,38 @@ async fn complete_lease_after_a_lost_reply_is_ok(backend: Backend) {
     fixture.cleanup().await;
 }
 
+/// `complete_lease` runs its UPDATE in a transaction of its own (a transaction pooler
+/// needs one); that COMMIT lands and its reply is lost. The retry finds the row it already
+/// completed (keeping the first `processed_at`) and must report success.
+async fn complete_lease_after_a_lost_commit_reply_is_ok(backend: Backend) {
+    let fixture = Fixture::new(backend).await;
+    let Fixture {
+        direct,
+        proxy,
+        through_proxy,
+        ..
+    } = &fixture;
+    let options = LeaseOptions::new(Duration::from_secs(30)).expect("valid lease");
+    let id = Uuid::new_v4();
+    let lease = match claim_lease(through_proxy, id, CONSUMER, &options).await {
+        Ok(LeaseClaim::Claimed(lease)) => lease,
+        other => panic!("a new message: {other:?}"),
+    };
+
+    proxy.arm();
+    let completed = complete_lease(through_proxy, &lease).await;
+    proxy.expect_reply_dropped();
+    assert!(
+        completed.is_ok(),
+        "the completion committed; its retry must say so: {completed:?}"
+    );
+    assert!(inbox_row(direct, id).await.processed_at.is_some());
+    fixture.cleanup().await;
+}
+
 on_server_backends!(
     complete_lease_after_a_lost_reply_is_ok,
+    complete_lease_after_a_lost_commit_reply_is_ok,
     process_after_a_lost_commit_reply_reports_processed,
     process_without_retry_nacks_a_lost_reply_and_the_redelivery_is_a_duplicate,
     claim_lease_after_a_lost_commit_reply_is_claimed,
@@ -300,6 +330,7 @@ on_server_backends!(
 // every statement the retry sends to tell its own row from another's runs in a transaction.
 on_pgbouncer!(
     complete_lease_after_a_lost_reply_is_ok,
+    complete_lease_after_a_lost_commit_reply_is_ok,
     process_after_a_lost_commit_reply_reports_processed,
     process_without_retry_nacks_a_lost_reply_and_the_redelivery_is_a_duplicate,
     claim_lease_after_a_lost_commit_reply_is_claimed,
