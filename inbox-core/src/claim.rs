@@ -1,6 +1,6 @@
 use crate::backend::{
-    DbErrorKind, ProcessMarker, claim_marker_statement, classify, marker_held_statement,
-    marker_insert_returns_id,
+    DbErrorKind, ProcessMarker, claim_marker_statement, classify, inbox_duplicate_confirmation,
+    marker_held_statement, marker_insert_returns_id,
 };
 use crate::batch::{BatchClaim, insert_batch, sorted_batch};
 use crate::consumer::validate_claim;
@@ -361,7 +361,7 @@ pub(crate) async fn insert_marker<C: ConnectionTrait>(
             Ok(row) => row
                 .ok_or_else(|| DbErr::Custom("the marker INSERT returned no row".into()))
                 .and_then(|row| row.try_get_by_index::<i64>(0)),
-            Err(err) => return claim_failure(err, message_id, consumer),
+            Err(err) => return claim_failure(conn, err, message_id, consumer).await,
         }
     } else {
         match conn.execute_raw(statement).await {
@@ -371,7 +371,7 @@ pub(crate) async fn insert_marker<C: ConnectionTrait>(
                     done.last_insert_id()
                 ))
             }),
-            Err(err) => return claim_failure(err, message_id, consumer),
+            Err(err) => return claim_failure(conn, err, message_id, consumer).await,
         }
     }
     .map_err(|err| InboxError::from_claim(err, message_id, consumer))?;
@@ -431,10 +431,27 @@ pub(crate) async fn marker_token(
     Ok(token.flatten())
 }
 
-fn claim_failure(err: DbErr, message_id: MessageId, consumer: &str) -> Result<Claim, InboxError> {
-    match classify(&err) {
-        DbErrorKind::InboxDuplicate => Ok(Claim::Duplicate),
-        _ => Err(InboxError::from_claim(err, message_id, consumer)),
+/// What a failed marker INSERT means: `Duplicate` only when the violated index is the
+/// inbox's, confirmed through `conn` (the claim's transaction, still usable after a
+/// duplicate on the backends that need the check) where the error cannot tell.
+async fn claim_failure<C: ConnectionTrait>(
+    conn: &C,
+    err: DbErr,
+    message_id: MessageId,
+    consumer: &str,
+) -> Result<Claim, InboxError> {
+    if classify(&err) != DbErrorKind::InboxDuplicate {
+        return Err(InboxError::from_claim(err, message_id, consumer));
+    }
+    let backend = conn.get_database_backend();
+    let Some(confirmation) = inbox_duplicate_confirmation(backend, message_id, consumer)? else {
+        return Ok(Claim::Duplicate);
+    };
+    match conn.query_one_raw(confirmation).await {
+        Ok(Some(_)) => Ok(Claim::Duplicate),
+        // No marker: the index was a namesake on another table (the error's advice says so).
+        Ok(None) => Err(InboxError::from_claim(err, message_id, consumer)),
+        Err(read) => Err(InboxError::from_claim(read, message_id, consumer)),
     }
 }
 

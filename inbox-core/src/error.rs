@@ -302,7 +302,9 @@ fn advice(err: &DbErr) -> &'static str {
         DbErrorKind::MissingInboxTable => {
             "Add sea_orm_inbox_migration::CreateInbox to your Migrator (or run sea_orm_inbox_migration::Migrator::up)"
         }
-        DbErrorKind::InboxDuplicate => "The message was already processed by this consumer: ack it",
+        DbErrorKind::InboxDuplicate => {
+            "This unique violation names the inbox's index, yet no marker of this message exists: the index is a namesake on another table (MariaDB names the key, not its table; CREATE TABLE ... LIKE inbox copies the name), written by a trigger or the handler. This is not a duplicate delivery: rename that index or fix the write, and dead-letter the message meanwhile"
+        }
         _ => {
             "Nack the message so the broker redelivers it; if it keeps failing, check the database error above (permissions, schema, server state)"
         }

@@ -121,7 +121,10 @@ async fn every_public_function_sends_its_statements_in_transactions(backend: Bac
         .unwrap();
     let report = purge(&conn, &policy).await.unwrap();
     assert!(report.cutoff.is_some(), "{report:?}");
-    assert_eq!(report.rows, 3, "the claim's, the batch's and process' markers");
+    assert_eq!(
+        report.rows, 3,
+        "the claim's, the batch's and process' markers"
+    );
     let purger = spawn_purger(conn.clone(), policy, Duration::from_millis(50)).unwrap();
     tokio::time::sleep(Duration::from_millis(200)).await;
     let summary = purger.shutdown().await.unwrap();

@@ -73,6 +73,13 @@ trait Dialect: Sync {
         None
     }
 
+    /// A read of the marker of `(message_id, consumer)` (binds: message_id, consumer) that
+    /// confirms a violation the classifier put on the inbox index, where the database's
+    /// error names the index but not its table; `None` where it names the table too.
+    fn confirm_inbox_duplicate(&self) -> Option<&'static str> {
+        None
+    }
+
     /// Whether the marker INSERT ends in `RETURNING "id"`; otherwise the driver reports
     /// the new row's auto-increment id.
     fn marker_insert_returns_id(&self) -> bool {
@@ -211,6 +218,26 @@ pub(crate) fn marker_held_statement(
             Value::from(consumer),
         ],
     ))
+}
+
+/// The read that tells a violation of the inbox index from one of a namesake index on
+/// another table, for a claim whose marker INSERT failed with what [`classify`] calls
+/// [`DbErrorKind::InboxDuplicate`]: it finds the marker of `(message_id, consumer)` that
+/// made the INSERT fail, or nothing when the violated index was a namesake. `None` where
+/// the error itself is certain (PostgreSQL and SQLite name the table).
+pub(crate) fn inbox_duplicate_confirmation(
+    backend: DbBackend,
+    message_id: MessageId,
+    consumer: &str,
+) -> Result<Option<Statement>, InboxError> {
+    let Some(sql) = dialect(backend)?.confirm_inbox_duplicate() else {
+        return Ok(None);
+    };
+    Ok(Some(Statement::from_sql_and_values(
+        backend,
+        sql,
+        [Value::from(message_id.as_uuid()), Value::from(consumer)],
+    )))
 }
 
 /// Writes `template` for `backend`: its `?` placeholders become `$1, $2, ...` where the
@@ -428,6 +455,12 @@ pub fn timestamp_value(backend: DbBackend, at: DateTime<Utc>) -> Value {
 pub enum DbErrorKind {
     /// A unique violation of the inbox index `ix_inbox_message_id_consumer`: this consumer
     /// already claimed this message in a committed transaction.
+    ///
+    /// On MariaDB the error names the violated index but not its table, so an index of the
+    /// same name on another table (`CREATE TABLE inbox_archive LIKE inbox` copies it) is
+    /// classified the same. The library's claims confirm it by reading the marker before
+    /// they answer [`Claim::Duplicate`](crate::Claim::Duplicate); if you insert markers
+    /// yourself on MariaDB, read yours back too, or rename such an index.
     InboxDuplicate,
     /// A unique violation of any other index or table. A real bug in the handler's data,
     /// never a duplicate delivery.
@@ -462,7 +495,9 @@ pub fn classify(err: &DbErr) -> DbErrorKind {
 ///
 /// For callers who insert the marker themselves. A violation of any other unique index
 /// (an order number, an e-mail address) returns `false`: it is a bug to surface, not a
-/// duplicate to acknowledge.
+/// duplicate to acknowledge. On MariaDB an index of the same name on another table also
+/// returns `true` (see [`DbErrorKind::InboxDuplicate`]): read the marker back before you
+/// acknowledge.
 ///
 /// ```
 /// use sea_orm_inbox::is_inbox_duplicate;
