@@ -52,9 +52,11 @@ impl Claim {
 ///
 /// A transaction can lose its marker before COMMIT without the caller noticing: on
 /// PostgreSQL any failed statement aborts the transaction, and a later `COMMIT` answers
-/// `ROLLBACK` without an error; on MySQL/MariaDB a deadlock or lock wait timeout rolls the
-/// whole transaction back, marker included, and the statements after it run outside it.
-/// A handler that swallows such an error and commits has committed nothing of the claim,
+/// `ROLLBACK` without an error; on MySQL/MariaDB a deadlock (1213) rolls the whole
+/// transaction back, marker included, and the statements after it run outside it. (A lock
+/// wait timeout, 1205, rolls back only the statement that waited, unless the server runs
+/// with `innodb_rollback_on_timeout = ON`: the marker and the earlier writes stay.) A
+/// handler that swallows such an error and commits has committed nothing of the claim,
 /// and acking the message then loses it. [`commit`](Self::commit) first proves that the
 /// transaction still holds the marker (one primary-key read through the transaction), and
 /// fails with [`InboxError::ClaimLost`] (nack) instead of committing otherwise.

@@ -167,9 +167,9 @@ pub enum InboxError {
 
     /// Before COMMIT, the claim's transaction no longer held its marker: the database had
     /// already ended the transaction (PostgreSQL aborts it after any failed statement and
-    /// then answers COMMIT with ROLLBACK; InnoDB rolls it back on a deadlock or lock wait
-    /// timeout), yet the handler went on and returned `Ok`. Nothing of the claim was
-    /// committed.
+    /// then answers COMMIT with ROLLBACK; InnoDB rolls it back on a deadlock, and on a
+    /// lock wait timeout only with `innodb_rollback_on_timeout = ON`), yet the handler went
+    /// on and returned `Ok`. Nothing of the claim was committed.
     #[error(
         "the transaction claiming message {message_id} for consumer {consumer:?} lost its marker before COMMIT: a statement in it failed and the database rolled the transaction back, but the handler went on{}. Nothing of the claim was committed: nack the message so the broker redelivers it, and let the handler return its database errors instead of swallowing them",
         .source.as_ref().map(|err| format!(" (the check said: {err})")).unwrap_or_default()

@@ -196,9 +196,10 @@ pub(crate) fn marker_insert_returns_id(backend: DbBackend) -> Result<bool, Inbox
 /// The proof, before COMMIT, that the transaction still holds the marker it inserted: the
 /// row with that id, message and consumer is visible through the transaction. It fails
 /// with 25P02 on a PostgreSQL transaction a failed statement aborted, and finds no row on
-/// MySQL/MariaDB after InnoDB rolled the transaction back on a deadlock or lock wait
-/// timeout (where a later statement may see another replica's marker for the same
-/// message: the id tells them apart). One primary-key lookup.
+/// MySQL/MariaDB after InnoDB rolled the transaction back on a deadlock, or on a lock wait
+/// timeout with `innodb_rollback_on_timeout = ON` (by default a timeout rolls back only its
+/// statement, and the marker stays); a later statement may then see another replica's
+/// marker for the same message: the id tells them apart. One primary-key lookup.
 pub(crate) fn marker_held_statement(
     backend: DbBackend,
     marker_id: i64,
@@ -468,6 +469,8 @@ pub enum DbErrorKind {
     /// A failure that a fresh transaction may not meet again: serialization failure,
     /// deadlock (on Galera also a certification conflict), lock wait timeout, SQLite
     /// busy/locked, a lost connection, or a Galera node outside the primary component.
+    /// Roll the failed transaction back before the retry: after MariaDB's lock wait timeout
+    /// (1205) it is still open, with its locks and its earlier writes.
     Transient,
     /// The inbox table does not exist: the migration has not run.
     MissingInboxTable,
