@@ -529,3 +529,31 @@ async fn mysql_namesake_of_the_inbox_index_on_another_table_is_not_a_duplicate()
     conn.close().await.ok();
     db.cleanup().await;
 }
+
+/// The read that confirms a MariaDB duplicate must see a marker committed after the
+/// claiming transaction took its snapshot (here by an earlier read in it): a plain SELECT
+/// under REPEATABLE READ would not, and would turn a real duplicate into an error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[cfg_attr(not(inbox_mysql), ignore = "set INBOX_TEST_MYSQL_URL")]
+async fn mysql_duplicate_newer_than_the_transactions_snapshot_is_a_duplicate() {
+    let db = migrated_db(Backend::MySql).await;
+    let conn = db.connect().await;
+    let other_replica = db.connect().await;
+    let id = Uuid::new_v4();
+    let txn = conn
+        .begin_with_options(CLAIM_TRANSACTION)
+        .await
+        .expect("begin");
+    assert_eq!(scalar_i64(&txn, "SELECT COUNT(*) FROM inbox").await, 0);
+    assert!(
+        claim_in_new_txn(&other_replica, id, CONSUMER)
+            .await
+            .is_claimed()
+    );
+    let claim = txn.claim_message(id, CONSUMER).await;
+    txn.rollback().await.expect("rollback");
+    assert!(matches!(claim, Ok(Claim::Duplicate)), "{claim:?}");
+    conn.close().await.ok();
+    other_replica.close().await.ok();
+    db.cleanup().await;
+}
