@@ -2,8 +2,10 @@
 //! (a proxy swallows it and cuts the connection). The client cannot tell whether it
 //! committed; a retry must recognise its own row and report what really happened.
 //!
-//! PostgreSQL and MariaDB only: SQLite is embedded, with no network to lose a reply on (its
-//! tests are listed as ignored with that reason).
+//! PostgreSQL and MariaDB only, and PostgreSQL behind PgBouncer in transaction pooling
+//! mode (`pgbouncer::`, the proxy in front of PgBouncer), where every statement of the
+//! retry that reads back its own row must run in a transaction. SQLite is embedded, with no
+//! network to lose a reply on.
 
 use inbox_tests::{
     Backend, LostReplyProxy, TestDb, create_accounts, credit, migrated_db, on_pgbouncer,
