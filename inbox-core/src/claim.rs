@@ -1,6 +1,6 @@
 use crate::backend::{
-    DbErrorKind, ProcessMarker, claim_marker_statement, classify, marker_held_statement,
-    marker_insert_returns_id,
+    DbErrorKind, ProcessMarker, claim_marker_statement, classify, inbox_duplicate_confirmation,
+    marker_held_statement, marker_insert_returns_id,
 };
 use crate::batch::{BatchClaim, insert_batch, sorted_batch};
 use crate::consumer::validate_claim;
@@ -52,9 +52,11 @@ impl Claim {
 ///
 /// A transaction can lose its marker before COMMIT without the caller noticing: on
 /// PostgreSQL any failed statement aborts the transaction, and a later `COMMIT` answers
-/// `ROLLBACK` without an error; on MySQL/MariaDB a deadlock or lock wait timeout rolls the
-/// whole transaction back, marker included, and the statements after it run outside it.
-/// A handler that swallows such an error and commits has committed nothing of the claim,
+/// `ROLLBACK` without an error; on MySQL/MariaDB a deadlock (1213) rolls the whole
+/// transaction back, marker included, and the statements after it run outside it. (A lock
+/// wait timeout, 1205, rolls back only the statement that waited, unless the server runs
+/// with `innodb_rollback_on_timeout = ON`: the marker and the earlier writes stay.) A
+/// handler that swallows such an error and commits has committed nothing of the claim,
 /// and acking the message then loses it. [`commit`](Self::commit) first proves that the
 /// transaction still holds the marker (one primary-key read through the transaction), and
 /// fails with [`InboxError::ClaimLost`] (nack) instead of committing otherwise.
@@ -362,7 +364,7 @@ pub(crate) async fn insert_marker<C: ConnectionTrait>(
             Ok(row) => row
                 .ok_or_else(|| DbErr::Custom("the marker INSERT returned no row".into()))
                 .and_then(|row| row.try_get_by_index::<i64>(0)),
-            Err(err) => return claim_failure(err, message_id, consumer),
+            Err(err) => return claim_failure(conn, err, message_id, consumer).await,
         }
     } else {
         match conn.execute_raw(statement).await {
@@ -372,7 +374,7 @@ pub(crate) async fn insert_marker<C: ConnectionTrait>(
                     done.last_insert_id()
                 ))
             }),
-            Err(err) => return claim_failure(err, message_id, consumer),
+            Err(err) => return claim_failure(conn, err, message_id, consumer).await,
         }
     }
     .map_err(|err| InboxError::from_claim(err, message_id, consumer))?;
@@ -414,9 +416,10 @@ pub(crate) async fn ensure_marker_held<C: ConnectionTrait>(
 
 /// The `claim_token` of the committed marker of `(message_id, consumer)`: `None` when there
 /// is no marker or it carries no token. Who wrote a marker, for a caller that lost the
-/// reply to its own COMMIT.
-pub(crate) async fn marker_token<C: ConnectionTrait>(
-    conn: &C,
+/// reply to its own COMMIT. It takes a transaction, never a pool: behind a transaction
+/// pooler a statement with bound values outside one fails with 26000.
+pub(crate) async fn marker_token(
+    conn: &DatabaseTransaction,
     message_id: MessageId,
     consumer: &str,
 ) -> Result<Option<Uuid>, DbErr> {
@@ -431,10 +434,27 @@ pub(crate) async fn marker_token<C: ConnectionTrait>(
     Ok(token.flatten())
 }
 
-fn claim_failure(err: DbErr, message_id: MessageId, consumer: &str) -> Result<Claim, InboxError> {
-    match classify(&err) {
-        DbErrorKind::InboxDuplicate => Ok(Claim::Duplicate),
-        _ => Err(InboxError::from_claim(err, message_id, consumer)),
+/// What a failed marker INSERT means: `Duplicate` only when the violated index is the
+/// inbox's, confirmed through `conn` (the claim's transaction, still usable after a
+/// duplicate on the backends that need the check) where the error cannot tell.
+async fn claim_failure<C: ConnectionTrait>(
+    conn: &C,
+    err: DbErr,
+    message_id: MessageId,
+    consumer: &str,
+) -> Result<Claim, InboxError> {
+    if classify(&err) != DbErrorKind::InboxDuplicate {
+        return Err(InboxError::from_claim(err, message_id, consumer));
+    }
+    let backend = conn.get_database_backend();
+    let Some(confirmation) = inbox_duplicate_confirmation(backend, message_id, consumer)? else {
+        return Ok(Claim::Duplicate);
+    };
+    match conn.query_one_raw(confirmation).await {
+        Ok(Some(_)) => Ok(Claim::Duplicate),
+        // No marker: the index was a namesake on another table (the error's advice says so).
+        Ok(None) => Err(InboxError::from_claim(err, message_id, consumer)),
+        Err(read) => Err(InboxError::from_claim(read, message_id, consumer)),
     }
 }
 

@@ -193,9 +193,9 @@ pub enum InboxError {
 
     /// Before COMMIT, the claim's transaction no longer held its marker: the database had
     /// already ended the transaction (PostgreSQL aborts it after any failed statement and
-    /// then answers COMMIT with ROLLBACK; InnoDB rolls it back on a deadlock or lock wait
-    /// timeout), yet the handler went on and returned `Ok`. Nothing of the claim was
-    /// committed.
+    /// then answers COMMIT with ROLLBACK; InnoDB rolls it back on a deadlock, and on a
+    /// lock wait timeout only with `innodb_rollback_on_timeout = ON`), yet the handler went
+    /// on and returned `Ok`. Nothing of the claim was committed.
     #[error(
         "the transaction claiming message {message_id} for consumer {consumer:?} lost its marker before COMMIT: a statement in it failed and the database rolled the transaction back, but the handler went on{}. Nothing of the claim was committed: nack the message so the broker redelivers it, and let the handler return its database errors instead of swallowing them",
         .source.as_ref().map(|err| format!(" (the check said: {err})")).unwrap_or_default()
@@ -330,7 +330,9 @@ fn advice(err: &DbErr) -> &'static str {
         DbErrorKind::MissingInboxTable => {
             "Add sea_orm_inbox_migration::CreateInbox to your Migrator (or run sea_orm_inbox_migration::Migrator::up)"
         }
-        DbErrorKind::InboxDuplicate => "The message was already processed by this consumer: ack it",
+        DbErrorKind::InboxDuplicate => {
+            "This unique violation names the inbox's index, yet no marker of this message exists: the index is a namesake on another table (MariaDB names the key, not its table; CREATE TABLE ... LIKE inbox copies the name), written by a trigger or the handler. This is not a duplicate delivery: rename that index or fix the write, and dead-letter the message meanwhile"
+        }
         _ => {
             "Nack the message so the broker redelivers it; if it keeps failing, check the database error above (permissions, schema, server state)"
         }

@@ -2,6 +2,7 @@ use crate::backend::{CLAIM_TRANSACTION, DbErrorKind, ProcessMarker, classify};
 use crate::claim::{ensure_marker_held, insert_marker, marker_token};
 use crate::consumer::{validate_claim, validate_consumer};
 use crate::metrics::{Counter, InboxMetrics, facade};
+use crate::pooler::in_own_transaction;
 use crate::{Claim, InboxError, MessageId, Outcome, ProcessError, RetryPolicy};
 use sea_orm::{DatabaseConnection, DatabaseTransaction, DbErr, TransactionTrait};
 use std::any::Any;
@@ -388,8 +389,10 @@ impl Inbox {
     }
 
     /// The outcome when the marker exists. After a failed COMMIT of this call, the marker
-    /// may be that attempt's own: its token says so (one extra query, on this path only),
-    /// and then the work committed and the outcome is `Processed` with that attempt's value.
+    /// may be that attempt's own: its token says so (one extra query, on this path only,
+    /// in a transaction of its own like every statement sent on the pool, so it survives a
+    /// transaction pooler), and then the work committed and the outcome is `Processed`
+    /// with that attempt's value.
     async fn settle_duplicate<T, E>(
         &self,
         db: &DatabaseConnection,
@@ -399,7 +402,10 @@ impl Inbox {
         let Some(value) = call.in_doubt.take() else {
             return Ok(Outcome::Duplicate);
         };
-        match marker_token(db, message_id, &self.consumer).await {
+        let read = in_own_transaction(db, async |txn| {
+            marker_token(txn, message_id, &self.consumer).await
+        });
+        match read.await {
             Ok(Some(token)) if token == call.token => Ok(Outcome::Processed(value)),
             Ok(_) => Ok(Outcome::Duplicate),
             Err(err) => {

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # CI step for the PostgreSQL scaling-out suites: installs what is missing, starts PgBouncer
 # (transaction pooling, in front of the system PostgreSQL on 5432) and runs the claim,
-# process, lease, batch and retention scenarios through it, then the failover tests (which
+# process, lease, batch, retention, lost-reply and every-public-function scenarios through
+# it, then the failover tests (which
 # build, fail over and stop their own primary + standby behind HAProxy). Any fixture that
 # cannot start fails the step; nothing is skipped. Takes a few minutes.
 #
@@ -27,7 +28,7 @@ INBOX_TEST_PGBOUNCER_URL=$("$HERE/pgbouncer.sh" start)
 export INBOX_TEST_PGBOUNCER_URL
 echo "== PgBouncer (transaction pooling): $INBOX_TEST_PGBOUNCER_URL"
 cargo test -p inbox-tests --test claim --test process --test lease --test batch --test lock_wait \
-    --test retention pgbouncer::
+    --test retention --test lost_reply --test pooler pgbouncer::
 
 echo "== PostgreSQL failover behind HAProxy (synchronous, asynchronous, standby down)"
 INBOX_TEST_PG_FAILOVER=1 cargo test -p inbox-tests --test pg_failover -- \

@@ -2,9 +2,10 @@
 //! consumers, the bypass trap, bad input, and what a transaction may do after `Duplicate`.
 
 use inbox_tests::{
-    Backend, create_accounts, credit, migrated_db, on_every_backend, on_pgbouncer, run, scalar_i64,
+    Backend, create_accounts, credit, credit_once, migrated_db, on_every_backend, on_pgbouncer,
+    run, scalar_i64, stmt,
 };
-use sea_orm::TransactionTrait;
+use sea_orm::{ConnectionTrait, TransactionTrait};
 use sea_orm_inbox::prelude::*;
 use sea_orm_inbox::{DbErrorKind, classify};
 use std::time::Duration;
@@ -448,3 +449,111 @@ on_pgbouncer!(
     missing_table_says_to_run_the_migration,
     after_duplicate_the_transaction_must_roll_back,
 );
+
+/// MariaDB's 1062 names the violated key but not its table, and `CREATE TABLE ... LIKE
+/// inbox` copies the inbox's index name. With a trigger archiving every marker into such a
+/// table, a claim whose pair the archive already holds fails there: no marker is written,
+/// so the claim is an error (nack), never `Duplicate` (ack, and the message never
+/// processed). A real duplicate with the trigger in place is still `Duplicate`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[cfg_attr(not(inbox_mysql), ignore = "set INBOX_TEST_MYSQL_URL")]
+async fn mysql_namesake_of_the_inbox_index_on_another_table_is_not_a_duplicate() {
+    let db = migrated_db(Backend::MySql).await;
+    let conn = db.connect().await;
+    create_accounts(&conn).await;
+    run(&conn, "CREATE TABLE inbox_archive LIKE inbox").await;
+    run(
+        &conn,
+        "CREATE TRIGGER inbox_archived AFTER INSERT ON inbox FOR EACH ROW \
+         INSERT INTO inbox_archive (message_id, consumer, received_at) \
+         VALUES (NEW.message_id, NEW.consumer, NEW.received_at)",
+    )
+    .await;
+    let archived = Uuid::new_v4();
+    let txn = conn.begin().await.expect("begin");
+    txn.execute_raw(stmt(
+        sea_orm::DbBackend::MySql,
+        "INSERT INTO inbox_archive (message_id, consumer, received_at) VALUES (?, ?, NOW(6))",
+        vec![archived.into(), CONSUMER.into()],
+    ))
+    .await
+    .expect("archive the pair");
+    txn.commit().await.expect("commit the archive row");
+
+    let txn = conn
+        .begin_with_options(CLAIM_TRANSACTION)
+        .await
+        .expect("begin");
+    let claim = txn.claim_message(archived, CONSUMER).await;
+    txn.rollback().await.expect("rollback");
+    match &claim {
+        Err(err @ InboxError::Database { .. }) => {
+            let message = err.to_string();
+            assert!(
+                message.contains("not a duplicate delivery") && message.contains("another table"),
+                "the error says what happened and what to do: {message}"
+            );
+        }
+        other => panic!("the archive's violation is no duplicate: {other:?}"),
+    }
+
+    let inbox = Inbox::new(CONSUMER).expect("valid name");
+    let processed = credit_once(&inbox, &conn, archived).await;
+    assert!(
+        matches!(
+            processed,
+            Err(ProcessError::Inbox(InboxError::Database { .. }))
+        ),
+        "{processed:?}"
+    );
+    assert_eq!(Settlement::of(&processed), Settlement::Nack);
+    assert_eq!(scalar_i64(&conn, "SELECT COUNT(*) FROM inbox").await, 0);
+    assert_eq!(
+        scalar_i64(&conn, "SELECT balance FROM account WHERE id = 1").await,
+        0
+    );
+
+    let fresh = Uuid::new_v4();
+    let first = credit_once(&inbox, &conn, fresh).await;
+    assert!(matches!(first, Ok(Outcome::Processed(()))), "{first:?}");
+    let again = credit_once(&inbox, &conn, fresh).await;
+    assert!(matches!(again, Ok(Outcome::Duplicate)), "{again:?}");
+    assert_eq!(
+        claim_in_new_txn(&conn, fresh, CONSUMER).await,
+        Claim::Duplicate
+    );
+    assert_eq!(
+        scalar_i64(&conn, "SELECT balance FROM account WHERE id = 1").await,
+        1
+    );
+    conn.close().await.ok();
+    db.cleanup().await;
+}
+
+/// The read that confirms a MariaDB duplicate must see a marker committed after the
+/// claiming transaction took its snapshot (here by an earlier read in it): a plain SELECT
+/// under REPEATABLE READ would not, and would turn a real duplicate into an error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[cfg_attr(not(inbox_mysql), ignore = "set INBOX_TEST_MYSQL_URL")]
+async fn mysql_duplicate_newer_than_the_transactions_snapshot_is_a_duplicate() {
+    let db = migrated_db(Backend::MySql).await;
+    let conn = db.connect().await;
+    let other_replica = db.connect().await;
+    let id = Uuid::new_v4();
+    let txn = conn
+        .begin_with_options(CLAIM_TRANSACTION)
+        .await
+        .expect("begin");
+    assert_eq!(scalar_i64(&txn, "SELECT COUNT(*) FROM inbox").await, 0);
+    assert!(
+        claim_in_new_txn(&other_replica, id, CONSUMER)
+            .await
+            .is_claimed()
+    );
+    let claim = txn.claim_message(id, CONSUMER).await;
+    txn.rollback().await.expect("rollback");
+    assert!(matches!(claim, Ok(Claim::Duplicate)), "{claim:?}");
+    conn.close().await.ok();
+    other_replica.close().await.ok();
+    db.cleanup().await;
+}

@@ -5,12 +5,14 @@
 //!
 //! MySQL/MariaDB bound the wait with the session's `innodb_lock_wait_timeout` and SQLite
 //! with the busy timeout, which the library does not change; `process.rs` covers both
-//! (`transient_lock_failures_are_retried_in_a_fresh_transaction`).
+//! (`transient_lock_failures_are_retried_in_a_fresh_transaction`). What MariaDB's timeout
+//! leaves of the transaction: `mysql_lock_wait_timeout_rolls_back_the_statement_only`.
 
 use inbox_tests::{
-    Backend, create_accounts, credit_once, hold_claim_then_roll_back, migrated_db, on_pgbouncer,
+    Backend, create_accounts, credit_once, hold_claim_then_roll_back, impatient_replica,
+    migrated_db, on_pgbouncer, run, scalar_i64, stmt,
 };
-use sea_orm::{ConnectionTrait, Statement, TransactionTrait};
+use sea_orm::{ConnectionTrait, DatabaseTransaction, DbErr, Statement, TransactionTrait};
 use sea_orm_inbox::prelude::*;
 use sea_orm_inbox::{DbErrorKind, classify};
 use std::time::{Duration, Instant};
@@ -121,4 +123,84 @@ fn lock_timeouts_outside_the_bounds_are_refused() {
             .lock_timeout(),
         Duration::from_secs(10)
     );
+}
+
+/// MariaDB's lock wait timeout (1205) rolls back the statement that waited, not the
+/// transaction (`innodb_rollback_on_timeout = OFF`, the default): the claim's marker and
+/// the writes before the timed-out statement are still in the transaction and commit with
+/// it. A deadlock (1213) is different: it rolls back the whole transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[cfg_attr(not(inbox_mysql), ignore = "set INBOX_TEST_MYSQL_URL")]
+async fn mysql_lock_wait_timeout_rolls_back_the_statement_only() {
+    let db = migrated_db(Backend::MySql).await;
+    let conn = db.connect().await;
+    create_accounts(&conn).await;
+    run(&conn, "INSERT INTO account (id, balance) VALUES (2, 0)").await;
+    let handler_pool = impatient_replica(&db).await;
+    let rollback_on_timeout =
+        scalar_i64(&handler_pool, "SELECT @@innodb_rollback_on_timeout").await;
+    assert_eq!(rollback_on_timeout, 0, "the server's default");
+    let blocker = db.connect_with(1).await;
+    let blocking = blocker.begin().await.expect("begin the blocker");
+    run(
+        &blocking,
+        "UPDATE account SET balance = balance WHERE id = 1",
+    )
+    .await;
+
+    let id = Uuid::new_v4();
+    let txn = handler_pool
+        .begin_with_options(CLAIM_TRANSACTION)
+        .await
+        .expect("begin");
+    let Claim::Claimed(claimed) = txn
+        .claim_message(id, "billing.credit")
+        .await
+        .expect("claim")
+    else {
+        panic!("a new message is claimed")
+    };
+    credit_account(&txn, 2).await.expect("account 2 is free");
+    let timed_out = credit_account(&txn, 1)
+        .await
+        .expect_err("account 1 is locked by the blocker");
+    assert!(timed_out.to_string().contains("1205"), "{timed_out}");
+    assert_eq!(classify(&timed_out), DbErrorKind::Transient);
+    claimed
+        .ensure_held(&txn)
+        .await
+        .expect("the marker survived the timeout");
+    claimed
+        .commit(txn)
+        .await
+        .expect("the transaction commits what it still holds");
+    blocking.rollback().await.expect("release the blocker");
+
+    assert_eq!(
+        scalar_i64(&conn, "SELECT COUNT(*) FROM inbox").await,
+        1,
+        "the marker committed"
+    );
+    assert_eq!(
+        scalar_i64(&conn, "SELECT balance FROM account WHERE id = 2").await,
+        1,
+        "the write before the timeout committed"
+    );
+    assert_eq!(
+        scalar_i64(&conn, "SELECT balance FROM account WHERE id = 1").await,
+        0,
+        "the timed-out statement did not"
+    );
+    db.cleanup().await;
+}
+
+/// Adds 1 to account `id` through `txn`.
+async fn credit_account(txn: &DatabaseTransaction, id: i64) -> Result<(), DbErr> {
+    txn.execute_raw(stmt(
+        txn.get_database_backend(),
+        "UPDATE account SET balance = balance + 1 WHERE id = ?",
+        vec![id.into()],
+    ))
+    .await
+    .map(|_| ())
 }

@@ -2,14 +2,16 @@
 //! (a proxy swallows it and cuts the connection). The client cannot tell whether it
 //! committed; a retry must recognise its own row and report what really happened.
 //!
-//! PostgreSQL and MariaDB only: SQLite is embedded, with no network to lose a reply on (its
-//! tests are listed as ignored with that reason).
+//! PostgreSQL and MariaDB only, and PostgreSQL behind PgBouncer in transaction pooling
+//! mode (`pgbouncer::`, the proxy in front of PgBouncer), where every statement of the
+//! retry that reads back its own row must run in a transaction. SQLite is embedded, with no
+//! network to lose a reply on.
 
 use inbox_tests::{
-    Backend, LostReplyProxy, TestDb, create_accounts, credit, migrated_db, on_server_backends,
-    scalar_i64,
+    Backend, LostReplyProxy, TestDb, create_accounts, credit, migrated_db, on_pgbouncer,
+    on_server_backends, scalar_i64,
 };
-use sea_orm::{ColumnTrait, DatabaseConnection, DbErr, EntityTrait, QueryFilter};
+use sea_orm::{ColumnTrait, DatabaseConnection, DbErr, EntityTrait, QueryFilter, TransactionTrait};
 use sea_orm_inbox::{
     Inbox, LeaseClaim, LeaseOptions, Outcome, ProcessError, Settlement, claim_lease,
     complete_lease, release_lease,
@@ -53,14 +55,18 @@ impl Fixture {
     }
 }
 
+/// Reads the row in a transaction of its own, as a transaction pooler needs.
 async fn inbox_row(db: &DatabaseConnection, id: Uuid) -> inbox::Model {
-    inbox::Entity::find()
+    let txn = db.begin().await.expect("begin the read");
+    let row = inbox::Entity::find()
         .filter(inbox::Column::MessageId.eq(id))
         .filter(inbox::Column::Consumer.eq(CONSUMER))
-        .one(db)
+        .one(&txn)
         .await
         .expect("read the inbox row")
-        .expect("the lost reply's COMMIT landed: the row exists")
+        .expect("the lost reply's COMMIT landed: the row exists");
+    txn.commit().await.expect("end the read");
+    row
 }
 
 /// Defect 5: `process` meets a lost COMMIT reply, retries, and meets its own marker. It
@@ -248,9 +254,9 @@ async fn takeover_after_a_lost_commit_reply_is_taken_over(backend: Backend) {
     fixture.cleanup().await;
 }
 
-/// Defect 4 end to end: `complete_lease`'s UPDATE (a statement of its own, committing
-/// without a COMMIT message) lands, its reply is lost; the call's own transient retry runs
-/// it again and must report success, not `StaleLease`.
+/// Defect 4 end to end: the reply to `complete_lease`'s UPDATE is lost (the connection
+/// dies before its transaction commits); the call's own transient retry runs it again and
+/// must report success, not `StaleLease`.
 async fn complete_lease_after_a_lost_reply_is_ok(backend: Backend) {
     let fixture = Fixture::new(backend).await;
     let Fixture {
@@ -284,8 +290,49 @@ async fn complete_lease_after_a_lost_reply_is_ok(backend: Backend) {
     fixture.cleanup().await;
 }
 
+/// `complete_lease` runs its UPDATE in a transaction of its own (a transaction pooler
+/// needs one); that COMMIT lands and its reply is lost. The retry finds the row it already
+/// completed (keeping the first `processed_at`) and must report success.
+async fn complete_lease_after_a_lost_commit_reply_is_ok(backend: Backend) {
+    let fixture = Fixture::new(backend).await;
+    let Fixture {
+        direct,
+        proxy,
+        through_proxy,
+        ..
+    } = &fixture;
+    let options = LeaseOptions::new(Duration::from_secs(30)).expect("valid lease");
+    let id = Uuid::new_v4();
+    let lease = match claim_lease(through_proxy, id, CONSUMER, &options).await {
+        Ok(LeaseClaim::Claimed(lease)) => lease,
+        other => panic!("a new message: {other:?}"),
+    };
+
+    proxy.arm();
+    let completed = complete_lease(through_proxy, &lease).await;
+    proxy.expect_reply_dropped();
+    assert!(
+        completed.is_ok(),
+        "the completion committed; its retry must say so: {completed:?}"
+    );
+    assert!(inbox_row(direct, id).await.processed_at.is_some());
+    fixture.cleanup().await;
+}
+
 on_server_backends!(
     complete_lease_after_a_lost_reply_is_ok,
+    complete_lease_after_a_lost_commit_reply_is_ok,
+    process_after_a_lost_commit_reply_reports_processed,
+    process_without_retry_nacks_a_lost_reply_and_the_redelivery_is_a_duplicate,
+    claim_lease_after_a_lost_commit_reply_is_claimed,
+    takeover_after_a_lost_commit_reply_is_taken_over,
+);
+
+// The same faults with PgBouncer (transaction pooling) between the proxy and the server:
+// every statement the retry sends to tell its own row from another's runs in a transaction.
+on_pgbouncer!(
+    complete_lease_after_a_lost_reply_is_ok,
+    complete_lease_after_a_lost_commit_reply_is_ok,
     process_after_a_lost_commit_reply_reports_processed,
     process_without_retry_nacks_a_lost_reply_and_the_redelivery_is_a_duplicate,
     claim_lease_after_a_lost_commit_reply_is_claimed,

@@ -76,6 +76,13 @@ trait Dialect: Sync {
         None
     }
 
+    /// A read of the marker of `(message_id, consumer)` (binds: message_id, consumer) that
+    /// confirms a violation the classifier put on the inbox index, where the database's
+    /// error names the index but not its table; `None` where it names the table too.
+    fn confirm_inbox_duplicate(&self) -> Option<&'static str> {
+        None
+    }
+
     /// Whether the marker INSERT ends in `RETURNING "id"`; otherwise the driver reports
     /// the new row's auto-increment id.
     fn marker_insert_returns_id(&self) -> bool {
@@ -198,9 +205,10 @@ pub(crate) fn marker_insert_returns_id(backend: DbBackend) -> Result<bool, Inbox
 /// The proof, before COMMIT, that the transaction still holds the marker it inserted: the
 /// row with that id, message and consumer is visible through the transaction. It fails
 /// with 25P02 on a PostgreSQL transaction a failed statement aborted, and finds no row on
-/// MySQL/MariaDB after InnoDB rolled the transaction back on a deadlock or lock wait
-/// timeout (where a later statement may see another replica's marker for the same
-/// message: the id tells them apart). One primary-key lookup.
+/// MySQL/MariaDB after InnoDB rolled the transaction back on a deadlock, or on a lock wait
+/// timeout with `innodb_rollback_on_timeout = ON` (by default a timeout rolls back only its
+/// statement, and the marker stays); a later statement may then see another replica's
+/// marker for the same message: the id tells them apart. One primary-key lookup.
 pub(crate) fn marker_held_statement(
     backend: DbBackend,
     marker_id: i64,
@@ -220,6 +228,26 @@ pub(crate) fn marker_held_statement(
             Value::from(consumer),
         ],
     ))
+}
+
+/// The read that tells a violation of the inbox index from one of a namesake index on
+/// another table, for a claim whose marker INSERT failed with what [`classify`] calls
+/// [`DbErrorKind::InboxDuplicate`]: it finds the marker of `(message_id, consumer)` that
+/// made the INSERT fail, or nothing when the violated index was a namesake. `None` where
+/// the error itself is certain (PostgreSQL and SQLite name the table).
+pub(crate) fn inbox_duplicate_confirmation(
+    backend: DbBackend,
+    message_id: MessageId,
+    consumer: &str,
+) -> Result<Option<Statement>, InboxError> {
+    let Some(sql) = dialect(backend)?.confirm_inbox_duplicate() else {
+        return Ok(None);
+    };
+    Ok(Some(Statement::from_sql_and_values(
+        backend,
+        sql,
+        [Value::from(message_id.as_uuid()), Value::from(consumer)],
+    )))
 }
 
 /// Writes `template` for `backend`: its `?` placeholders become `$1, $2, ...` where the
@@ -443,6 +471,12 @@ pub(crate) fn consumer_is(backend: DbBackend, consumer: &str) -> Result<Expr, In
 pub enum DbErrorKind {
     /// A unique violation of the inbox index `ix_inbox_message_id_consumer`: this consumer
     /// already claimed this message in a committed transaction.
+    ///
+    /// On MariaDB the error names the violated index but not its table, so an index of the
+    /// same name on another table (`CREATE TABLE inbox_archive LIKE inbox` copies it) is
+    /// classified the same. The library's claims confirm it by reading the marker before
+    /// they answer [`Claim::Duplicate`](crate::Claim::Duplicate); if you insert markers
+    /// yourself on MariaDB, read yours back too, or rename such an index.
     InboxDuplicate,
     /// A unique violation of any other index or table. A real bug in the handler's data,
     /// never a duplicate delivery.
@@ -450,6 +484,8 @@ pub enum DbErrorKind {
     /// A failure that a fresh transaction may not meet again: serialization failure,
     /// deadlock (on Galera also a certification conflict), lock wait timeout, SQLite
     /// busy/locked, a lost connection, or a Galera node outside the primary component.
+    /// Roll the failed transaction back before the retry: after MariaDB's lock wait timeout
+    /// (1205) it is still open, with its locks and its earlier writes.
     Transient,
     /// The inbox table does not exist: the migration has not run.
     MissingInboxTable,
@@ -477,7 +513,9 @@ pub fn classify(err: &DbErr) -> DbErrorKind {
 ///
 /// For callers who insert the marker themselves. A violation of any other unique index
 /// (an order number, an e-mail address) returns `false`: it is a bug to surface, not a
-/// duplicate to acknowledge.
+/// duplicate to acknowledge. On MariaDB an index of the same name on another table also
+/// returns `true` (see [`DbErrorKind::InboxDuplicate`]): read the marker back before you
+/// acknowledge.
 ///
 /// ```
 /// use sea_orm_inbox::is_inbox_duplicate;

@@ -32,6 +32,19 @@ impl Dialect for MySql {
         " ON DUPLICATE KEY UPDATE consumer = consumer"
     }
 
+    /// MariaDB's 1062 names the violated index but not its table (`for key
+    /// 'ix_inbox_message_id_consumer'`), and index names are per table, so a trigger's
+    /// write into a table made with `CREATE TABLE ... LIKE inbox` fails with the same text.
+    /// Only the marker tells them apart. A locking read, because the transaction's snapshot
+    /// may predate the marker: InnoDB answers 1062 only once the marker's transaction has
+    /// committed, and the read then sees it. In shared mode, which the INSERT's duplicate
+    /// check already holds on that entry: claimers that met the same marker never wait for
+    /// each other. (MySQL 8 qualifies the key, `'inbox.ix_...'`, so the read only repeats
+    /// what the classifier knows; one index probe, only after a duplicate.)
+    fn confirm_inbox_duplicate(&self) -> Option<&'static str> {
+        Some("SELECT 1 FROM `inbox` WHERE `message_id` = ? AND `consumer` = ? LOCK IN SHARE MODE")
+    }
+
     /// MySQL 8 has no `INSERT ... RETURNING` (MariaDB has it since 10.5), and MariaDB's form
     /// returns the row a conflict met on any unique key, which cannot tell "claimed before"
     /// from "conflicted on another key". So the whole family reads its rows back after the
