@@ -45,6 +45,13 @@ pub struct BrokerRedelivery {
 
 /// How long markers are kept, and how many rows one purge statement may delete.
 ///
+/// **Retention clock.** A marker ages from the last moment it was in use: a completed
+/// two-phase claim from its completion (`processed_at`; a lease may complete hours after
+/// its first claim, and its delivery's ack may still be lost), every other marker from its
+/// claim (`received_at`, written in the transaction that commits it with its work: keep
+/// such transactions far shorter than the window). A marker goes once one window of
+/// receiving time has passed since then. Unfinished and parked two-phase claims never go.
+///
 /// **Downtime rule.** The window is *receiving time*, not wall-clock time. The purge walks
 /// back from the newest marker (or now, if the clock is behind it) through the markers'
 /// own timeline and counts the stretches where markers are never further apart than the
@@ -58,10 +65,10 @@ pub struct BrokerRedelivery {
 /// after the outage; one measured from the newest marker would delete them as soon as
 /// the first new message arrived.) The walk costs at most 64 index probes per purge.
 ///
-/// **Clock rule:** the window is measured on `received_at`, which the claiming process
-/// writes from its own clock in UTC (the same clock the [lease rule](crate::LeaseOptions)
-/// reads), and the purge walks back from the newest `received_at` or from the purging
-/// process's clock if that is behind it. Keep replicas' clocks synchronised (NTP): a
+/// **Clock rule:** `received_at` and `processed_at` come from the writing process's clock
+/// in UTC (the same clock the [lease rule](crate::LeaseOptions) reads), and the purge
+/// walks back from the newest `received_at` or from the purging process's clock if that
+/// is behind it. Keep replicas' clocks synchronised (NTP): a
 /// replica whose clock runs `s` ahead writes markers that look `s` younger, so they are
 /// kept `s` longer (safe); one whose clock runs `s` behind writes markers that go `s`
 /// early, so add the skew you tolerate to the window.
@@ -515,9 +522,11 @@ pub struct PurgeReport {
     pub resting: Duration,
 }
 
-/// Deletes the markers received before the policy's cutoff, in batches of at most
-/// [`RetentionPolicy::batch_size`] rows, each one DELETE statement committed on its own,
-/// spaced as the policy's [`PurgePacing`] says, until a batch comes back short.
+/// Deletes the markers last used before the policy's cutoff (a completed two-phase claim
+/// at its completion, every other marker at its claim: the retention clock of
+/// [`RetentionPolicy`]), in batches of at most [`RetentionPolicy::batch_size`] rows, each
+/// one DELETE statement committed on its own, spaced as the policy's [`PurgePacing`] says,
+/// until a batch comes back short.
 ///
 /// Never deletes an unfinished two-phase claim (a lease without `processed_at`, parked
 /// or not). The cutoff follows the downtime rule of [`RetentionPolicy`] and is computed
@@ -601,6 +610,7 @@ async fn purge_until(
             backend,
             &delete,
             [
+                timestamp_value(backend, cutoff),
                 timestamp_value(backend, cutoff),
                 Value::from(i64::try_from(batch).unwrap_or(i64::MAX)),
             ],

@@ -7,8 +7,8 @@ use chrono::{DateTime, DurationRound, TimeDelta, Utc};
 use inbox_tests::{Backend, migrated_db, on_every_backend, on_pgbouncer, scalar_i64, stmt};
 use sea_orm::{ConnectionTrait, DatabaseConnection, TransactionTrait, Value};
 use sea_orm_inbox::{
-    BrokerRedelivery, InboxError, LeaseOptions, PurgePacing, RetentionPolicy, claim_lease, purge,
-    spawn_purger, timestamp_value,
+    BrokerRedelivery, InboxError, LeaseClaim, LeaseOptions, PurgePacing, RetentionPolicy,
+    claim_lease, complete_lease, purge, spawn_purger, timestamp_value,
 };
 use std::time::Duration;
 use uuid::Uuid;
@@ -437,6 +437,69 @@ async fn dropped_purger_stops_after_its_current_batch(backend: Backend) {
     db.cleanup().await;
 }
 
+/// Sets `column` of the message's marker to `at`, as if it had been written then.
+async fn set_time(conn: &DatabaseConnection, id: Uuid, column: &str, at: DateTime<Utc>) {
+    let txn = conn.begin().await.expect("begin the update");
+    txn.execute_raw(stmt(
+        conn.get_database_backend(),
+        &format!("UPDATE inbox SET {column} = ? WHERE message_id = ?"),
+        vec![timestamp_value(conn.get_database_backend(), at), id.into()],
+    ))
+    .await
+    .expect("set a marker's time");
+    txn.commit().await.expect("commit the update");
+}
+
+/// A lease first claimed two hours ago completes now, with a one-hour window: its
+/// delivery's ack may still be lost, so the marker must outlive the next purge, and the
+/// redelivery must meet it instead of running the side effect again.
+async fn lease_completed_late_is_kept_a_window_after_its_completion(backend: Backend) {
+    let db = migrated_db(backend).await;
+    let conn = db.connect().await;
+    let options = LeaseOptions::new(Duration::from_secs(3 * 3600)).unwrap();
+    let id = Uuid::new_v4();
+    let LeaseClaim::Claimed(lease) = claim_lease(&conn, id, "c", &options).await.unwrap() else {
+        panic!("a first claim is Claimed");
+    };
+    set_time(&conn, id, "received_at", now() - TimeDelta::hours(2)).await;
+    let newest = now();
+    let three_hours_ago = insert(&conn, Marker::OnePhase, newest - TimeDelta::hours(3), 1).await;
+    insert(&conn, Marker::OnePhase, newest - TimeDelta::minutes(30), 1).await;
+    insert(&conn, Marker::OnePhase, newest, 1).await;
+    // The side effect took two hours; it completes now.
+    complete_lease(&conn, &lease).await.unwrap();
+
+    let policy = RetentionPolicy::with_window(Duration::from_secs(3600))
+        .unwrap()
+        .with_downtime_gap(Duration::from_secs(6 * 3600))
+        .unwrap();
+    let report = purge(&conn, &policy).await.unwrap();
+    assert_eq!(report.cutoff, Some(newest - TimeDelta::hours(1)));
+    assert_eq!(
+        report.rows, 1,
+        "only the marker of three hours ago: {report:?}"
+    );
+    assert_eq!(present(&conn, &three_hours_ago).await, 0);
+    assert_eq!(
+        present(&conn, &[id]).await,
+        1,
+        "a lease completed a moment ago is kept a window from its completion"
+    );
+    // The ack was lost: the broker redelivers, and the side effect must not run again.
+    assert_eq!(
+        claim_lease(&conn, id, "c", &options).await.unwrap(),
+        LeaseClaim::AlreadyProcessed
+    );
+
+    // A window after its completion, it goes.
+    set_time(&conn, id, "processed_at", newest - TimeDelta::minutes(90)).await;
+    let report = purge(&conn, &policy).await.unwrap();
+    assert_eq!(report.rows, 1, "{report:?}");
+    assert_eq!(present(&conn, &[id]).await, 0);
+    conn.close().await.ok();
+    db.cleanup().await;
+}
+
 on_every_backend!(
     purge_removes_exactly_the_old_finished_rows_in_bounded_batches,
     live_leases_survive_a_purge,
@@ -444,6 +507,7 @@ on_every_backend!(
     background_purger_runs_and_shuts_down_cleanly,
     paced_purge_rests_between_batches,
     dropped_purger_stops_after_its_current_batch,
+    lease_completed_late_is_kept_a_window_after_its_completion,
 );
 
 on_pgbouncer!(
