@@ -45,26 +45,38 @@ pub struct BrokerRedelivery {
 
 /// How long markers are kept, and how many rows one purge statement may delete.
 ///
+/// **Retention clock.** A marker ages from the last moment it was in use: a completed
+/// two-phase claim from its completion (`processed_at`; a lease may complete hours after
+/// its first claim, and its delivery's ack may still be lost), every other marker from its
+/// claim (`received_at`, written in the transaction that commits it with its work: keep
+/// such transactions far shorter than the window). A marker goes once one window of
+/// receiving time has passed since then. Unfinished and parked two-phase claims never go.
+///
 /// **Downtime rule.** The window is *receiving time*, not wall-clock time. The purge walks
 /// back from the newest marker (or now, if the clock is behind it) through the markers'
-/// own timeline and counts the stretches where markers are never further apart than the
-/// [downtime gap](Self::with_downtime_gap) (by default an eighth of the window). A longer
-/// silence counts as downtime, however long it lasted: the process was down (or the queue
-/// idle, which only keeps markers longer). Markers older than one window of receiving
-/// time go. So after an outage longer than the window, the markers of the last window
-/// before it survive, and they age out only as new traffic accumulates receiving time:
-/// a broker that redelivers the in-flight messages when the service comes back still
-/// meets their markers. (A wall-clock cutoff would delete them all on the first purge
-/// after the outage; one measured from the newest marker would delete them as soon as
-/// the first new message arrived.) The walk costs at most 64 index probes per purge.
+/// own timeline of `received_at` and counts the stretches where markers are never further
+/// apart than the [downtime gap](Self::with_downtime_gap) (by default an eighth of the
+/// window). A longer silence counts as downtime, however long it lasted: the process was
+/// down (or the queue idle, which only keeps markers longer). So after an outage longer
+/// than the window, the markers of the last window before it survive, and they age out
+/// only as new traffic accumulates receiving time: a broker that redelivers the in-flight
+/// messages when the service comes back still meets their markers. (A wall-clock cutoff
+/// would delete them all on the first purge after the outage; one measured from the
+/// newest marker would delete them as soon as the first new message arrived.) The walk
+/// reads at most 64 timestamps per purge, each one index probe: the newest, at most
+/// [`MAX_GAPS_PER_WINDOW`](Self::MAX_GAPS_PER_WINDOW) steps back of
+/// [`finest_downtime_gap`](Self::finest_downtime_gap) each, and the oldest. A silence
+/// shorter than a step cannot be told apart, so the downtime gap is never finer than one.
+/// The cutoff is cut to whole microseconds, the precision of the timestamps, on every
+/// backend.
 ///
-/// **Clock rule:** the window is measured on `received_at`, which the claiming process
-/// writes from its own clock in UTC (the same clock the [lease rule](crate::LeaseOptions)
-/// reads), and the purge walks back from the newest `received_at` or from the purging
-/// process's clock if that is behind it. Keep replicas' clocks synchronised (NTP): a
-/// replica whose clock runs `s` ahead writes markers that look `s` younger, so they are
-/// kept `s` longer (safe); one whose clock runs `s` behind writes markers that go `s`
-/// early, so add the skew you tolerate to the window.
+/// **Clock rule:** `received_at` and `processed_at` come from the writing process's clock
+/// in UTC (the same clock the [lease rule](crate::LeaseOptions) reads), and the purge
+/// walks back from the newest `received_at` or from the purging process's clock if that
+/// is behind it. Keep replicas' clocks synchronised (NTP): a replica whose clock runs `s`
+/// ahead writes markers that look `s` younger, so they are kept `s` longer (safe); one
+/// whose clock runs `s` behind writes markers that go `s` early, so add the skew you
+/// tolerate to the window.
 ///
 /// **Pacing:** each purge statement deletes at most
 /// [`batch_size`](Self::with_batch_size) rows; the [`PurgePacing`] (paced by default)
@@ -99,6 +111,10 @@ impl RetentionPolicy {
     pub const DEFAULT_BATCH_SIZE: u32 = 1_000;
     /// The default downtime gap is the window divided by this.
     pub const DEFAULT_GAPS_PER_WINDOW: u32 = 8;
+    /// The downtime gap is at least the window divided by this, rounded up to a whole
+    /// microsecond: the step of the purge's walk, which takes at most this many steps so
+    /// that a purge reads at most 64 timestamps (see the downtime rule above).
+    pub const MAX_GAPS_PER_WINDOW: u32 = 62;
     /// The largest batch accepted: bigger deletes hold locks long enough to stall writers.
     pub const MAX_BATCH_SIZE: u32 = 100_000;
     /// The longest window accepted: a hundred years.
@@ -128,11 +144,13 @@ impl RetentionPolicy {
         Self::with_window(window)
     }
 
-    /// Keeps markers for `window` of receiving time (see the downtime rule above).
+    /// Keeps markers for `window` of receiving time (see the downtime rule above), with a
+    /// downtime gap of an eighth of it.
     ///
     /// # Errors
-    /// [`InboxError::InvalidRetention`] for a zero window or one over
-    /// [`MAX_WINDOW`](Self::MAX_WINDOW).
+    /// [`InboxError::InvalidRetention`] for a zero window, one over
+    /// [`MAX_WINDOW`](Self::MAX_WINDOW), or one under 8 µs, whose eighth is finer than
+    /// the walk resolves (the rule of [`with_downtime_gap`](Self::with_downtime_gap)).
     pub fn with_window(window: Duration) -> Result<Self, InboxError> {
         if window.is_zero() || window > Self::MAX_WINDOW {
             return Err(InboxError::InvalidRetention {
@@ -142,9 +160,17 @@ impl RetentionPolicy {
                 ),
             });
         }
+        let downtime_gap = window / Self::DEFAULT_GAPS_PER_WINDOW;
+        check_downtime_gap(window, downtime_gap).map_err(|reason| {
+            InboxError::InvalidRetention {
+                reason: format!(
+                    "{reason} (with_window takes an eighth of the window): give a window of at least 8µs, as long as the broker can redeliver"
+                ),
+            }
+        })?;
         Ok(Self {
             window,
-            downtime_gap: window / Self::DEFAULT_GAPS_PER_WINDOW,
+            downtime_gap,
             batch_size: Self::DEFAULT_BATCH_SIZE,
             pacing: PurgePacing::default(),
         })
@@ -156,17 +182,15 @@ impl RetentionPolicy {
     /// towards the window.
     ///
     /// # Errors
-    /// [`InboxError::InvalidRetention`] for a zero gap or one over
+    /// [`InboxError::InvalidRetention`] for a gap finer than
+    /// [`finest_downtime_gap`](Self::finest_downtime_gap) (so never zero) or one over
     /// [`MAX_WINDOW`](Self::MAX_WINDOW).
     pub fn with_downtime_gap(self, gap: Duration) -> Result<Self, InboxError> {
-        if gap.is_zero() || gap > Self::MAX_WINDOW {
-            return Err(InboxError::InvalidRetention {
-                reason: format!(
-                    "a downtime gap of {gap:?} is outside (0, {:?}]: a silence longer than the gap counts as downtime",
-                    Self::MAX_WINDOW
-                ),
-            });
-        }
+        check_downtime_gap(self.window, gap).map_err(|reason| InboxError::InvalidRetention {
+            reason: format!(
+                "{reason}: give at least that, or a shorter window (a silence longer than the gap counts as downtime)"
+            ),
+        })?;
         Ok(Self {
             downtime_gap: gap,
             ..self
@@ -225,6 +249,49 @@ impl RetentionPolicy {
     pub fn downtime_gap(&self) -> Duration {
         self.downtime_gap
     }
+
+    /// The finest downtime gap this window accepts: the window divided by
+    /// [`MAX_GAPS_PER_WINDOW`](Self::MAX_GAPS_PER_WINDOW), rounded up to a whole
+    /// microsecond (the step of the purge's walk).
+    ///
+    /// ```
+    /// use sea_orm_inbox::RetentionPolicy;
+    /// use std::time::Duration;
+    ///
+    /// let hour = RetentionPolicy::with_window(Duration::from_secs(3_600))?;
+    /// assert_eq!(hour.finest_downtime_gap(), Duration::from_micros(58_064_517));
+    /// assert!(hour.with_downtime_gap(Duration::from_secs(1)).is_err());
+    /// # Ok::<(), sea_orm_inbox::InboxError>(())
+    /// ```
+    pub fn finest_downtime_gap(&self) -> Duration {
+        walk_step(self.window)
+    }
+}
+
+/// The step of the receiving-time walk over `window`: a
+/// [`RetentionPolicy::MAX_GAPS_PER_WINDOW`]th of it, rounded up to a whole microsecond,
+/// so that the steps of one walk cover a window and land on the timestamps' precision.
+fn walk_step(window: Duration) -> Duration {
+    let per_step = window
+        .as_nanos()
+        .div_ceil(u128::from(RetentionPolicy::MAX_GAPS_PER_WINDOW));
+    let micros = per_step.div_ceil(1_000).max(1);
+    // A window of at most MAX_WINDOW makes at most 5e16 microseconds: it fits.
+    Duration::from_micros(u64::try_from(micros).unwrap_or(u64::MAX))
+}
+
+/// The one rule for a downtime gap, whether [`RetentionPolicy::with_window`] derives it or
+/// [`RetentionPolicy::with_downtime_gap`] is given it; the error says what is wrong.
+fn check_downtime_gap(window: Duration, gap: Duration) -> Result<(), String> {
+    let finest = walk_step(window);
+    if gap < finest || gap > RetentionPolicy::MAX_WINDOW {
+        return Err(format!(
+            "a downtime gap of {gap:?} is outside [{finest:?}, {:?}] for a window of {window:?}: the purge cannot tell apart silences shorter than the window / {} (or 1µs)",
+            RetentionPolicy::MAX_WINDOW,
+            RetentionPolicy::MAX_GAPS_PER_WINDOW,
+        ));
+    }
+    Ok(())
 }
 
 /// How a purge spaces its DELETE statements so that claimers sharing the database keep
@@ -419,7 +486,10 @@ impl Pacer {
 /// Each probe asks for the newest marker at or before `at - step`; the stretch back to it
 /// counts in full when it is no longer than the downtime gap, and as one `step` otherwise
 /// (the probe cannot see into the last `step` before `at`, so that much may have been
-/// receiving). Every probe adds at least `step` = window / 64, so a walk makes at most 64.
+/// receiving). Every probe but the last adds at least `step`, and
+/// [`MAX_GAPS_PER_WINDOW`](RetentionPolicy::MAX_GAPS_PER_WINDOW) steps cover the window,
+/// so a walk makes at most that many probes, whatever the gap (which the policy keeps no
+/// finer than a step: a finer one would count every silence as a step all the same).
 #[derive(Clone, Copy, Debug)]
 struct ReceivingWalk {
     window: TimeDelta,
@@ -441,19 +511,15 @@ enum WalkStep {
 }
 
 impl ReceivingWalk {
-    const PROBES_PER_WINDOW: i32 = 64;
-
     fn start(
         policy: &RetentionPolicy,
         newest: DateTime<Utc>,
         now: DateTime<Utc>,
     ) -> (Self, WalkStep) {
-        // `with_window` bounds both durations to a hundred years: the conversions succeed.
+        // `with_window` bounds all three durations to a hundred years: they convert.
         let window = TimeDelta::from_std(policy.window).unwrap_or(TimeDelta::MAX);
         let gap = TimeDelta::from_std(policy.downtime_gap).unwrap_or(window);
-        let step = (window / Self::PROBES_PER_WINDOW)
-            .min(gap)
-            .max(TimeDelta::microseconds(1));
+        let step = TimeDelta::from_std(walk_step(policy.window)).unwrap_or(window);
         let walk = Self {
             window,
             gap,
@@ -473,6 +539,7 @@ impl ReceivingWalk {
             return self
                 .at
                 .checked_sub_signed(missing)
+                .and_then(to_whole_micros)
                 .map_or(WalkStep::Exhausted, WalkStep::Cutoff);
         }
         self.receiving += counted;
@@ -488,13 +555,23 @@ impl ReceivingWalk {
         if self.at - oldest < missing {
             return None;
         }
-        self.at.checked_sub_signed(missing)
+        self.at
+            .checked_sub_signed(missing)
+            .and_then(to_whole_micros)
     }
 
     fn probe_before(&self, at: DateTime<Utc>) -> WalkStep {
         at.checked_sub_signed(self.step)
             .map_or(WalkStep::Exhausted, WalkStep::Probe)
     }
+}
+
+/// `at` cut down to a whole microsecond, the precision of the timestamp columns: one
+/// cutoff for every backend. (SQLite compares the text of a timestamp, nanoseconds and
+/// all, where PostgreSQL and MariaDB drop them; down, not up, so no marker goes early.)
+fn to_whole_micros(at: DateTime<Utc>) -> Option<DateTime<Utc>> {
+    let below = at.timestamp_subsec_nanos() % 1_000;
+    at.checked_sub_signed(TimeDelta::nanoseconds(i64::from(below)))
 }
 
 /// What one [`purge`] removed.
@@ -515,13 +592,15 @@ pub struct PurgeReport {
     pub resting: Duration,
 }
 
-/// Deletes the markers received before the policy's cutoff, in batches of at most
-/// [`RetentionPolicy::batch_size`] rows, each one DELETE statement committed on its own,
-/// spaced as the policy's [`PurgePacing`] says, until a batch comes back short.
+/// Deletes the markers last used before the policy's cutoff (a completed two-phase claim
+/// at its completion, every other marker at its claim: the retention clock of
+/// [`RetentionPolicy`]), in batches of at most [`RetentionPolicy::batch_size`] rows, each
+/// one DELETE statement committed on its own, spaced as the policy's [`PurgePacing`] says,
+/// until a batch comes back short.
 ///
 /// Never deletes an unfinished two-phase claim (a lease without `processed_at`, parked
 /// or not). The cutoff follows the downtime rule of [`RetentionPolicy`] and is computed
-/// once, before the first batch, with at most 64 index probes.
+/// once, before the first batch, from at most 64 timestamps read off the index.
 ///
 /// # Errors
 /// [`InboxError::Query`] when a statement fails; batches before it stay deleted.
@@ -601,6 +680,7 @@ async fn purge_until(
             backend,
             &delete,
             [
+                timestamp_value(backend, cutoff),
                 timestamp_value(backend, cutoff),
                 Value::from(i64::try_from(batch).unwrap_or(i64::MAX)),
             ],
@@ -799,7 +879,10 @@ pub fn spawn_purger(
 mod tests {
     use super::*;
 
-    /// Runs a walk over an in-memory timeline; returns the cutoff and the probes it took.
+    /// Runs a walk over an in-memory timeline as `receiving_time_cutoff` runs it over the
+    /// index; returns the cutoff and the timestamps it read (the newest, the probes and
+    /// the oldest, if asked for). The tests' instants are whole microseconds
+    /// (`now_micros`), as the database returns them.
     fn walk(
         markers: &[DateTime<Utc>],
         policy: &RetentionPolicy,
@@ -809,20 +892,24 @@ mod tests {
         sorted.sort();
         let newest = *sorted.last().expect("a marker");
         let (mut state, mut next) = ReceivingWalk::start(policy, newest, now);
-        let mut probes = 0;
+        let mut reads = 1;
         loop {
             match next {
-                WalkStep::Cutoff(cutoff) => return (Some(cutoff), probes),
-                WalkStep::Exhausted => return (None, probes),
+                WalkStep::Cutoff(cutoff) => return (Some(cutoff), reads),
+                WalkStep::Exhausted => return (None, reads),
                 WalkStep::Probe(at) => {
-                    probes += 1;
+                    reads += 1;
                     match sorted.iter().rev().find(|m| **m <= at) {
                         Some(earlier) => next = state.advance(*earlier),
-                        None => return (state.finish(sorted[0]), probes + 1),
+                        None => return (state.finish(sorted[0]), reads + 1),
                     }
                 }
             }
         }
+    }
+
+    fn step_of(policy: &RetentionPolicy) -> TimeDelta {
+        TimeDelta::from_std(policy.finest_downtime_gap()).expect("a short step")
     }
 
     fn every_minute(from: DateTime<Utc>, minutes: i64) -> Vec<DateTime<Utc>> {
@@ -837,39 +924,39 @@ mod tests {
 
     #[test]
     fn steady_traffic_keeps_exactly_one_window() {
-        let end = Utc::now();
+        let end = now_micros();
         let markers = every_minute(end - TimeDelta::hours(3), 180);
-        let (cutoff, probes) = walk(&markers, &hour_window(), end);
+        let (cutoff, reads) = walk(&markers, &hour_window(), end);
         assert_eq!(cutoff, Some(end - TimeDelta::hours(1)));
-        assert!(probes <= 64, "{probes} probes");
+        assert!(reads <= 64, "{reads} reads");
     }
 
     #[test]
     fn an_outage_does_not_count_towards_the_window() {
-        let now = Utc::now();
+        let now = now_micros();
         let outage_began = now - TimeDelta::days(30);
         let mut markers = every_minute(outage_began - TimeDelta::hours(3), 180);
         markers.extend(every_minute(now - TimeDelta::minutes(20), 20));
         let (cutoff, _) = walk(&markers, &hour_window(), now);
         let cutoff = cutoff.expect("a window of receiving time exists");
         // 20 minutes after the outage, one probe step for the silence, the rest before it.
-        let step = TimeDelta::seconds(3_600) / 64;
+        let step = step_of(&hour_window());
         assert_eq!(cutoff, outage_began - (TimeDelta::minutes(40) - step));
     }
 
     #[test]
     fn less_than_a_window_of_receiving_deletes_nothing() {
-        let now = Utc::now();
+        let now = now_micros();
         let markers = every_minute(now - TimeDelta::minutes(50), 50);
         assert_eq!(walk(&markers, &hour_window(), now).0, None);
     }
 
     #[test]
-    fn sparse_history_costs_at_most_64_probes() {
-        let now = Utc::now();
+    fn sparse_history_costs_at_most_64_reads() {
+        let now = now_micros();
         let markers: Vec<_> = (0..10_000).map(|d| now - TimeDelta::days(d)).collect();
-        let (cutoff, probes) = walk(&markers, &hour_window(), now);
-        assert!(probes <= 65, "{probes} probes");
+        let (cutoff, reads) = walk(&markers, &hour_window(), now);
+        assert!(reads <= 64, "{reads} reads");
         assert!(
             cutoff.is_some_and(|c| c < now - TimeDelta::days(60)),
             "{cutoff:?}"
@@ -878,7 +965,7 @@ mod tests {
 
     #[test]
     fn a_clock_behind_the_newest_marker_walks_from_the_clock() {
-        let now = Utc::now();
+        let now = now_micros();
         let markers = every_minute(now - TimeDelta::hours(2), 180); // an hour in the future
         assert_eq!(
             walk(&markers, &hour_window(), now).0,
@@ -891,7 +978,7 @@ mod tests {
     /// probe steps past the oldest cohort.
     #[test]
     fn markers_within_the_last_step_still_count() {
-        let now = Utc::now();
+        let now = now_micros();
         let mut markers: Vec<_> = (93..=100).map(|d| now - TimeDelta::days(d)).collect();
         markers.push(now);
         let window = TimeDelta::days(100) - TimeDelta::hours(12);
@@ -899,6 +986,46 @@ mod tests {
             .and_then(|p| p.with_downtime_gap(RetentionPolicy::MAX_WINDOW))
             .expect("valid policy");
         assert_eq!(walk(&markers, &policy, now).0, Some(now - window));
+    }
+
+    /// Every window the policy accepts, with its finest, default and coarsest gaps, over
+    /// timelines denser and sparser than a step: never more than 64 reads. (A 1 s gap on
+    /// an hour made 3,601 when the step followed the gap.)
+    #[test]
+    fn every_accepted_window_and_gap_costs_at_most_64_reads() {
+        let now = now_micros();
+        let windows = [
+            Duration::from_micros(8),
+            Duration::from_nanos(9_500),
+            Duration::from_micros(100),
+            Duration::from_secs(1),
+            Duration::from_secs(3_600),
+            Duration::from_secs(3_600) + Duration::from_nanos(1),
+            Duration::from_secs(7 * 86_400),
+            RetentionPolicy::MAX_WINDOW,
+        ];
+        for window in windows {
+            let policy = RetentionPolicy::with_window(window).expect("a valid window");
+            let finest = policy.finest_downtime_gap();
+            for gap in [
+                finest,
+                finest * 3 / 2,
+                window / 8,
+                RetentionPolicy::MAX_WINDOW,
+            ] {
+                let policy = policy.with_downtime_gap(gap).expect("a valid gap");
+                let step = step_of(&policy);
+                for spacing in [step / 3, step / 2, step, step * 3 / 2, step * 5] {
+                    let spacing = spacing.max(TimeDelta::microseconds(1));
+                    let markers: Vec<_> = (0..400).map(|n| now - spacing * n).collect();
+                    let (_, reads) = walk(&markers, &policy, now);
+                    assert!(
+                        reads <= 64,
+                        "{reads} reads: window {window:?}, gap {gap:?}, spacing {spacing:?}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]
@@ -912,6 +1039,59 @@ mod tests {
                 .is_err()
         );
         assert!(policy.with_downtime_gap(Duration::from_secs(7_200)).is_ok());
+        let finest = policy.finest_downtime_gap();
+        assert_eq!(finest, Duration::from_micros(58_064_517), "3600 s / 62, up");
+        assert!(policy.with_downtime_gap(finest).is_ok());
+        assert!(
+            policy
+                .with_downtime_gap(finest - Duration::from_micros(1))
+                .is_err()
+        );
+    }
+
+    /// One rule for a derived gap and a given one: a window whose eighth is finer than
+    /// the walk resolves (a microsecond) is refused like that gap would be.
+    #[test]
+    fn a_window_too_short_for_its_default_gap_is_refused() {
+        for window in [
+            Duration::from_nanos(1),
+            Duration::from_nanos(7),
+            Duration::from_nanos(7_999),
+        ] {
+            let Err(InboxError::InvalidRetention { reason }) = RetentionPolicy::with_window(window)
+            else {
+                panic!("a window of {window:?} has a default gap under 1 µs");
+            };
+            assert!(reason.contains("at least 8µs"), "{reason}");
+        }
+        let shortest = RetentionPolicy::with_window(Duration::from_micros(8)).expect("8 µs");
+        assert_eq!(shortest.downtime_gap(), Duration::from_micros(1));
+        assert_eq!(shortest.finest_downtime_gap(), Duration::from_micros(1));
+    }
+
+    #[test]
+    fn cutoffs_are_cut_down_to_whole_microseconds() {
+        let at = DateTime::from_timestamp(1_000, 123_456_789).expect("a valid instant");
+        assert_eq!(
+            to_whole_micros(at),
+            DateTime::from_timestamp(1_000, 123_456_000)
+        );
+        let before_1970 = DateTime::from_timestamp(-1, 999_999_500).expect("a valid instant");
+        assert_eq!(
+            to_whole_micros(before_1970),
+            DateTime::from_timestamp(-1, 999_999_000),
+            "down, not towards zero"
+        );
+        // A window of an hour and 500 ns over steady traffic: the cutoff lands 1 µs lower.
+        let end = DateTime::from_timestamp(1_800_000_000, 0).expect("a valid instant");
+        let markers = every_minute(end - TimeDelta::hours(3), 180);
+        let policy =
+            RetentionPolicy::with_window(Duration::from_secs(3_600) + Duration::from_nanos(500))
+                .expect("a valid window");
+        assert_eq!(
+            walk(&markers, &policy, end).0,
+            Some(end - TimeDelta::hours(1) - TimeDelta::microseconds(1))
+        );
     }
 
     fn paced(budget_ms: u64, busy: u8, ceiling: u32) -> Pacer {

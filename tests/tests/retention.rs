@@ -7,9 +7,11 @@ use chrono::{DateTime, DurationRound, TimeDelta, Utc};
 use inbox_tests::{Backend, migrated_db, on_every_backend, on_pgbouncer, scalar_i64, stmt};
 use sea_orm::{ConnectionTrait, DatabaseConnection, TransactionTrait, Value};
 use sea_orm_inbox::{
-    BrokerRedelivery, InboxError, LeaseOptions, PurgePacing, RetentionPolicy, claim_lease, purge,
-    spawn_purger, timestamp_value,
+    BrokerRedelivery, InboxError, LeaseClaim, LeaseOptions, PurgePacing, RetentionPolicy,
+    claim_lease, complete_lease, purge, spawn_purger, timestamp_value,
 };
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 use uuid::Uuid;
 
@@ -224,7 +226,7 @@ async fn purge_after_downtime_keeps_what_the_broker_may_redeliver(backend: Backe
     // newest marker, or from the wall clock, would delete all of it now).
     let after = one_a_minute(&conn, now(), 20).await;
     let report = purge(&conn, &policy).await.unwrap();
-    let step = TimeDelta::seconds(3600) / 64;
+    let step = TimeDelta::from_std(policy.finest_downtime_gap()).unwrap();
     assert_eq!(
         report.cutoff,
         Some(outage_began - (TimeDelta::minutes(40) - step)),
@@ -437,6 +439,153 @@ async fn dropped_purger_stops_after_its_current_batch(backend: Backend) {
     db.cleanup().await;
 }
 
+/// Sets `column` of the message's marker to `at`, as if it had been written then.
+async fn set_time(conn: &DatabaseConnection, id: Uuid, column: &str, at: DateTime<Utc>) {
+    let txn = conn.begin().await.expect("begin the update");
+    txn.execute_raw(stmt(
+        conn.get_database_backend(),
+        &format!("UPDATE inbox SET {column} = ? WHERE message_id = ?"),
+        vec![timestamp_value(conn.get_database_backend(), at), id.into()],
+    ))
+    .await
+    .expect("set a marker's time");
+    txn.commit().await.expect("commit the update");
+}
+
+/// A lease first claimed two hours ago completes now, with a one-hour window: its
+/// delivery's ack may still be lost, so the marker must outlive the next purge, and the
+/// redelivery must meet it instead of running the side effect again.
+async fn lease_completed_late_is_kept_a_window_after_its_completion(backend: Backend) {
+    let db = migrated_db(backend).await;
+    let conn = db.connect().await;
+    let options = LeaseOptions::new(Duration::from_secs(3 * 3600)).unwrap();
+    let id = Uuid::new_v4();
+    let LeaseClaim::Claimed(lease) = claim_lease(&conn, id, "c", &options).await.unwrap() else {
+        panic!("a first claim is Claimed");
+    };
+    set_time(&conn, id, "received_at", now() - TimeDelta::hours(2)).await;
+    let newest = now();
+    let three_hours_ago = insert(&conn, Marker::OnePhase, newest - TimeDelta::hours(3), 1).await;
+    insert(&conn, Marker::OnePhase, newest - TimeDelta::minutes(30), 1).await;
+    insert(&conn, Marker::OnePhase, newest, 1).await;
+    // The side effect took two hours; it completes now.
+    complete_lease(&conn, &lease).await.unwrap();
+
+    let policy = RetentionPolicy::with_window(Duration::from_secs(3600))
+        .unwrap()
+        .with_downtime_gap(Duration::from_secs(6 * 3600))
+        .unwrap();
+    let report = purge(&conn, &policy).await.unwrap();
+    assert_eq!(report.cutoff, Some(newest - TimeDelta::hours(1)));
+    assert_eq!(
+        report.rows, 1,
+        "only the marker of three hours ago: {report:?}"
+    );
+    assert_eq!(present(&conn, &three_hours_ago).await, 0);
+    assert_eq!(
+        present(&conn, &[id]).await,
+        1,
+        "a lease completed a moment ago is kept a window from its completion"
+    );
+    // The ack was lost: the broker redelivers, and the side effect must not run again.
+    assert_eq!(
+        claim_lease(&conn, id, "c", &options).await.unwrap(),
+        LeaseClaim::AlreadyProcessed
+    );
+
+    // A window after its completion, it goes.
+    set_time(&conn, id, "processed_at", newest - TimeDelta::minutes(90)).await;
+    let report = purge(&conn, &policy).await.unwrap();
+    assert_eq!(report.rows, 1, "{report:?}");
+    assert_eq!(present(&conn, &[id]).await, 0);
+    conn.close().await.ok();
+    db.cleanup().await;
+}
+
+/// One cutoff at the columns' precision (microseconds) on every backend: SQLite compared
+/// a cutoff's nanoseconds as text and deleted the row at the truncated cutoff, which
+/// PostgreSQL and MariaDB kept.
+async fn the_cutoff_is_cut_to_microseconds_on_every_backend(backend: Backend) {
+    let db = migrated_db(backend).await;
+    let conn = db.connect().await;
+    let newest = now();
+    let cut = newest - TimeDelta::hours(1) - TimeDelta::microseconds(1);
+    insert(&conn, Marker::OnePhase, newest, 1).await;
+    let at_cut = insert(&conn, Marker::OnePhase, cut, 1).await;
+    let before_cut = insert(&conn, Marker::OnePhase, cut - TimeDelta::microseconds(1), 1).await;
+    let policy =
+        RetentionPolicy::with_window(Duration::from_secs(3600) + Duration::from_nanos(500))
+            .unwrap()
+            .with_downtime_gap(RetentionPolicy::MAX_WINDOW)
+            .unwrap();
+    let report = purge(&conn, &policy).await.unwrap();
+    assert_eq!(
+        present(&conn, &at_cut).await,
+        1,
+        "the row at the cutoff stays: {report:?}"
+    );
+    assert_eq!(present(&conn, &before_cut).await, 0);
+    assert_eq!(report.rows, 1, "{report:?}");
+    assert_eq!(
+        report.cutoff,
+        Some(cut),
+        "newest - 1 h - 500 ns, cut to the microsecond below"
+    );
+    conn.close().await.ok();
+    db.cleanup().await;
+}
+
+/// The receiving-time walk reads at most 64 timestamps per purge (the newest, its probes,
+/// the oldest), whatever the downtime gap: counted on the wire, over three hours of a
+/// marker every 20 seconds, for every gap the policy accepts; a gap finer than the walk can
+/// resolve is refused before any SQL runs.
+async fn the_walk_reads_at_most_64_timestamps_for_every_gap(backend: Backend) {
+    let db = migrated_db(backend).await;
+    let mut conn = db.connect().await;
+    let reads = Arc::new(AtomicUsize::new(0));
+    let counter = Arc::clone(&reads);
+    conn.set_metric_callback(move |info| {
+        let sql = &info.statement.sql;
+        if sql.contains("MAX(received_at)") || sql.contains("MIN(received_at)") {
+            counter.fetch_add(1, Ordering::Relaxed);
+        }
+    });
+    let hour = RetentionPolicy::with_window(Duration::from_secs(3600)).unwrap();
+    let mut refused = Vec::new();
+    for gap in [1, 59, 450, 3600, 6 * 3600].map(Duration::from_secs) {
+        let Ok(policy) = hour.with_downtime_gap(gap) else {
+            refused.push(gap);
+            continue;
+        };
+        // Every gap walks the same timeline.
+        let txn = conn.begin().await.unwrap();
+        let clear = stmt(conn.get_database_backend(), "DELETE FROM inbox", vec![]);
+        txn.execute_raw(clear).await.unwrap();
+        txn.commit().await.unwrap();
+        let end = now();
+        for back in 0..=540 {
+            insert(
+                &conn,
+                Marker::OnePhase,
+                end - TimeDelta::seconds(20 * back),
+                1,
+            )
+            .await;
+        }
+        reads.store(0, Ordering::Relaxed);
+        let report = purge(&conn, &policy).await.unwrap();
+        let reads = reads.load(Ordering::Relaxed);
+        assert!(
+            reads <= 64,
+            "{reads} reads with a gap of {gap:?}: {report:?}"
+        );
+        assert!(report.rows > 0, "a gap of {gap:?}: {report:?}");
+    }
+    assert_eq!(refused, [Duration::from_secs(1)], "finer than 3600 s / 62");
+    conn.close().await.ok();
+    db.cleanup().await;
+}
+
 on_every_backend!(
     purge_removes_exactly_the_old_finished_rows_in_bounded_batches,
     live_leases_survive_a_purge,
@@ -444,6 +593,9 @@ on_every_backend!(
     background_purger_runs_and_shuts_down_cleanly,
     paced_purge_rests_between_batches,
     dropped_purger_stops_after_its_current_batch,
+    lease_completed_late_is_kept_a_window_after_its_completion,
+    the_cutoff_is_cut_to_microseconds_on_every_backend,
+    the_walk_reads_at_most_64_timestamps_for_every_gap,
 );
 
 on_pgbouncer!(

@@ -401,13 +401,20 @@ pub(crate) fn batch_marker_held_sql(backend: DbBackend) -> Result<String, InboxE
     )
 }
 
-/// Rows the purge may delete: finished, i.e. not an unfinished two-phase claim (a lease
-/// without `processed_at`, parked or not).
-const PURGEABLE: &str = "received_at < ? AND (processed_at IS NOT NULL OR lease_until IS NULL)";
+/// Rows the purge may delete: finished, and last used before the cutoff. A completed
+/// two-phase claim was last used at its completion, `processed_at` (possibly hours after
+/// its first claim, `received_at`; both must be before the cutoff, whatever the skew
+/// between the clocks that wrote them), every other finished marker at `received_at`. An
+/// unfinished claim (a lease without `processed_at`, parked or not) is never purgeable.
+/// The `received_at` bound keeps the delete a range walk of `ix_inbox_received_at`; the
+/// rows it walks past are the unfinished claims and the claims completed after the
+/// cutoff.
+const PURGEABLE: &str = "received_at < ? \
+     AND (processed_at < ? OR (processed_at IS NULL AND lease_until IS NULL))";
 
 /// One purge batch: at most `?` purgeable rows received before `?`, oldest first, in one
 /// statement that walks `ix_inbox_received_at` (each dialect picks the form its planner
-/// runs as an index walk). Binds: cutoff, batch size.
+/// runs as an index walk). Binds: cutoff, cutoff again, batch size.
 pub(crate) fn purge_batch_sql(backend: DbBackend) -> Result<String, InboxError> {
     dialect_sql(backend, &dialect(backend)?.purge_batch(PURGEABLE))
 }
