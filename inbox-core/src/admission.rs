@@ -365,6 +365,15 @@ mod tests {
     }
 
     #[test]
+    fn refusals_say_to_dead_letter() {
+        let floor = floor(HOUR, MINUTE);
+        for sent_at in [at(-2 * 3_600), at(2 * 3_600)] {
+            let refusal = floor.check(sent_at, at(0)).unwrap_err();
+            assert!(refusal.to_string().contains("Dead-letter it"), "{refusal}");
+        }
+    }
+
+    #[test]
     fn both_floors_apply() {
         let loose = floor(10 * HOUR, MINUTE);
         let strict = floor(HOUR, MINUTE);

@@ -385,6 +385,14 @@ mod tests {
                 .to_string(),
                 "re-run the whole batch in a new transaction or nack it",
             ),
+            (
+                InboxError::InvalidAdmissionFloor {
+                    margin: Duration::from_secs(7200),
+                    window: Duration::from_secs(3600),
+                }
+                .to_string(),
+                "size the window with that margin on top",
+            ),
         ];
         for (message, instruction) in cases {
             assert!(
