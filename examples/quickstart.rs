@@ -60,6 +60,8 @@ async fn inbox_handler(db: &DatabaseConnection, id: Uuid) -> Result<(), BoxError
             claimed.commit(txn).await?; // proves the marker is still held, then commits
         }
         Claim::Duplicate => txn.rollback().await?, // already done: ack and move on
+        // Only a `Delivery` with a send time and an admission floor is refused.
+        Claim::Refused(_) => txn.rollback().await?, // dead-letter it
     }
     Ok(())
 }

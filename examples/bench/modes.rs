@@ -330,6 +330,9 @@ impl Worker {
                 Ok(Done::CLAIMED_ONE)
             }
             Claim::Duplicate => Err("a fresh message id was reported as a duplicate".into()),
+            Claim::Refused(refusal) => {
+                Err(format!("a delivery without a send time was refused: {refusal}").into())
+            }
         }
     }
 
@@ -342,6 +345,9 @@ impl Worker {
                 Ok(Done::CLAIMED_ONE)
             }
             Claim::Duplicate => Err("a fresh message id was reported as a duplicate".into()),
+            Claim::Refused(refusal) => {
+                Err(format!("a delivery without a send time was refused: {refusal}").into())
+            }
         }
     }
 
@@ -353,10 +359,13 @@ impl Worker {
                 Box::pin(async move { credit(txn, sql, account, 1).await })
             })
             .await?;
-        Ok(match outcome {
-            Outcome::Processed(()) => Handled::Applied,
-            Outcome::Duplicate => Handled::Duplicate,
-        })
+        match outcome {
+            Outcome::Processed(()) => Ok(Handled::Applied),
+            Outcome::Duplicate => Ok(Handled::Duplicate),
+            Outcome::Refused(refusal) => {
+                Err(format!("a delivery without a send time was refused: {refusal}").into())
+            }
+        }
     }
 
     async fn savepoint(&self) -> Result<Done, BoxError> {
@@ -496,6 +505,9 @@ impl Worker {
                 Ok(Done::DUPLICATE)
             }
             Claim::Claimed(_) => Err("a processed message was claimed again".into()),
+            Claim::Refused(refusal) => {
+                Err(format!("a delivery without a send time was refused: {refusal}").into())
+            }
         }
     }
 

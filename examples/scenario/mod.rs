@@ -211,6 +211,7 @@ pub struct Demo {
     redeliveries: AtomicU64,
     ack_calls: AtomicU64,
     nacks: AtomicU64,
+    dead_letters: AtomicU64,
     withheld: AtomicU64,
     done: watch::Sender<bool>,
 }
@@ -246,6 +247,7 @@ impl Demo {
             redeliveries: AtomicU64::default(),
             ack_calls: AtomicU64::default(),
             nacks: AtomicU64::default(),
+            dead_letters: AtomicU64::default(),
             withheld: AtomicU64::default(),
             done: watch::Sender::new(false),
         })
@@ -299,6 +301,9 @@ impl Demo {
         match settlement {
             Settlement::Nack => {
                 self.nacks.fetch_add(1, Ordering::Relaxed);
+            }
+            Settlement::DeadLetter => {
+                self.dead_letters.fetch_add(1, Ordering::Relaxed);
             }
             Settlement::Ack => {
                 self.ack_calls.fetch_add(1, Ordering::Relaxed);
@@ -375,6 +380,7 @@ impl Demo {
             duplicates: metrics.duplicates,
             handler_errors: metrics.handler_errors,
             nacks: self.nacks.load(Ordering::Relaxed),
+            dead_letters: self.dead_letters.load(Ordering::Relaxed),
             acked_copies: self.acked.lock().map(|a| a.len()).unwrap_or_default() as u64,
             ack_calls: self.ack_calls.load(Ordering::Relaxed),
             withheld: self.withheld.load(Ordering::Relaxed),
@@ -404,6 +410,9 @@ pub struct Report {
     pub handler_errors: u64,
     /// Deliveries nacked back to the broker.
     pub nacks: u64,
+    /// Deliveries dead-lettered (`Outcome::Refused`: none, as the demo's inbox has no
+    /// admission floor).
+    pub dead_letters: u64,
     /// Distinct published copies acked.
     pub acked_copies: u64,
     /// Acks sent (a copy the broker redelivered while its first delivery was still being
@@ -435,6 +444,9 @@ impl Report {
                 "{} processed for {} messages",
                 self.processed, self.messages
             ));
+        }
+        if self.dead_letters != 0 {
+            failures.push(format!("{} copies dead-lettered", self.dead_letters));
         }
         if self.acked_copies != self.published {
             failures.push(format!(
@@ -472,8 +484,8 @@ impl fmt::Display for Report {
         )?;
         writeln!(
             f,
-            "processed   {}, duplicates {}, handler failures {} ({} nacked)",
-            self.processed, self.duplicates, self.handler_errors, self.nacks
+            "processed   {}, duplicates {}, handler failures {} ({} nacked), {} dead-lettered",
+            self.processed, self.duplicates, self.handler_errors, self.nacks, self.dead_letters
         )?;
         writeln!(
             f,

@@ -205,6 +205,8 @@ async fn consume(
             match settlement {
                 Settlement::Ack => message.ack().await?,
                 Settlement::Nack => message.ack_with(AckKind::Nak(None)).await?,
+                // JetStream stops redelivering it and raises a MSG_TERMINATED advisory.
+                Settlement::DeadLetter => message.ack_with(AckKind::Term).await?,
             }
             demo.settled(copy, settlement);
         }

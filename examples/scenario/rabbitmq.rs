@@ -7,7 +7,7 @@ use super::{BoxError, CRASH_WHEN_IDLE, Demo, Fate, Plan, Publication, Report};
 use futures_util::StreamExt;
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions, BasicQosOptions,
-    ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
+    BasicRejectOptions, ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
 use lapin::publisher_confirm::Confirmation;
 use lapin::types::{AMQPValue, FieldTable};
@@ -180,6 +180,11 @@ impl Replica {
                         ..BasicNackOptions::default()
                     };
                     delivery.nack(requeue).await?
+                }
+                // To the queue's dead-letter exchange, if it has one; dropped otherwise.
+                Settlement::DeadLetter => {
+                    let dead_letter = BasicRejectOptions { requeue: false };
+                    delivery.reject(dead_letter).await?
                 }
             };
             demo.settled(copy, settlement);

@@ -3,10 +3,11 @@
 use crate::backend::{BatchClaimSql, batch_claim_sql, batch_marker_held_sql, timestamp_value};
 use crate::claim::now_micros;
 use crate::consumer::validate_consumer;
-use crate::{InboxError, MessageId};
+use crate::{Delivery, InboxError, MessageId, Refusal};
+use chrono::{DateTime, Utc};
 use sea_orm::{ConnectionTrait, DatabaseTransaction, DbErr, QueryResult, Statement, Value};
 use sea_orm_inbox_entity::INDEX_NAME;
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use uuid::Uuid;
 
 /// The most distinct message ids one [`claim_batch`](crate::InboxTransactionExt::claim_batch)
@@ -14,8 +15,9 @@ use uuid::Uuid;
 pub const MAX_CLAIM_BATCH: usize = 1000;
 
 /// The outcome of [`claim_batch`](crate::InboxTransactionExt::claim_batch): which ids this
-/// transaction claimed and which a committed transaction had claimed before. Each list is
-/// sorted and holds every distinct id of the batch exactly once between them.
+/// transaction claimed, which a committed transaction had claimed before, and which the
+/// admission floor refused. Each list is sorted and holds every distinct id of the batch
+/// exactly once between them.
 ///
 /// Commit the work with [`commit`](Self::commit), which first proves the transaction still
 /// holds the claimed markers.
@@ -26,6 +28,9 @@ pub struct BatchClaim {
     pub claimed: Vec<MessageId>,
     /// Claimed before by a committed transaction: skip them (they are done).
     pub already_claimed: Vec<MessageId>,
+    /// Refused by their [admission floor](crate::AdmissionFloor) before any SQL ran, and
+    /// not claimed: dead-letter them (their markers may already be purged).
+    pub refused: Vec<(MessageId, Refusal)>,
     consumer: String,
     tag: Uuid,
 }
@@ -144,20 +149,61 @@ pub(crate) fn sorted_batch(
     Ok(distinct.into_iter().collect())
 }
 
+/// A checked batch, split by the admission floor.
+#[derive(Debug)]
+pub(crate) struct AdmittedBatch {
+    /// The admitted ids, distinct and ascending.
+    ids: Vec<MessageId>,
+    /// The refused ids, ascending, each with why.
+    refused: Vec<(MessageId, Refusal)>,
+}
+
+/// Checks the batch as [`sorted_batch`] does, then splits it by each delivery's floor at
+/// `now`; an id given twice is refused if either delivery is.
+pub(crate) fn admit_batch(
+    deliveries: Vec<Delivery>,
+    consumer: &str,
+    now: DateTime<Utc>,
+) -> Result<AdmittedBatch, InboxError> {
+    let ids = sorted_batch(
+        deliveries.iter().map(Delivery::message_id).collect(),
+        consumer,
+    )?;
+    let mut refused = BTreeMap::new();
+    for delivery in &deliveries {
+        if let Err(refusal) = delivery.admit(None, now) {
+            refused.entry(delivery.message_id()).or_insert(refusal);
+        }
+    }
+    Ok(AdmittedBatch {
+        ids: ids
+            .into_iter()
+            .filter(|id| !refused.contains_key(id))
+            .collect(),
+        refused: refused.into_iter().collect(),
+    })
+}
+
 /// The batch claim, for a connection the crate has proven is a transaction.
 pub(crate) async fn insert_batch<C: ConnectionTrait>(
     conn: &C,
-    ids: Result<Vec<MessageId>, InboxError>,
+    batch: Result<AdmittedBatch, InboxError>,
     consumer: &str,
 ) -> Result<BatchClaim, InboxError> {
-    let ids = ids?;
-    let backend = conn.get_database_backend();
-    let Some(&first) = ids.first() else {
-        return Err(InboxError::EmptyBatch);
-    };
-    let fail = |err: DbErr| InboxError::from_claim(err, first, consumer);
+    let AdmittedBatch { ids, refused } = batch?;
     // The tag tells this call's rows from the ones a committed transaction wrote before.
     let tag = Uuid::new_v4();
+    let Some(&first) = ids.first() else {
+        // Every delivery was refused: nothing to insert.
+        return Ok(BatchClaim {
+            refused,
+            consumer: consumer.to_owned(),
+            tag,
+            ..BatchClaim::default()
+        });
+    };
+    let backend = conn.get_database_backend();
+    let fail = |err: DbErr| InboxError::from_claim(err, first, consumer);
     let received_at = timestamp_value(backend, now_micros());
     let mut values = Vec::with_capacity(ids.len() * 4);
     for id in &ids {
@@ -186,11 +232,12 @@ pub(crate) async fn insert_batch<C: ConnectionTrait>(
         .map(BatchRow::read)
         .collect::<Result<Vec<_>, _>>()
         .map_err(fail)?;
-    sort_out(ids, consumer, tag, &rows, read).map_err(|problem| {
+    let claim = sort_out(ids, consumer, tag, &rows, read).map_err(|problem| {
         fail(DbErr::Custom(format!(
             "{problem}: a batch row conflicted on a unique key other than {INDEX_NAME}, so the message was not claimed. Roll back; a unique index on the inbox table besides the inbox's own must go"
         )))
-    })
+    })?;
+    Ok(BatchClaim { refused, ..claim })
 }
 
 /// The claim without `INSERT ... RETURNING` (the MySQL family): the tagged INSERT, whose
@@ -299,6 +346,7 @@ fn sort_out(
     Ok(BatchClaim {
         claimed,
         already_claimed,
+        refused: Vec::new(),
         consumer: consumer.to_owned(),
         tag,
     })
@@ -363,6 +411,35 @@ mod tests {
         );
         let untagged = [row(1, "c", None)];
         assert!(sort_out(ids(), "c", tag, &untagged, RowsRead::InsertedOnly).is_err());
+    }
+
+    #[test]
+    fn the_floor_splits_a_batch_and_refuses_an_id_if_any_delivery_of_it_is_refused() {
+        use crate::{AdmissionFloor, RetentionPolicy};
+        use std::time::Duration;
+        let hour = Duration::from_secs(3_600);
+        let retention = RetentionPolicy::with_window(hour).unwrap();
+        let floor = AdmissionFloor::new(&retention, Duration::from_secs(60)).unwrap();
+        let now = Utc::now();
+        let old = now - chrono::TimeDelta::hours(2);
+        let deliveries = vec![
+            Delivery::new(id(3)).sent_at(now).with_floor(floor),
+            Delivery::new(id(2)).sent_at(old).with_floor(floor),
+            Delivery::new(id(1)),
+            Delivery::new(id(3)).sent_at(old).with_floor(floor),
+        ];
+        let batch = admit_batch(deliveries, "c", now).unwrap();
+        assert_eq!(batch.ids, [id(1)]);
+        let refused: Vec<_> = batch.refused.iter().map(|(id, _)| *id).collect();
+        assert_eq!(refused, [id(2), id(3)]);
+        assert!(matches!(
+            admit_batch(
+                vec![Delivery::new(id(0)).sent_at(old).with_floor(floor)],
+                "c",
+                now
+            ),
+            Err(InboxError::NilMessageId)
+        ));
     }
 
     #[test]

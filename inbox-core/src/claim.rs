@@ -2,10 +2,10 @@ use crate::backend::{
     DbErrorKind, ProcessMarker, claim_marker_statement, classify, inbox_duplicate_confirmation,
     marker_held_statement, marker_insert_returns_id,
 };
-use crate::batch::{BatchClaim, insert_batch, sorted_batch};
+use crate::batch::{BatchClaim, admit_batch, insert_batch};
 use crate::consumer::validate_claim;
-use crate::{InboxError, MessageId};
-use chrono::Utc;
+use crate::{Delivery, InboxError, MessageId, Refusal};
+use chrono::{DurationRound, TimeDelta, Utc};
 use sea_orm::{
     ColumnTrait, ConnectionTrait, DatabaseTransaction, DbErr, EntityTrait, QueryFilter, QuerySelect,
 };
@@ -34,6 +34,10 @@ pub enum Claim {
     /// A committed transaction already claimed this message for this consumer: do nothing,
     /// roll back, acknowledge the message.
     Duplicate,
+    /// The delivery's [admission floor](crate::AdmissionFloor) refused it before any SQL
+    /// ran: its marker may already be purged. Do nothing, roll back, dead-letter the
+    /// message ([`Settlement::DeadLetter`](crate::Settlement::DeadLetter)).
+    Refused(Refusal),
 }
 
 impl Claim {
@@ -45,6 +49,14 @@ impl Claim {
     /// Whether the message was already processed by this consumer.
     pub fn is_duplicate(&self) -> bool {
         matches!(self, Claim::Duplicate)
+    }
+
+    /// Why the admission floor refused the delivery, if it did.
+    pub fn refusal(&self) -> Option<Refusal> {
+        match self {
+            Claim::Refused(refusal) => Some(*refusal),
+            Claim::Claimed(_) | Claim::Duplicate => None,
+        }
     }
 }
 
@@ -87,6 +99,7 @@ impl Claim {
 ///         claimed.commit(txn).await?; // proves the marker is still held, then commits
 ///     }
 ///     Claim::Duplicate => txn.rollback().await?,
+///     Claim::Refused(_) => txn.rollback().await?, // dead-letter: sent before the floor
 /// }
 /// # Ok(()) }
 /// ```
@@ -199,6 +212,11 @@ mod sealed {
 ///         }
 ///         // Already done by another delivery: undo nothing, write nothing.
 ///         Claim::Duplicate => txn.rollback().await?,
+///         // Sent before the admission floor (only with a `Delivery` carrying one).
+///         Claim::Refused(refusal) => {
+///             txn.rollback().await?;
+///             return Err(refusal.to_string().into()); // dead-letter it
+///         }
 ///     }
 ///     Ok(()) // ack the message in both cases
 /// }
@@ -218,6 +236,11 @@ mod sealed {
 /// ```
 pub trait InboxTransactionExt: sealed::Sealed {
     /// Inserts the marker for `(message_id, consumer)` in this transaction.
+    ///
+    /// `delivery` is the message's [`MessageId`] (or a `Uuid`), or a [`Delivery`] with the
+    /// time the message was sent and an [`AdmissionFloor`](crate::AdmissionFloor)
+    /// ([`Delivery::with_floor`]): a delivery sent before the floor is [`Claim::Refused`]
+    /// before any SQL runs.
     ///
     /// Returns [`Claim::Claimed`] when this transaction now holds it, and
     /// [`Claim::Duplicate`] only when the database rejected the insert on the inbox index
@@ -248,12 +271,17 @@ pub trait InboxTransactionExt: sealed::Sealed {
     ///   any other index, with the original [`DbErr`].
     fn claim_message(
         &self,
-        message_id: impl Into<MessageId>,
+        delivery: impl Into<Delivery>,
         consumer: &str,
     ) -> impl Future<Output = Result<Claim, InboxError>> + Send;
 
     /// Claims every id of `message_ids` for `consumer` in one statement in this
     /// transaction, and reports which ids it newly claimed.
+    ///
+    /// Each item is a [`MessageId`] (or a `Uuid`), or a [`Delivery`] with its send time and
+    /// floor: the deliveries the floor refuses are listed in
+    /// [`BatchClaim::refused`](crate::BatchClaim::refused) (dead-letter them) and not
+    /// claimed; an id given twice is refused if either delivery is.
     ///
     /// The ids are deduplicated and sorted first, so replicas claiming overlapping batches
     /// lock index entries in the same order (no deadlock between them). A row that exists
@@ -319,16 +347,27 @@ pub trait InboxTransactionExt: sealed::Sealed {
     ) -> impl Future<Output = Result<BatchClaim, InboxError>> + Send
     where
         I: IntoIterator,
-        I::Item: Into<MessageId>;
+        I::Item: Into<Delivery>;
 }
 
 impl InboxTransactionExt for DatabaseTransaction {
     fn claim_message(
         &self,
-        message_id: impl Into<MessageId>,
+        delivery: impl Into<Delivery>,
         consumer: &str,
     ) -> impl Future<Output = Result<Claim, InboxError>> + Send {
-        insert_marker(self, message_id.into(), consumer, None)
+        let delivery = delivery.into();
+        let admitted = delivery.admit(None, Utc::now());
+        async move {
+            match admitted {
+                Ok(()) => insert_marker(self, delivery.message_id(), consumer, None).await,
+                Err(refusal) => {
+                    // Bad input is still reported first, as for an admitted delivery.
+                    validate_claim(delivery.message_id(), consumer)?;
+                    Ok(Claim::Refused(refusal))
+                }
+            }
+        }
     }
 
     fn claim_batch<I>(
@@ -338,11 +377,12 @@ impl InboxTransactionExt for DatabaseTransaction {
     ) -> impl Future<Output = Result<BatchClaim, InboxError>> + Send
     where
         I: IntoIterator,
-        I::Item: Into<MessageId>,
+        I::Item: Into<Delivery>,
     {
         // Collected before the future, which must not hold a possibly non-Send iterator.
-        let ids = sorted_batch(message_ids.into_iter().map(Into::into).collect(), consumer);
-        insert_batch(self, ids, consumer)
+        let deliveries = message_ids.into_iter().map(Into::into).collect();
+        let admitted = admit_batch(deliveries, consumer, Utc::now());
+        insert_batch(self, admitted, consumer)
     }
 }
 

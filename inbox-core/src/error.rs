@@ -250,6 +250,18 @@ pub enum InboxError {
         reason: String,
     },
 
+    /// An admission floor's clock-skew margin that is zero or not below the retention
+    /// window.
+    #[error(
+        "an admission floor margin of {margin:?} must be above zero and below the retention window of {window:?}: choose the clock skew you tolerate (seconds to minutes), and size the window with that margin on top"
+    )]
+    InvalidAdmissionFloor {
+        /// The rejected margin.
+        margin: Duration,
+        /// The retention window it was checked against.
+        window: Duration,
+    },
+
     /// [`crate::spawn_purger`] was called outside a tokio runtime.
     #[error("spawn_purger needs a tokio runtime: call it from async code running on tokio")]
     NoTokioRuntime,
@@ -312,6 +324,7 @@ impl InboxError {
             | Self::StaleLease { .. }
             | Self::LockTimeoutOutOfRange { .. }
             | Self::InvalidRetention { .. }
+            | Self::InvalidAdmissionFloor { .. }
             | Self::NoTokioRuntime
             | Self::PurgerStopped { .. } => None,
         }
@@ -408,6 +421,14 @@ mod tests {
                 }
                 .to_string(),
                 "re-run the whole batch in a new transaction or nack it",
+            ),
+            (
+                InboxError::InvalidAdmissionFloor {
+                    margin: Duration::from_secs(7200),
+                    window: Duration::from_secs(3600),
+                }
+                .to_string(),
+                "size the window with that margin on top",
             ),
         ];
         for (message, instruction) in cases {

@@ -3,7 +3,10 @@ use crate::claim::{ensure_marker_held, insert_marker, marker_token};
 use crate::consumer::{validate_claim, validate_consumer};
 use crate::metrics::{Counter, InboxMetrics, facade};
 use crate::pooler::in_own_transaction;
-use crate::{Claim, InboxError, MessageId, Outcome, ProcessError, RetryPolicy};
+use crate::{
+    AdmissionFloor, Claim, Delivery, InboxError, MessageId, Outcome, ProcessError, RetryPolicy,
+};
+use chrono::Utc;
 use sea_orm::{DatabaseConnection, DatabaseTransaction, DbErr, TransactionTrait};
 use std::any::Any;
 use std::fmt::Display;
@@ -55,6 +58,7 @@ pub type HandlerFuture<'t, T, E> = Pin<Box<dyn Future<Output = Result<T, E>> + S
 ///     match Settlement::of(&result) {
 ///         Settlement::Ack => { /* delivery.ack().await */ }
 ///         Settlement::Nack => { /* delivery.nack().await */ }
+///         Settlement::DeadLetter => { /* delivery.reject(requeue: false).await */ }
 ///     }
 /// }
 /// assert_eq!(inbox.metrics().snapshot().processed, 1);
@@ -66,6 +70,7 @@ pub struct Inbox {
     consumer: Arc<str>,
     retry: RetryPolicy,
     lock_timeout: Duration,
+    floor: Option<AdmissionFloor>,
     metrics: Arc<InboxMetrics>,
 }
 
@@ -136,6 +141,7 @@ impl Inbox {
             consumer: consumer.into(),
             retry: RetryPolicy::default(),
             lock_timeout: Self::DEFAULT_LOCK_TIMEOUT,
+            floor: None,
             metrics: Arc::default(),
         })
     }
@@ -208,6 +214,22 @@ impl Inbox {
         self.lock_timeout
     }
 
+    /// Refuses deliveries sent before `floor` ([`Outcome::Refused`]: dead-letter them), so
+    /// a redelivery whose marker the retention purge may have deleted never runs the
+    /// handler again. Applies to deliveries given a send time
+    /// ([`Delivery::sent_at`]); one without is admitted as before. Off unless set: only
+    /// you know the retention window (see [`AdmissionFloor`]).
+    pub fn with_admission_floor(mut self, floor: AdmissionFloor) -> Self {
+        self.floor = Some(floor);
+        self
+    }
+
+    /// The admission floor, if one is set (see
+    /// [`with_admission_floor`](Self::with_admission_floor)).
+    pub fn admission_floor(&self) -> Option<AdmissionFloor> {
+        self.floor
+    }
+
     /// The consumer name.
     pub fn consumer(&self) -> &str {
         &self.consumer
@@ -218,7 +240,13 @@ impl Inbox {
         &self.metrics
     }
 
-    /// Handles one delivery of `message_id` exactly once for this consumer.
+    /// Handles one delivery of a message exactly once for this consumer.
+    ///
+    /// `delivery` is the message's [`MessageId`] (or a `Uuid`), or a [`Delivery`] that also
+    /// carries the time the message was first sent. With a send time and an
+    /// [admission floor](Self::with_admission_floor), a delivery sent before the floor is
+    /// [`Outcome::Refused`] before any SQL runs: the handler does not run, nothing is
+    /// written, and the message goes to the dead-letter queue.
     ///
     /// `handler` gets the transaction and must do all its database work through it. It runs
     /// only when this delivery wins the claim, and again on each retry after a transient
@@ -259,7 +287,7 @@ impl Inbox {
     pub async fn process<T, E, F>(
         &self,
         db: &DatabaseConnection,
-        message_id: impl Into<MessageId>,
+        delivery: impl Into<Delivery>,
         mut handler: F,
     ) -> Result<Outcome<T>, ProcessError<E>>
     where
@@ -267,7 +295,8 @@ impl Inbox {
         T: Send,
         E: Send + 'static,
     {
-        let message_id = message_id.into();
+        let delivery = delivery.into();
+        let message_id = delivery.message_id();
         let span = tracing::info_span!(
             "inbox.process",
             message_id = %message_id,
@@ -282,6 +311,11 @@ impl Inbox {
             // back as the input error it is, not as exhausted retries of BEGIN.
             if let Err(err) = validate_claim(message_id, &self.consumer) {
                 let result = Err(ProcessError::Inbox(err));
+                self.record(&result, 0, started);
+                return result;
+            }
+            if let Err(refusal) = delivery.admit(self.floor, Utc::now()) {
+                let result = Ok(Outcome::Refused(refusal));
                 self.record(&result, 0, started);
                 return result;
             }
@@ -360,6 +394,12 @@ impl Inbox {
                 txn.rollback().await.ok();
                 return self.settle_duplicate(db, message_id, call).await;
             }
+            // The marker insert itself refuses nothing (`process` admitted the delivery
+            // before the first attempt); kept total rather than unreachable.
+            Ok(Claim::Refused(refusal)) => {
+                txn.rollback().await.ok();
+                return Ok(Outcome::Refused(refusal));
+            }
             Err(err) => return Err(sort_inbox_error(err)),
         };
         let value = match handler(&txn).await {
@@ -432,6 +472,7 @@ impl Inbox {
         let (counter, outcome) = match result {
             Ok(Outcome::Processed(_)) => (Counter::Processed, "processed"),
             Ok(Outcome::Duplicate) => (Counter::Duplicate, "duplicate"),
+            Ok(Outcome::Refused(_)) => (Counter::Refused, "refused"),
             Err(ProcessError::Handler(_)) => (Counter::HandlerError, "handler_error"),
             Err(ProcessError::Inbox(_)) => (Counter::Failure, "failed"),
             Err(ProcessError::RetriesExhausted { .. }) => (Counter::Failure, "retries_exhausted"),
@@ -443,6 +484,9 @@ impl Inbox {
         span.record("attempts", attempts);
         span.record("duration_ms", started.elapsed().as_secs_f64() * 1e3);
         match result {
+            Ok(Outcome::Refused(refusal)) => {
+                tracing::warn!(outcome, %refusal, "delivery refused by the admission floor: dead-letter")
+            }
             Ok(_) => tracing::debug!(outcome, attempts, "delivery settled: ack"),
             Err(err) => match err.inbox_error() {
                 Some(cause) => {

@@ -9,7 +9,7 @@ use crate::claim::now_micros;
 use crate::clock::truncate_to_micros;
 use crate::consumer::{validate_claim, validate_consumer};
 use crate::pooler::in_own_transaction;
-use crate::{InboxError, MessageId};
+use crate::{Delivery, InboxError, MessageId, Refusal};
 use chrono::{DateTime, TimeDelta, Utc};
 use sea_orm::sea_query::ExprTrait;
 use sea_orm::{
@@ -216,6 +216,10 @@ pub enum LeaseClaim {
     /// Parked as dead (now or earlier) after its last allowed attempt: ack the message
     /// and alert a human ([`list_dead_claims`]).
     Dead(DeadClaim),
+    /// The delivery's [admission floor](crate::AdmissionFloor) refused it before any SQL
+    /// ran: its marker may already be purged. Do not call the side effect; dead-letter
+    /// the message.
+    Refused(Refusal),
 }
 
 /// Attempts of one short transaction before a transient failure (deadlock, busy SQLite)
@@ -263,6 +267,10 @@ fn dead_claim(row: &inbox::Model, dead_at: DateTime<Utc>) -> DeadClaim {
 /// Phase one: claims `message_id` for `consumer` as a lease, in a short transaction of
 /// its own that commits before this returns.
 ///
+/// `message_id` may be a [`Delivery`] with the message's send time and an
+/// [`AdmissionFloor`](crate::AdmissionFloor) ([`Delivery::with_floor`]): a delivery sent
+/// before the floor is [`LeaseClaim::Refused`] before any SQL runs.
+///
 /// Inserts the lease row (attempt 1) unless the pair has a row; otherwise locks that row
 /// and decides: processed, parked, held by a live lease, or expired. An expired lease is
 /// taken over (attempt + 1, a new fencing token) or, if it was the last allowed attempt,
@@ -301,6 +309,7 @@ fn dead_claim(row: &inbox::Model, dead_at: DateTime<Utc>) -> DeadClaim {
 ///         complete_lease(&db, &lease).await?; // then ack
 ///     }
 ///     LeaseClaim::AlreadyProcessed | LeaseClaim::Dead(_) => {} // ack
+///     LeaseClaim::Refused(_) => {} // dead-letter: sent before the admission floor
 ///     LeaseClaim::Held { .. } => {} // nack with a delay: someone is on it
 /// }
 /// assert_eq!(claim_lease(&db, id, "mailer", &options).await?, LeaseClaim::AlreadyProcessed);
@@ -308,7 +317,7 @@ fn dead_claim(row: &inbox::Model, dead_at: DateTime<Utc>) -> DeadClaim {
 /// ```
 pub async fn claim_lease(
     db: &DatabaseConnection,
-    message_id: impl Into<MessageId>,
+    message_id: impl Into<Delivery>,
     consumer: &str,
     options: &LeaseOptions,
 ) -> Result<LeaseClaim, InboxError> {
@@ -380,13 +389,17 @@ impl ClaimToken {
 /// ```
 pub async fn claim_lease_with_token(
     db: &DatabaseConnection,
-    message_id: impl Into<MessageId>,
+    message_id: impl Into<Delivery>,
     consumer: &str,
     options: &LeaseOptions,
     token: ClaimToken,
 ) -> Result<LeaseClaim, InboxError> {
-    let message_id = message_id.into();
+    let delivery = message_id.into();
+    let message_id = delivery.message_id();
     validate_claim(message_id, consumer)?;
+    if let Err(refusal) = delivery.admit(None, Utc::now()) {
+        return Ok(LeaseClaim::Refused(refusal));
+    }
     let backend = db.get_database_backend();
     let sql = LeaseSql {
         insert: insert_lease_sql(backend)?,

@@ -4,6 +4,7 @@
 #[cfg(not(any(feature = "postgres", feature = "mysql", feature = "sqlite")))]
 compile_error!("enable at least one of sea-orm-inbox's backend features: postgres, mysql, sqlite");
 
+mod admission;
 mod backend;
 mod batch;
 mod claim;
@@ -20,6 +21,7 @@ pub mod prelude;
 mod retention;
 mod retry;
 
+pub use admission::{AdmissionFloor, Delivery, Refusal};
 pub use backend::{CLAIM_TRANSACTION, DbErrorKind, classify, is_inbox_duplicate, timestamp_value};
 pub use batch::{BatchClaim, MAX_CLAIM_BATCH};
 pub use claim::{Claim, ClaimedMessage, InboxTransactionExt};

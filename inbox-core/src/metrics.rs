@@ -16,6 +16,7 @@ pub struct InboxMetrics {
     transient_retries: AtomicU64,
     handler_errors: AtomicU64,
     failures: AtomicU64,
+    refused: AtomicU64,
 }
 
 /// A point-in-time copy of [`InboxMetrics`].
@@ -32,6 +33,8 @@ pub struct MetricsSnapshot {
     pub handler_errors: u64,
     /// Calls that ended in a database or input error, retries exhausted included.
     pub failures: u64,
+    /// Deliveries the admission floor refused (to dead-letter).
+    pub refused: u64,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -41,6 +44,7 @@ pub(crate) enum Counter {
     TransientRetry,
     HandlerError,
     Failure,
+    Refused,
 }
 
 impl InboxMetrics {
@@ -51,6 +55,7 @@ impl InboxMetrics {
             Counter::TransientRetry => &self.transient_retries,
             Counter::HandlerError => &self.handler_errors,
             Counter::Failure => &self.failures,
+            Counter::Refused => &self.refused,
         };
         cell.fetch_add(1, Ordering::Relaxed);
     }
@@ -63,6 +68,7 @@ impl InboxMetrics {
             transient_retries: self.transient_retries.load(Ordering::Relaxed),
             handler_errors: self.handler_errors.load(Ordering::Relaxed),
             failures: self.failures.load(Ordering::Relaxed),
+            refused: self.refused.load(Ordering::Relaxed),
         }
     }
 }
@@ -80,7 +86,7 @@ impl InboxMetrics {
 pub mod metric_names {
     /// Counter: deliveries that `Inbox::process` settled, labelled by
     /// [`CONSUMER_LABEL`] and [`OUTCOME_LABEL`] (`processed`, `duplicate`,
-    /// `handler_error`, `failed`, `retries_exhausted`).
+    /// `handler_error`, `failed`, `retries_exhausted`, `refused`).
     pub const CONSUMED_MESSAGES: &str = "messaging.client.consumed.messages";
     /// Histogram, seconds: one `Inbox::process` call from start to settlement, retries
     /// included, labelled by [`CONSUMER_LABEL`] and [`OUTCOME_LABEL`].

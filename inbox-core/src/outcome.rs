@@ -1,9 +1,10 @@
-use crate::InboxError;
+use crate::{InboxError, Refusal};
 use std::fmt;
 
-/// What [`Inbox::process`](crate::Inbox::process) did with a delivery. Both variants mean
-/// the message is done: acknowledge it.
-#[must_use = "acknowledge the message: both Processed and Duplicate mean done"]
+/// What [`Inbox::process`](crate::Inbox::process) did with a delivery. `Processed` and
+/// `Duplicate` mean the message is done: acknowledge it. `Refused` means dead-letter it.
+/// [`Settlement::of`] says which.
+#[must_use = "settle the message: Processed and Duplicate mean ack, Refused means dead-letter"]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Outcome<T> {
     /// This delivery claimed the message, the handler ran, and its transaction committed;
@@ -15,6 +16,11 @@ pub enum Outcome<T> {
     /// message for this consumer; the handler did not run in this call, or ran only in
     /// attempts that rolled back.
     Duplicate,
+    /// The [admission floor](crate::AdmissionFloor) refused the delivery: it was sent so
+    /// long ago that its marker may already be purged, so running it could apply it a
+    /// second time. Nothing was written and the handler did not run. Dead-letter it
+    /// ([`Settlement::DeadLetter`]); never requeue it.
+    Refused(Refusal),
 }
 
 impl<T> Outcome<T> {
@@ -22,13 +28,21 @@ impl<T> Outcome<T> {
     pub fn processed(self) -> Option<T> {
         match self {
             Outcome::Processed(value) => Some(value),
-            Outcome::Duplicate => None,
+            Outcome::Duplicate | Outcome::Refused(_) => None,
         }
     }
 
     /// Whether the message had already been processed.
     pub fn is_duplicate(&self) -> bool {
         matches!(self, Outcome::Duplicate)
+    }
+
+    /// Why the admission floor refused the delivery, if it did.
+    pub fn refusal(&self) -> Option<Refusal> {
+        match self {
+            Outcome::Refused(refusal) => Some(*refusal),
+            Outcome::Processed(_) | Outcome::Duplicate => None,
+        }
     }
 }
 
@@ -120,6 +134,14 @@ impl<E: std::error::Error + 'static> std::error::Error for ProcessError<E> {
 /// let failed: Result<Outcome<()>, ProcessError<String>> = Err(ProcessError::Handler("boom".into()));
 /// assert_eq!(Settlement::of(&failed), Settlement::Nack);
 /// ```
+///
+/// Map it to the broker's verbs once, in the consumer loop:
+///
+/// | settlement | RabbitMQ (lapin) | JetStream (async-nats) | Kafka |
+/// | --- | --- | --- | --- |
+/// | `Ack` | `basic_ack` | `ack()` | commit the offset |
+/// | `Nack` | `basic_nack`, `requeue: true` | `ack_with(AckKind::Nak(None))` | seek back, consume again |
+/// | `DeadLetter` | `basic_reject`, `requeue: false` (routes to the dead-letter exchange) | `ack_with(AckKind::Term)` | produce to a dead-letter topic, commit the offset |
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Settlement {
     /// Acknowledge: the message was processed now or before ([`Outcome::Processed`],
@@ -130,6 +152,9 @@ pub enum Settlement {
     /// (a lost COMMIT reply on the last attempt) the redelivery will find it committed and
     /// be a duplicate: see [`ProcessError`].
     Nack,
+    /// Move the message to the dead-letter queue without requeueing it: running it could
+    /// do harm ([`Outcome::Refused`]). Nothing was written; a human decides.
+    DeadLetter,
 }
 
 impl Settlement {
@@ -137,6 +162,7 @@ impl Settlement {
     pub fn of<T, E>(result: &Result<Outcome<T>, ProcessError<E>>) -> Self {
         match result {
             Ok(Outcome::Processed(_) | Outcome::Duplicate) => Settlement::Ack,
+            Ok(Outcome::Refused(_)) => Settlement::DeadLetter,
             Err(_) => Settlement::Nack,
         }
     }

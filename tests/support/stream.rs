@@ -176,6 +176,9 @@ impl Broker {
                 state.nacks += 1;
                 state.queue.push_back(id);
             }
+            Settlement::DeadLetter => panic!(
+                "{id} was dead-lettered, but the stream gives no send times: nothing should be refused"
+            ),
         }
     }
 
@@ -392,6 +395,10 @@ fn tally_result(tally: &Tally, result: &Result<Outcome<()>, ProcessError<Handler
     let counter = match result {
         Ok(Outcome::Processed(())) => &tally.processed,
         Ok(Outcome::Duplicate) => &tally.duplicates,
+        Ok(Outcome::Refused(refusal)) => {
+            eprintln!("refused {id}: {refusal}");
+            &tally.inbox_errors
+        }
         Err(ProcessError::Handler(HandlerError::Injected)) => &tally.injected_failures,
         Err(ProcessError::Handler(HandlerError::Db(err))) => {
             eprintln!("handler database error on {id}: {err}");

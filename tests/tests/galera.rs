@@ -195,6 +195,7 @@ async fn claim_message_conflict_across_nodes_is_transient_then_duplicate() {
                     let err = txn.commit().await.expect_err("certification conflict");
                     assert_eq!(classify(&err), DbErrorKind::Transient, "{err}");
                 }
+                Ok(Claim::Refused(refusal)) => panic!("round {round}: no send time, yet {refusal}"),
                 Err(err) if is_transient(&err) => {}
                 Err(err) => panic!("round {round}: retry failed: {err}"),
             }

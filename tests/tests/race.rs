@@ -27,7 +27,7 @@ async fn handle(
             credit(&txn, 1).await?;
             claimed.commit(txn).await?;
         }
-        Claim::Duplicate => txn.rollback().await?,
+        Claim::Duplicate | Claim::Refused(_) => txn.rollback().await?,
     }
     Ok(claim)
 }
@@ -106,6 +106,7 @@ async fn four_replicas_consume_500_messages_delivered_3_times(backend: Backend) 
                     match handle(&replica, id).await {
                         Ok(Claim::Claimed(_)) => claimed += 1,
                         Ok(Claim::Duplicate) => duplicates += 1,
+                        Ok(Claim::Refused(refusal)) => errors.push(refusal.to_string()),
                         Err(err) => errors.push(err.to_string()),
                     }
                 }

@@ -46,6 +46,7 @@ mod sqlite;
 ///         claimed.commit(txn).await?;
 ///     }
 ///     Claim::Duplicate => txn.rollback().await?, // already done: ack
+///     Claim::Refused(_) => txn.rollback().await?, // before the admission floor: dead-letter
 /// }
 /// # Ok(()) }
 /// ```

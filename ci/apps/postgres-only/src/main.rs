@@ -49,6 +49,10 @@ async fn claim_twice(
                 txn.rollback().await?;
                 claims.push("Duplicate");
             }
+            Claim::Refused(_) => {
+                txn.rollback().await?;
+                claims.push("Refused");
+            }
         }
     }
     Ok((claims[0], claims[1]))

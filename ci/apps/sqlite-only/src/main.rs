@@ -23,6 +23,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 txn.rollback().await?;
                 claims.push("Duplicate");
             }
+            Claim::Refused(_) => {
+                txn.rollback().await?;
+                claims.push("Refused");
+            }
         }
     }
     println!("sqlite-only: claims {claims:?}");
