@@ -6,6 +6,7 @@ use crate::backend::{
     purge_batch_sql, timestamp_value,
 };
 use crate::claim::now_micros;
+use crate::clock::truncate_to_micros;
 use crate::metrics::facade;
 use crate::pooler::in_own_transaction;
 use chrono::{DateTime, TimeDelta, Utc};
@@ -539,7 +540,7 @@ impl ReceivingWalk {
             return self
                 .at
                 .checked_sub_signed(missing)
-                .and_then(to_whole_micros)
+                .map(truncate_to_micros)
                 .map_or(WalkStep::Exhausted, WalkStep::Cutoff);
         }
         self.receiving += counted;
@@ -555,23 +556,13 @@ impl ReceivingWalk {
         if self.at - oldest < missing {
             return None;
         }
-        self.at
-            .checked_sub_signed(missing)
-            .and_then(to_whole_micros)
+        self.at.checked_sub_signed(missing).map(truncate_to_micros)
     }
 
     fn probe_before(&self, at: DateTime<Utc>) -> WalkStep {
         at.checked_sub_signed(self.step)
             .map_or(WalkStep::Exhausted, WalkStep::Probe)
     }
-}
-
-/// `at` cut down to a whole microsecond, the precision of the timestamp columns: one
-/// cutoff for every backend. (SQLite compares the text of a timestamp, nanoseconds and
-/// all, where PostgreSQL and MariaDB drop them; down, not up, so no marker goes early.)
-fn to_whole_micros(at: DateTime<Utc>) -> Option<DateTime<Utc>> {
-    let below = at.timestamp_subsec_nanos() % 1_000;
-    at.checked_sub_signed(TimeDelta::nanoseconds(i64::from(below)))
 }
 
 /// What one [`purge`] removed.
@@ -1073,12 +1064,12 @@ mod tests {
     fn cutoffs_are_cut_down_to_whole_microseconds() {
         let at = DateTime::from_timestamp(1_000, 123_456_789).expect("a valid instant");
         assert_eq!(
-            to_whole_micros(at),
+            Some(truncate_to_micros(at)),
             DateTime::from_timestamp(1_000, 123_456_000)
         );
         let before_1970 = DateTime::from_timestamp(-1, 999_999_500).expect("a valid instant");
         assert_eq!(
-            to_whole_micros(before_1970),
+            Some(truncate_to_micros(before_1970)),
             DateTime::from_timestamp(-1, 999_999_000),
             "down, not towards zero"
         );
