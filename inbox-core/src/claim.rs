@@ -5,7 +5,7 @@ use crate::backend::{
 use crate::batch::{BatchClaim, admit_batch, insert_batch};
 use crate::consumer::validate_claim;
 use crate::{Delivery, InboxError, MessageId, Refusal};
-use chrono::{DurationRound, TimeDelta, Utc};
+use chrono::Utc;
 use sea_orm::{
     ColumnTrait, ConnectionTrait, DatabaseTransaction, DbErr, EntityTrait, QueryFilter, QuerySelect,
 };
