@@ -1,6 +1,8 @@
 //! Claiming many messages for one consumer in one statement (Kafka-style batches).
 
-use crate::backend::{BatchClaimSql, batch_claim_sql, batch_marker_held_sql, timestamp_value};
+use crate::backend::{
+    BatchClaimSql, batch_claim_sql, batch_marker_held_sql, roll_back, timestamp_value,
+};
 use crate::claim::now_micros;
 use crate::consumer::validate_consumer;
 use crate::{InboxError, MessageId};
@@ -88,7 +90,7 @@ impl BatchClaim {
                 Err(err) => Some(Some(err)),
             };
             if let Some(source) = lost {
-                txn.rollback().await.ok();
+                roll_back(txn).await;
                 return Err(InboxError::BatchClaimLost {
                     consumer: self.consumer,
                     claimed: self.claimed.len(),

@@ -1,6 +1,6 @@
 use crate::backend::{
     DbErrorKind, ProcessMarker, claim_marker_statement, classify, marker_held_statement,
-    marker_insert_returns_id,
+    marker_insert_returns_id, roll_back,
 };
 use crate::batch::{BatchClaim, insert_batch, sorted_batch};
 use crate::consumer::validate_claim;
@@ -142,8 +142,7 @@ impl ClaimedMessage {
     /// [`InboxError::Database`] (the check or the COMMIT failed): nack the message.
     pub async fn commit(self, txn: DatabaseTransaction) -> Result<(), InboxError> {
         if let Err(err) = self.ensure_held(&txn).await {
-            // The transaction is already gone or broken; a failed rollback changes nothing.
-            txn.rollback().await.ok();
+            roll_back(txn).await;
             return Err(err);
         }
         txn.commit().await.map_err(|source| InboxError::Database {

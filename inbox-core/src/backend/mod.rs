@@ -11,7 +11,8 @@ use chrono::{DateTime, Utc};
 use sea_orm::sqlx;
 use sea_orm::sqlx::error::DatabaseError;
 use sea_orm::{
-    DbBackend, DbErr, RuntimeErr, SqliteTransactionMode, Statement, TransactionOptions, Value,
+    ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, RuntimeErr, SqliteTransactionMode,
+    Statement, TransactionOptions, Value,
 };
 use std::time::Duration;
 use uuid::Uuid;
@@ -102,6 +103,14 @@ trait Dialect: Sync {
     fn timestamp_value(&self, at: DateTime<Utc>) -> Value {
         Value::from(at)
     }
+
+    /// A statement that leaves the connection inside a transaction whether or not the
+    /// database already ended the one the driver counts, sent before ROLLBACK so that the
+    /// ROLLBACK always has a transaction to end. `None` where ROLLBACK outside a
+    /// transaction succeeds anyway (PostgreSQL, MySQL/MariaDB: a warning at most).
+    fn before_rollback(&self) -> Option<&'static str> {
+        None
+    }
 }
 
 /// The dialect of `backend`, or why the inbox cannot use it: not a backend it supports, or
@@ -184,6 +193,33 @@ pub(crate) fn claim_marker_statement(
 /// run it as a statement).
 pub(crate) fn marker_insert_returns_id(backend: DbBackend) -> Result<bool, InboxError> {
     Ok(dialect(backend)?.marker_insert_returns_id())
+}
+
+/// Rolls `txn` back and hands its connection back to the pool clean, also when the
+/// database itself ended the transaction before (a trigger's `RAISE(ROLLBACK, ..)`, a
+/// `ROLLBACK` the handler sent as SQL, InnoDB's deadlock rollback).
+///
+/// sqlx counts transaction depth itself and lowers it only when its ROLLBACK succeeds. On
+/// SQLite a ROLLBACK with no transaction open fails ("no transaction is active"), the
+/// connection would return to the pool at depth 1, and every later `begin` on it would be
+/// a SAVEPOINT whose "commit" commits nothing. [`Dialect::before_rollback`] reopens a
+/// transaction first where that is needed, so the ROLLBACK cannot fail for that reason.
+///
+/// A rollback that fails all the same means the connection itself is broken (the server
+/// went away, SQLite's worker died): sqlx's ping on release then fails and the pool
+/// closes the connection instead of lending it again. The failure changes nothing for the
+/// caller, who rolls back because it already nacks (or acks a duplicate), so it is logged,
+/// not returned.
+pub(crate) async fn roll_back(txn: DatabaseTransaction) {
+    let before = dialect(txn.get_database_backend()).map(|dialect| dialect.before_rollback());
+    if let Ok(Some(sql)) = before
+        && let Err(error) = txn.execute_unprepared(sql).await
+    {
+        tracing::warn!(%error, "re-opening the transaction before its rollback failed");
+    }
+    if let Err(error) = txn.rollback().await {
+        tracing::warn!(%error, "rollback failed; the pool closes the connection if it is broken");
+    }
 }
 
 /// The proof, before COMMIT, that the transaction still holds the marker it inserted: the
