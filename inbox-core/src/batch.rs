@@ -30,6 +30,9 @@ pub struct BatchClaim {
     pub already_claimed: Vec<MessageId>,
     consumer: String,
     tag: Uuid,
+    /// One marker this transaction inserted and how many it inserted, kept apart from the
+    /// public lists so a caller who changes them cannot turn the proof off.
+    inserted: Option<(MessageId, usize)>,
 }
 
 impl BatchClaim {
@@ -40,7 +43,8 @@ impl BatchClaim {
 
     /// Commits `txn`, the transaction that claimed this batch, after proving it still holds
     /// the markers it claimed (one read of the inbox index through the transaction: a
-    /// rollback takes all of them or none).
+    /// rollback takes all of them or none). The proof rests on what the claim recorded,
+    /// not on the public lists: changing `claimed` does not turn it off.
     ///
     /// The database can end a transaction under its caller: MySQL/MariaDB roll it back on
     /// a deadlock or, on Galera, when another node's write set wins a conflict, and then
@@ -82,7 +86,7 @@ impl BatchClaim {
             .or(self.already_claimed.first())
             .copied()
             .unwrap_or_else(|| MessageId::from_uuid(Uuid::nil()));
-        if let Some(&marker) = self.claimed.first() {
+        if let Some((marker, inserted)) = self.inserted {
             let sql = batch_marker_held_sql(txn.get_database_backend())?;
             let lost = match self.marker_count(&txn, sql, marker).await {
                 Ok(1) => None,
@@ -93,7 +97,7 @@ impl BatchClaim {
                 roll_back(txn).await;
                 return Err(InboxError::BatchClaimLost {
                     consumer: self.consumer,
-                    claimed: self.claimed.len(),
+                    claimed: inserted,
                     source,
                 });
             }
@@ -297,8 +301,10 @@ fn sort_out(
             "the batch found no row of message {missing} for consumer {consumer:?} after its insert"
         ));
     }
-    let (claimed, already_claimed) = ids.into_iter().partition(|id| inserted.contains(id));
+    let (claimed, already_claimed): (Vec<_>, _) =
+        ids.into_iter().partition(|id| inserted.contains(id));
     Ok(BatchClaim {
+        inserted: claimed.first().map(|&first| (first, claimed.len())),
         claimed,
         already_claimed,
         consumer: consumer.to_owned(),
