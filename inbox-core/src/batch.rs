@@ -21,8 +21,20 @@ pub const MAX_CLAIM_BATCH: usize = 1000;
 ///
 /// Commit the work with [`commit`](Self::commit), which first proves the transaction still
 /// holds the claimed markers.
+///
+/// A `BatchClaim` is the proof of one transaction's claim, so only `claim_batch` makes one
+/// and [`commit`](Self::commit) consumes it: it is neither `Clone` nor `Default`, and a
+/// copy cannot commit a second transaction under the same markers.
+///
+/// ```compile_fail
+/// # async fn twice(batch: sea_orm_inbox::BatchClaim, a: sea_orm::DatabaseTransaction, b: sea_orm::DatabaseTransaction) {
+/// let copy = batch.clone();
+/// batch.commit(a).await;
+/// copy.commit(b).await; // would apply b's writes under the markers a committed
+/// # }
+/// ```
 #[must_use = "process exactly the `claimed` ids, then commit with BatchClaim::commit"]
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Debug, PartialEq, Eq)]
 pub struct BatchClaim {
     /// Newly claimed by this transaction: process these, then commit.
     pub claimed: Vec<MessageId>,

@@ -26,7 +26,7 @@ use uuid::Uuid;
 /// work a second time. Acknowledge the message to the broker either way: a duplicate is a
 /// success.
 #[must_use = "a Duplicate claim means the work was already done: skip it and roll back"]
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[derive(Debug, PartialEq, Eq, Hash)]
 pub enum Claim {
     /// This transaction holds the marker: do the work through it, then commit with
     /// [`ClaimedMessage::commit`].
@@ -99,8 +99,22 @@ impl Claim {
 /// claimed.commit(txn).await
 /// # }
 /// ```
+///
+/// A `ClaimedMessage` is the proof of one transaction's claim: only a claim makes one and
+/// [`commit`](Self::commit) consumes it. It is not `Clone` (nor is [`Claim`]): a committed
+/// marker is visible to every later transaction, so a copy would let a second transaction
+/// pass the check and apply its writes under the marker the first one committed.
+///
+/// ```compile_fail
+/// use sea_orm_inbox::prelude::*;
+/// # async fn twice(claimed: ClaimedMessage, a: sea_orm::DatabaseTransaction, b: sea_orm::DatabaseTransaction) {
+/// let copy = claimed.clone();
+/// claimed.commit(a).await;
+/// copy.commit(b).await; // would apply b's writes under the marker a committed
+/// # }
+/// ```
 #[must_use = "commit the work with ClaimedMessage::commit, which proves the marker is still held"]
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[derive(Debug, PartialEq, Eq, Hash)]
 pub struct ClaimedMessage {
     message_id: MessageId,
     consumer: String,
