@@ -2,6 +2,7 @@
 
 use crate::backend::{
     BatchClaimSql, batch_claim_sql, batch_marker_held_sql, roll_back, timestamp_value,
+    transaction_ended,
 };
 use crate::claim::now_micros;
 use crate::consumer::validate_consumer;
@@ -67,9 +68,15 @@ impl BatchClaim {
     /// statements that already ran outside the transaction: stop at the first failed
     /// statement, never go on after one.
     ///
+    /// A batch that claimed nothing new has no marker to read. On SQLite, whose COMMIT
+    /// fails outside a transaction and would leave the pooled connection counted as inside
+    /// one, `commit` then first asks whether the transaction is still open (a `BEGIN` that
+    /// fails inside one); elsewhere it is a plain COMMIT.
+    ///
     /// # Errors
     /// [`InboxError::BatchClaimLost`] (rolled back; nothing of the batch committed) when
-    /// the marker is missing or the check itself fails; [`InboxError::Database`] when
+    /// the marker is missing or the check itself fails, or on SQLite when the database
+    /// already ended the transaction of a batch that claimed nothing; [`InboxError::Database`] when
     /// COMMIT fails (a 1213 from a Galera certification conflict is transient: re-run the
     /// batch).
     ///
@@ -98,21 +105,31 @@ impl BatchClaim {
             .or(self.already_claimed.first())
             .copied()
             .unwrap_or_else(|| MessageId::from_uuid(Uuid::nil()));
-        if let Some((marker, inserted)) = self.inserted {
-            let sql = batch_marker_held_sql(txn.get_database_backend())?;
-            let lost = match self.marker_count(&txn, sql, marker).await {
-                Ok(1) => None,
-                Ok(_) => Some(None),
-                Err(err) => Some(Some(err)),
-            };
-            if let Some(source) = lost {
-                roll_back(txn).await;
-                return Err(InboxError::BatchClaimLost {
-                    consumer: self.consumer,
-                    claimed: inserted,
-                    source,
-                });
+        let (lost, inserted) = match self.inserted {
+            Some((marker, inserted)) => {
+                let sql = batch_marker_held_sql(txn.get_database_backend())?;
+                let lost = match self.marker_count(&txn, sql, marker).await {
+                    Ok(1) => None,
+                    Ok(_) => Some(None),
+                    Err(err) => Some(Some(err)),
+                };
+                (lost, inserted)
             }
+            // No marker to read; where a COMMIT outside a transaction fails and would strand
+            // the connection inside sqlx's count (SQLite), ask whether it is still open.
+            None => match transaction_ended(&txn).await {
+                Ok(false) => (None, 0),
+                Ok(true) => (Some(None), 0),
+                Err(err) => (Some(Some(err)), 0),
+            },
+        };
+        if let Some(source) = lost {
+            roll_back(txn).await;
+            return Err(InboxError::BatchClaimLost {
+                consumer: self.consumer,
+                claimed: inserted,
+                source,
+            });
         }
         txn.commit()
             .await

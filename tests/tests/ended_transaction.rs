@@ -207,7 +207,62 @@ async fn batch_commit_after_rollback(backend: Backend) {
     ordinary_traffic_commits(db, conn, id).await;
 }
 
+/// A batch that claimed nothing new commits without a proof; after the database ended its
+/// transaction that COMMIT has none to end on SQLite. It must fail there (the transaction
+/// is gone) and leave the connection clean; PostgreSQL and MySQL commit nothing and say
+/// `Ok`, as for any plain COMMIT after the server ended the transaction.
+async fn batch_without_new_claims_commit_after_rollback(backend: Backend) {
+    let (db, conn) = one_connection_with_overdraft_trigger(backend).await;
+    let done = Uuid::new_v4();
+    let inbox = Inbox::new(CONSUMER).expect("valid name");
+    assert!(matches!(
+        credit_once(&inbox, &conn, done).await,
+        Ok(Outcome::Processed(()))
+    ));
+    let txn = conn
+        .begin_with_options(CLAIM_TRANSACTION)
+        .await
+        .expect("begin");
+    let batch = txn.claim_batch([done], CONSUMER).await.expect("claim");
+    assert!(batch.claimed.is_empty());
+    txn.execute_unprepared("ROLLBACK").await.expect("ROLLBACK");
+    let result = batch.commit(txn).await;
+    if backend == Backend::Sqlite {
+        assert!(
+            matches!(result, Err(InboxError::BatchClaimLost { claimed: 0, .. })),
+            "{result:?}"
+        );
+    }
+    // `done` stands in for the failed delivery: its redelivery is a duplicate.
+    let fresh = Uuid::new_v4();
+    let traffic = Inbox::new(CONSUMER)
+        .expect("valid name")
+        .with_retry(RetryPolicy::no_retry());
+    let settled = [
+        credit_once(&traffic, &conn, fresh).await,
+        credit_once(&traffic, &conn, done).await,
+        credit_once(&traffic, &conn, Uuid::new_v4()).await,
+    ];
+    assert!(
+        matches!(
+            settled,
+            [
+                Ok(Outcome::Processed(())),
+                Ok(Outcome::Duplicate),
+                Ok(Outcome::Processed(()))
+            ]
+        ),
+        "{settled:?}"
+    );
+    conn.close().await.expect("close the pool of one");
+    let reopened = db.connect().await;
+    assert_eq!(committed(&reopened).await, (3, 3), "committed");
+    reopened.close().await.ok();
+    db.cleanup().await;
+}
+
 on_every_backend!(
+    batch_without_new_claims_commit_after_rollback,
     trigger_ends_the_transaction,
     handler_rolls_back_then_fails,
     handler_rolls_back_then_returns_ok,

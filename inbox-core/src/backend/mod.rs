@@ -111,6 +111,21 @@ trait Dialect: Sync {
     fn before_rollback(&self) -> Option<&'static str> {
         None
     }
+
+    /// A statement that fails while a transaction is open and succeeds (opening one) only
+    /// when the database already ended it: for a COMMIT that no marker proof precedes,
+    /// where COMMIT outside a transaction fails and leaves sqlx counting the connection as
+    /// inside one. `None` where COMMIT outside a transaction succeeds.
+    fn ended_transaction_probe(&self) -> Option<&'static str> {
+        None
+    }
+
+    /// Whether `db` is this database's refusal of the
+    /// [`ended_transaction_probe`](Self::ended_transaction_probe) inside an open
+    /// transaction, or `None` when `db` comes from another driver.
+    fn refuses_probe(&self, _db: &dyn DatabaseError) -> Option<bool> {
+        None
+    }
 }
 
 /// The dialect of `backend`, or why the inbox cannot use it: not a backend it supports, or
@@ -219,6 +234,27 @@ pub(crate) async fn roll_back(txn: DatabaseTransaction) {
     }
     if let Err(error) = txn.rollback().await {
         tracing::warn!(%error, "rollback failed; the pool closes the connection if it is broken");
+    }
+}
+
+/// Whether the database already ended `txn` although sqlx still counts it open, asked
+/// before a COMMIT that no marker proof precedes. Only SQLite needs to know (its COMMIT
+/// outside a transaction fails, stranding the connection at sqlx's depth 1); elsewhere
+/// `false` without a round trip. When it answers `true`, the probe opened a transaction:
+/// end it with [`roll_back`].
+pub(crate) async fn transaction_ended(txn: &DatabaseTransaction) -> Result<bool, DbErr> {
+    let Ok(dialect) = dialect(txn.get_database_backend()) else {
+        return Ok(false);
+    };
+    let Some(probe) = dialect.ended_transaction_probe() else {
+        return Ok(false);
+    };
+    match txn.execute_unprepared(probe).await {
+        Ok(_) => Ok(true),
+        Err(err) => match database_error(&err).and_then(|db| dialect.refuses_probe(db)) {
+            Some(true) => Ok(false),
+            _ => Err(err),
+        },
     }
 }
 
@@ -508,6 +544,19 @@ pub fn classify(err: &DbErr) -> DbErrorKind {
 /// ```
 pub fn is_inbox_duplicate(err: &DbErr) -> bool {
     classify(err) == DbErrorKind::InboxDuplicate
+}
+
+/// The driver's database error inside `err`, if there is one.
+fn database_error(err: &DbErr) -> Option<&dyn DatabaseError> {
+    match err {
+        DbErr::Conn(RuntimeErr::SqlxError(sqlx_err))
+        | DbErr::Exec(RuntimeErr::SqlxError(sqlx_err))
+        | DbErr::Query(RuntimeErr::SqlxError(sqlx_err)) => match sqlx_err.as_ref() {
+            sqlx::Error::Database(db) => Some(db.as_ref()),
+            _ => None,
+        },
+        _ => None,
+    }
 }
 
 fn classify_sqlx(err: &sqlx::Error) -> DbErrorKind {

@@ -23,6 +23,17 @@ impl Dialect for Sqlite {
         Some("SAVEPOINT inbox_before_rollback")
     }
 
+    /// `BEGIN` inside a transaction fails ("cannot start a transaction within a
+    /// transaction") and changes nothing.
+    fn ended_transaction_probe(&self) -> Option<&'static str> {
+        Some("BEGIN")
+    }
+
+    fn refuses_probe(&self, db: &dyn DatabaseError) -> Option<bool> {
+        let err = db.try_downcast_ref::<SqliteError>()?;
+        Some(err.message() == "cannot start a transaction within a transaction")
+    }
+
     /// SQLite looks the ids of `id IN (subquery)` up by rowid.
     fn purge_batch(&self, purgeable: &str) -> String {
         format!(
