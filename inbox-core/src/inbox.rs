@@ -349,7 +349,13 @@ impl Inbox {
                 roll_back(txn).await;
                 return self.settle_duplicate(db, message_id, call).await;
             }
-            Err(err) => return Err(sort_inbox_error(err)),
+            Err(err) => {
+                // The failed INSERT may have ended the transaction (SQLite ends it on a
+                // trigger's RAISE(ROLLBACK), on SQLITE_FULL or IOERR): a dropped one would
+                // go back to the pool still counted as open.
+                roll_back(txn).await;
+                return Err(sort_inbox_error(err));
+            }
         };
         let value = match handler(&txn).await {
             Ok(value) => value,

@@ -261,7 +261,112 @@ async fn batch_without_new_claims_commit_after_rollback(backend: Backend) {
     db.cleanup().await;
 }
 
+/// Triggers on the inbox table that refuse, with "trigger says no", an INSERT for the
+/// consumer `refused.insert` and an UPDATE for `refused.update`; on SQLite by ending the
+/// transaction.
+async fn refusing_inbox_triggers(conn: &DatabaseConnection, backend: Backend) {
+    let triggers: &[&str] = match backend {
+        Backend::Sqlite => &[
+            "CREATE TRIGGER refuse_insert BEFORE INSERT ON inbox \
+             WHEN NEW.consumer = 'refused.insert' \
+             BEGIN SELECT RAISE(ROLLBACK, 'trigger says no'); END",
+            "CREATE TRIGGER refuse_update BEFORE UPDATE ON inbox \
+             WHEN NEW.consumer = 'refused.update' \
+             BEGIN SELECT RAISE(ROLLBACK, 'trigger says no'); END",
+        ],
+        Backend::Postgres | Backend::PgBouncer => &[
+            "CREATE FUNCTION refuse() RETURNS trigger AS $$ BEGIN \
+             IF NEW.consumer = 'refused.' || lower(TG_OP) THEN \
+             RAISE EXCEPTION 'trigger says no'; END IF; RETURN NEW; END $$ LANGUAGE plpgsql",
+            "CREATE TRIGGER refuse BEFORE INSERT OR UPDATE ON inbox FOR EACH ROW \
+             EXECUTE FUNCTION refuse()",
+        ],
+        Backend::MySql => &[
+            "CREATE TRIGGER refuse_insert BEFORE INSERT ON inbox FOR EACH ROW \
+             BEGIN IF NEW.consumer = 'refused.insert' THEN \
+             SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'trigger says no'; END IF; END",
+            "CREATE TRIGGER refuse_update BEFORE UPDATE ON inbox FOR EACH ROW \
+             BEGIN IF NEW.consumer = 'refused.update' THEN \
+             SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'trigger says no'; END IF; END",
+        ],
+    };
+    for sql in triggers {
+        run(conn, sql).await;
+    }
+}
+
+/// Whether a failure came from the refusing triggers.
+fn refused<T: std::fmt::Debug>(result: &T) -> bool {
+    format!("{result:?}").contains("trigger says no")
+}
+
+/// A trigger refuses `process`'s claim INSERT: it fails before any handler runs and must
+/// still hand the connection back clean.
+async fn refused_claim_ends_the_transaction(backend: Backend) {
+    let (db, conn) = one_connection_with_overdraft_trigger(backend).await;
+    refusing_inbox_triggers(&conn, backend).await;
+    let inbox = Inbox::new("refused.insert")
+        .expect("valid name")
+        .with_retry(RetryPolicy::no_retry());
+    let result = credit_once(&inbox, &conn, Uuid::new_v4()).await;
+    assert!(result.is_err() && refused(&result), "{result:?}");
+    ordinary_traffic_commits(db, conn, Uuid::new_v4()).await;
+}
+
+/// A trigger refuses the lease INSERT of `claim_lease`.
+async fn refused_lease_claim_ends_the_transaction(backend: Backend) {
+    let (db, conn) = one_connection_with_overdraft_trigger(backend).await;
+    refusing_inbox_triggers(&conn, backend).await;
+    let options = LeaseOptions::new(Duration::from_secs(30)).expect("valid lease");
+    let result = claim_lease(&conn, Uuid::new_v4(), "refused.insert", &options).await;
+    assert!(result.is_err() && refused(&result), "{result:?}");
+    ordinary_traffic_commits(db, conn, Uuid::new_v4()).await;
+}
+
+/// A trigger refuses the UPDATE of `complete_lease` (a statement in a transaction of its
+/// own).
+async fn refused_lease_completion_ends_the_transaction(backend: Backend) {
+    let (db, conn) = one_connection_with_overdraft_trigger(backend).await;
+    refusing_inbox_triggers(&conn, backend).await;
+    let options = LeaseOptions::new(Duration::from_secs(30)).expect("valid lease");
+    let claim = claim_lease(&conn, Uuid::new_v4(), "refused.update", &options).await;
+    let Ok(LeaseClaim::Claimed(lease)) = claim else {
+        panic!("a fresh lease is claimed: {claim:?}");
+    };
+    let result = complete_lease(&conn, &lease).await;
+    assert!(result.is_err() && refused(&result), "{result:?}");
+    // The unfinished lease is one more row in the inbox.
+    let inbox = Inbox::new(CONSUMER)
+        .expect("valid name")
+        .with_retry(RetryPolicy::no_retry());
+    let fresh = Uuid::new_v4();
+    let settled = [
+        credit_once(&inbox, &conn, fresh).await,
+        credit_once(&inbox, &conn, fresh).await,
+        credit_once(&inbox, &conn, Uuid::new_v4()).await,
+    ];
+    assert!(
+        matches!(
+            settled,
+            [
+                Ok(Outcome::Processed(())),
+                Ok(Outcome::Duplicate),
+                Ok(Outcome::Processed(()))
+            ]
+        ),
+        "{settled:?}"
+    );
+    conn.close().await.expect("close the pool of one");
+    let reopened = db.connect().await;
+    assert_eq!(committed(&reopened).await, (3, 2), "committed");
+    reopened.close().await.ok();
+    db.cleanup().await;
+}
+
 on_every_backend!(
+    refused_claim_ends_the_transaction,
+    refused_lease_claim_ends_the_transaction,
+    refused_lease_completion_ends_the_transaction,
     batch_without_new_claims_commit_after_rollback,
     trigger_ends_the_transaction,
     handler_rolls_back_then_fails,
