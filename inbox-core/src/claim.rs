@@ -119,6 +119,9 @@ pub struct ClaimedMessage {
     message_id: MessageId,
     consumer: String,
     marker_id: i64,
+    /// The `claim_token` the marker was written with (by `Inbox::process` only), which the
+    /// proof checks too.
+    token: Option<Uuid>,
 }
 
 impl ClaimedMessage {
@@ -368,6 +371,7 @@ pub(crate) async fn insert_marker<C: ConnectionTrait>(
 ) -> Result<Claim, InboxError> {
     validate_claim(message_id, consumer)?;
     let backend = conn.get_database_backend();
+    let token = process.as_ref().map(|process| process.token);
     let statement = claim_marker_statement(backend, message_id, consumer, now_micros(), process)?;
     let marker_id = if marker_insert_returns_id(backend)? {
         match conn.query_one_raw(statement).await {
@@ -392,6 +396,7 @@ pub(crate) async fn insert_marker<C: ConnectionTrait>(
         message_id,
         consumer: consumer.to_owned(),
         marker_id,
+        token,
     }))
 }
 
@@ -406,6 +411,7 @@ pub(crate) async fn ensure_marker_held<C: ConnectionTrait>(
         claimed.marker_id,
         claimed.message_id,
         &claimed.consumer,
+        claimed.token,
     )?;
     let lost = |source| InboxError::ClaimLost {
         message_id: claimed.message_id,

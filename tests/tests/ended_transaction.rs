@@ -164,6 +164,65 @@ async fn handler_rolls_back_then_returns_ok(backend: Backend) {
     ordinary_traffic_commits(db, conn, id).await;
 }
 
+/// The handler sends `ROLLBACK`; before it returns `Ok`, another replica processes the
+/// same message, and on SQLite its marker gets the id the rolled-back one had. The proof
+/// must still see that the marker is not this call's: `ClaimLost`, never a COMMIT that
+/// finds no transaction (which would strand the connection).
+async fn handler_rolls_back_and_another_replica_takes_the_marker_id(backend: Backend) {
+    let (db, conn) = one_connection_with_overdraft_trigger(backend).await;
+    let replica = std::sync::Arc::new(db.connect().await);
+    let inbox = Inbox::new(CONSUMER).expect("valid name");
+    let id = Uuid::new_v4();
+    let result = inbox
+        .process(&conn, id, |txn| {
+            let replica = std::sync::Arc::clone(&replica);
+            Box::pin(async move {
+                credit(txn, 1).await?;
+                txn.execute_unprepared("ROLLBACK").await?;
+                let other = Inbox::new(CONSUMER).expect("valid name");
+                let theirs = credit_once(&other, &replica, id).await;
+                assert!(matches!(theirs, Ok(Outcome::Processed(()))), "{theirs:?}");
+                Ok::<_, DbErr>(())
+            })
+        })
+        .await;
+    assert!(
+        matches!(
+            &result,
+            Err(ProcessError::Inbox(InboxError::ClaimLost { .. }))
+        ),
+        "{result:?}"
+    );
+    let traffic = Inbox::new(CONSUMER)
+        .expect("valid name")
+        .with_retry(RetryPolicy::no_retry());
+    let fresh = Uuid::new_v4();
+    let settled = [
+        credit_once(&traffic, &conn, fresh).await,
+        credit_once(&traffic, &conn, id).await,
+        credit_once(&traffic, &conn, Uuid::new_v4()).await,
+    ];
+    assert!(
+        matches!(
+            settled,
+            [
+                Ok(Outcome::Processed(())),
+                Ok(Outcome::Duplicate),
+                Ok(Outcome::Processed(()))
+            ]
+        ),
+        "{settled:?}"
+    );
+    conn.close().await.expect("close the pool of one");
+    assert_eq!(
+        committed(&replica).await,
+        (3, 3),
+        "the replica's delivery and the traffic committed, once each"
+    );
+    drop(replica);
+    db.cleanup().await;
+}
+
 /// `ClaimedMessage::commit` after the database ended the transaction: `ClaimLost`, and
 /// the connection goes back to the pool clean.
 async fn claimed_message_commit_after_rollback(backend: Backend) {
@@ -364,6 +423,7 @@ async fn refused_lease_completion_ends_the_transaction(backend: Backend) {
 }
 
 on_every_backend!(
+    handler_rolls_back_and_another_replica_takes_the_marker_id,
     refused_claim_ends_the_transaction,
     refused_lease_claim_ends_the_transaction,
     refused_lease_completion_ends_the_transaction,

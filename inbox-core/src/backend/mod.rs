@@ -264,25 +264,32 @@ pub(crate) async fn transaction_ended(txn: &DatabaseTransaction) -> Result<bool,
 /// MySQL/MariaDB after InnoDB rolled the transaction back on a deadlock or lock wait
 /// timeout (where a later statement may see another replica's marker for the same
 /// message: the id tells them apart). One primary-key lookup.
+///
+/// With `token` (the marker of [`Inbox::process`](crate::Inbox::process), which carries its
+/// call's token) the row must carry it too: SQLite hands a rolled-back marker's id to the
+/// next insert, so after the database ended this transaction another replica's committed
+/// marker for the same message can have the same id.
 pub(crate) fn marker_held_statement(
     backend: DbBackend,
     marker_id: i64,
     message_id: MessageId,
     consumer: &str,
+    token: Option<Uuid>,
 ) -> Result<Statement, InboxError> {
-    let sql = dialect_sql(
-        backend,
-        "SELECT 1 FROM inbox WHERE id = ? AND message_id = ? AND consumer = ?",
-    )?;
-    Ok(Statement::from_sql_and_values(
-        backend,
-        sql,
-        [
-            Value::from(marker_id),
-            Value::from(message_id.as_uuid()),
-            Value::from(consumer),
-        ],
-    ))
+    const HELD: &str = "SELECT 1 FROM inbox WHERE id = ? AND message_id = ? AND consumer = ?";
+    let mut values = vec![
+        Value::from(marker_id),
+        Value::from(message_id.as_uuid()),
+        Value::from(consumer),
+    ];
+    let sql = match token {
+        Some(token) => {
+            values.push(Value::from(token));
+            dialect_sql(backend, &format!("{HELD} AND claim_token = ?"))?
+        }
+        None => dialect_sql(backend, HELD)?,
+    };
+    Ok(Statement::from_sql_and_values(backend, sql, values))
 }
 
 /// Writes `template` for `backend`: its `?` placeholders become `$1, $2, ...` where the
