@@ -1,6 +1,6 @@
 use crate::backend::{
     DbErrorKind, ProcessMarker, claim_marker_statement, classify, marker_held_statement,
-    marker_insert_returns_id, roll_back,
+    marker_insert_returns_id, roll_back, transaction_ended,
 };
 use crate::batch::{BatchClaim, insert_batch, sorted_batch};
 use crate::consumer::validate_claim;
@@ -142,6 +142,11 @@ impl ClaimedMessage {
 
     /// Proves that `txn` still holds this marker: call it last before committing when you
     /// commit yourself ([`commit`](Self::commit) calls it for you).
+    ///
+    /// On SQLite it also asks whether the transaction is still open (a `BEGIN`, which fails
+    /// inside one): SQLite gives a rolled-back marker's id to the next insert, so after the
+    /// database ended this transaction another replica's marker for the same message can
+    /// carry the same id.
     ///
     /// # Errors
     /// [`InboxError::ClaimLost`] when the database ended the transaction (PostgreSQL
@@ -418,9 +423,16 @@ pub(crate) async fn ensure_marker_held<C: ConnectionTrait>(
         consumer: claimed.consumer.clone(),
         source,
     };
-    match conn.query_one_raw(statement).await {
-        Ok(Some(_)) => Ok(()),
-        Ok(None) => Err(lost(None)),
+    let held = match conn.query_one_raw(statement).await {
+        // Without a token the row may be another replica's marker that took the id of this
+        // transaction's rolled-back one (SQLite reuses it): ask whether it is still open.
+        Ok(Some(_)) if claimed.token.is_none() => transaction_ended(conn).await.map(|ended| !ended),
+        Ok(found) => Ok(found.is_some()),
+        Err(err) => Err(err),
+    };
+    match held {
+        Ok(true) => Ok(()),
+        Ok(false) => Err(lost(None)),
         Err(err) if classify(&err) == DbErrorKind::Transient => Err(InboxError::Database {
             message_id: claimed.message_id,
             consumer: claimed.consumer.clone(),

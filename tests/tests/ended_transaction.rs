@@ -223,6 +223,55 @@ async fn handler_rolls_back_and_another_replica_takes_the_marker_id(backend: Bac
     db.cleanup().await;
 }
 
+/// The same with `claim_message`, whose marker carries no token: `ClaimedMessage::commit`
+/// must refuse, and hand the connection back clean.
+async fn claimed_message_rolled_back_and_another_replica_takes_the_marker_id(backend: Backend) {
+    let (db, conn) = one_connection_with_overdraft_trigger(backend).await;
+    let replica = db.connect().await;
+    let id = Uuid::new_v4();
+    let txn = conn
+        .begin_with_options(CLAIM_TRANSACTION)
+        .await
+        .expect("begin");
+    let Claim::Claimed(claimed) = txn.claim_message(id, CONSUMER).await.expect("claim") else {
+        panic!("a fresh message is claimed");
+    };
+    credit(&txn, 1).await.expect("credit");
+    txn.execute_unprepared("ROLLBACK").await.expect("ROLLBACK");
+    let other = Inbox::new(CONSUMER).expect("valid name");
+    let theirs = credit_once(&other, &replica, id).await;
+    assert!(matches!(theirs, Ok(Outcome::Processed(()))), "{theirs:?}");
+    let result = claimed.commit(txn).await;
+    assert!(
+        matches!(result, Err(InboxError::ClaimLost { .. })),
+        "{result:?}"
+    );
+    let traffic = Inbox::new(CONSUMER)
+        .expect("valid name")
+        .with_retry(RetryPolicy::no_retry());
+    let fresh = Uuid::new_v4();
+    let settled = [
+        credit_once(&traffic, &conn, fresh).await,
+        credit_once(&traffic, &conn, id).await,
+        credit_once(&traffic, &conn, Uuid::new_v4()).await,
+    ];
+    assert!(
+        matches!(
+            settled,
+            [
+                Ok(Outcome::Processed(())),
+                Ok(Outcome::Duplicate),
+                Ok(Outcome::Processed(()))
+            ]
+        ),
+        "{settled:?}"
+    );
+    conn.close().await.expect("close the pool of one");
+    assert_eq!(committed(&replica).await, (3, 3), "committed once each");
+    replica.close().await.ok();
+    db.cleanup().await;
+}
+
 /// `ClaimedMessage::commit` after the database ended the transaction: `ClaimLost`, and
 /// the connection goes back to the pool clean.
 async fn claimed_message_commit_after_rollback(backend: Backend) {
@@ -424,6 +473,7 @@ async fn refused_lease_completion_ends_the_transaction(backend: Backend) {
 
 on_every_backend!(
     handler_rolls_back_and_another_replica_takes_the_marker_id,
+    claimed_message_rolled_back_and_another_replica_takes_the_marker_id,
     refused_claim_ends_the_transaction,
     refused_lease_claim_ends_the_transaction,
     refused_lease_completion_ends_the_transaction,

@@ -238,11 +238,11 @@ pub(crate) async fn roll_back(txn: DatabaseTransaction) {
 }
 
 /// Whether the database already ended `txn` although sqlx still counts it open, asked
-/// before a COMMIT that no marker proof precedes. Only SQLite needs to know (its COMMIT
-/// outside a transaction fails, stranding the connection at sqlx's depth 1); elsewhere
-/// `false` without a round trip. When it answers `true`, the probe opened a transaction:
-/// end it with [`roll_back`].
-pub(crate) async fn transaction_ended(txn: &DatabaseTransaction) -> Result<bool, DbErr> {
+/// before a COMMIT that no marker bound to this transaction precedes. Only SQLite needs to
+/// know (its COMMIT outside a transaction fails, stranding the connection at sqlx's depth
+/// 1); elsewhere `false` without a round trip. When it answers `true`, the probe opened a
+/// transaction: end it with [`roll_back`].
+pub(crate) async fn transaction_ended<C: ConnectionTrait>(txn: &C) -> Result<bool, DbErr> {
     let Ok(dialect) = dialect(txn.get_database_backend()) else {
         return Ok(false);
     };
