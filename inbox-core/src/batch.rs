@@ -1,6 +1,9 @@
 //! Claiming many messages for one consumer in one statement (Kafka-style batches).
 
-use crate::backend::{BatchClaimSql, batch_claim_sql, batch_marker_held_sql, timestamp_value};
+use crate::backend::{
+    BatchClaimSql, batch_claim_sql, batch_marker_held_sql, roll_back, timestamp_value,
+    transaction_ended,
+};
 use crate::claim::now_micros;
 use crate::consumer::validate_consumer;
 use crate::{Delivery, InboxError, MessageId, Refusal};
@@ -21,8 +24,20 @@ pub const MAX_CLAIM_BATCH: usize = 1000;
 ///
 /// Commit the work with [`commit`](Self::commit), which first proves the transaction still
 /// holds the claimed markers.
+///
+/// A `BatchClaim` is the proof of one transaction's claim, so only `claim_batch` makes one
+/// and [`commit`](Self::commit) consumes it: it is neither `Clone` nor `Default`, and a
+/// copy cannot commit a second transaction under the same markers.
+///
+/// ```compile_fail
+/// # async fn twice(batch: sea_orm_inbox::BatchClaim, a: sea_orm::DatabaseTransaction, b: sea_orm::DatabaseTransaction) {
+/// let copy = batch.clone();
+/// batch.commit(a).await;
+/// copy.commit(b).await; // would apply b's writes under the markers a committed
+/// # }
+/// ```
 #[must_use = "process exactly the `claimed` ids, then commit with BatchClaim::commit"]
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Debug, PartialEq, Eq)]
 pub struct BatchClaim {
     /// Newly claimed by this transaction: process these, then commit.
     pub claimed: Vec<MessageId>,
@@ -33,6 +48,9 @@ pub struct BatchClaim {
     pub refused: Vec<(MessageId, Refusal)>,
     consumer: String,
     tag: Uuid,
+    /// One marker this transaction inserted and how many it inserted, kept apart from the
+    /// public lists so a caller who changes them cannot turn the proof off.
+    inserted: Option<(MessageId, usize)>,
 }
 
 impl BatchClaim {
@@ -43,7 +61,8 @@ impl BatchClaim {
 
     /// Commits `txn`, the transaction that claimed this batch, after proving it still holds
     /// the markers it claimed (one read of the inbox index through the transaction: a
-    /// rollback takes all of them or none).
+    /// rollback takes all of them or none). The proof rests on what the claim recorded,
+    /// not on the public lists: changing `claimed` does not turn it off.
     ///
     /// The database can end a transaction under its caller: MySQL/MariaDB roll it back on
     /// a deadlock or, on Galera, when another node's write set wins a conflict, and then
@@ -54,9 +73,15 @@ impl BatchClaim {
     /// statements that already ran outside the transaction: stop at the first failed
     /// statement, never go on after one.
     ///
+    /// A batch that claimed nothing new has no marker to read. On SQLite, whose COMMIT
+    /// fails outside a transaction and would leave the pooled connection counted as inside
+    /// one, `commit` then first asks whether the transaction is still open (a `BEGIN` that
+    /// fails inside one); elsewhere it is a plain COMMIT.
+    ///
     /// # Errors
     /// [`InboxError::BatchClaimLost`] (rolled back; nothing of the batch committed) when
-    /// the marker is missing or the check itself fails; [`InboxError::Database`] when
+    /// the marker is missing or the check itself fails, or on SQLite when the database
+    /// already ended the transaction of a batch that claimed nothing; [`InboxError::Database`] when
     /// COMMIT fails (a 1213 from a Galera certification conflict is transient: re-run the
     /// batch).
     ///
@@ -85,21 +110,31 @@ impl BatchClaim {
             .or(self.already_claimed.first())
             .copied()
             .unwrap_or_else(|| MessageId::from_uuid(Uuid::nil()));
-        if let Some(&marker) = self.claimed.first() {
-            let sql = batch_marker_held_sql(txn.get_database_backend())?;
-            let lost = match self.marker_count(&txn, sql, marker).await {
-                Ok(1) => None,
-                Ok(_) => Some(None),
-                Err(err) => Some(Some(err)),
-            };
-            if let Some(source) = lost {
-                txn.rollback().await.ok();
-                return Err(InboxError::BatchClaimLost {
-                    consumer: self.consumer,
-                    claimed: self.claimed.len(),
-                    source,
-                });
+        let (lost, inserted) = match self.inserted {
+            Some((marker, inserted)) => {
+                let sql = batch_marker_held_sql(txn.get_database_backend())?;
+                let lost = match self.marker_count(&txn, sql, marker).await {
+                    Ok(1) => None,
+                    Ok(_) => Some(None),
+                    Err(err) => Some(Some(err)),
+                };
+                (lost, inserted)
             }
+            // No marker to read; where a COMMIT outside a transaction fails and would strand
+            // the connection inside sqlx's count (SQLite), ask whether it is still open.
+            None => match transaction_ended(&txn).await {
+                Ok(false) => (None, 0),
+                Ok(true) => (Some(None), 0),
+                Err(err) => (Some(Some(err)), 0),
+            },
+        };
+        if let Some(source) = lost {
+            roll_back(txn).await;
+            return Err(InboxError::BatchClaimLost {
+                consumer: self.consumer,
+                claimed: inserted,
+                source,
+            });
         }
         txn.commit()
             .await
@@ -196,10 +231,12 @@ pub(crate) async fn insert_batch<C: ConnectionTrait>(
     let Some(&first) = ids.first() else {
         // Every delivery was refused: nothing to insert.
         return Ok(BatchClaim {
+            claimed: Vec::new(),
+            already_claimed: Vec::new(),
             refused,
             consumer: consumer.to_owned(),
             tag,
-            ..BatchClaim::default()
+            inserted: None,
         });
     };
     let backend = conn.get_database_backend();
@@ -342,8 +379,10 @@ fn sort_out(
             "the batch found no row of message {missing} for consumer {consumer:?} after its insert"
         ));
     }
-    let (claimed, already_claimed) = ids.into_iter().partition(|id| inserted.contains(id));
+    let (claimed, already_claimed): (Vec<_>, _) =
+        ids.into_iter().partition(|id| inserted.contains(id));
     Ok(BatchClaim {
+        inserted: claimed.first().map(|&first| (first, claimed.len())),
         claimed,
         already_claimed,
         refused: Vec::new(),

@@ -1,6 +1,6 @@
 use crate::backend::{
     DbErrorKind, ProcessMarker, claim_marker_statement, classify, inbox_duplicate_confirmation,
-    marker_held_statement, marker_insert_returns_id,
+    marker_held_statement, marker_insert_returns_id, roll_back, transaction_ended,
 };
 use crate::batch::{BatchClaim, admit_batch, insert_batch};
 use crate::consumer::validate_claim;
@@ -26,7 +26,7 @@ use uuid::Uuid;
 /// work a second time. Acknowledge the message to the broker either way: a duplicate is a
 /// success.
 #[must_use = "a Duplicate claim means the work was already done: skip it and roll back"]
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[derive(Debug, PartialEq, Eq, Hash)]
 pub enum Claim {
     /// This transaction holds the marker: do the work through it, then commit with
     /// [`ClaimedMessage::commit`].
@@ -114,12 +114,29 @@ impl Claim {
 /// claimed.commit(txn).await
 /// # }
 /// ```
+///
+/// A `ClaimedMessage` is the proof of one transaction's claim: only a claim makes one and
+/// [`commit`](Self::commit) consumes it. It is not `Clone` (nor is [`Claim`]): a committed
+/// marker is visible to every later transaction, so a copy would let a second transaction
+/// pass the check and apply its writes under the marker the first one committed.
+///
+/// ```compile_fail
+/// use sea_orm_inbox::prelude::*;
+/// # async fn twice(claimed: ClaimedMessage, a: sea_orm::DatabaseTransaction, b: sea_orm::DatabaseTransaction) {
+/// let copy = claimed.clone();
+/// claimed.commit(a).await;
+/// copy.commit(b).await; // would apply b's writes under the marker a committed
+/// # }
+/// ```
 #[must_use = "commit the work with ClaimedMessage::commit, which proves the marker is still held"]
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[derive(Debug, PartialEq, Eq, Hash)]
 pub struct ClaimedMessage {
     message_id: MessageId,
     consumer: String,
     marker_id: i64,
+    /// The `claim_token` the marker was written with (by `Inbox::process` only), which the
+    /// proof checks too.
+    token: Option<Uuid>,
 }
 
 impl ClaimedMessage {
@@ -141,6 +158,11 @@ impl ClaimedMessage {
     /// Proves that `txn` still holds this marker: call it last before committing when you
     /// commit yourself ([`commit`](Self::commit) calls it for you).
     ///
+    /// On SQLite it also asks whether the transaction is still open (a `BEGIN`, which fails
+    /// inside one): SQLite gives a rolled-back marker's id to the next insert, so after the
+    /// database ended this transaction another replica's marker for the same message can
+    /// carry the same id.
+    ///
     /// # Errors
     /// [`InboxError::ClaimLost`] when the database ended the transaction (PostgreSQL
     /// aborted it after a failed statement; InnoDB rolled it back on a deadlock): roll
@@ -157,8 +179,7 @@ impl ClaimedMessage {
     /// [`InboxError::Database`] (the check or the COMMIT failed): nack the message.
     pub async fn commit(self, txn: DatabaseTransaction) -> Result<(), InboxError> {
         if let Err(err) = self.ensure_held(&txn).await {
-            // The transaction is already gone or broken; a failed rollback changes nothing.
-            txn.rollback().await.ok();
+            roll_back(txn).await;
             return Err(err);
         }
         txn.commit().await.map_err(|source| InboxError::Database {
@@ -398,6 +419,7 @@ pub(crate) async fn insert_marker<C: ConnectionTrait>(
 ) -> Result<Claim, InboxError> {
     validate_claim(message_id, consumer)?;
     let backend = conn.get_database_backend();
+    let token = process.as_ref().map(|process| process.token);
     let statement = claim_marker_statement(backend, message_id, consumer, now_micros(), process)?;
     let marker_id = if marker_insert_returns_id(backend)? {
         match conn.query_one_raw(statement).await {
@@ -422,6 +444,7 @@ pub(crate) async fn insert_marker<C: ConnectionTrait>(
         message_id,
         consumer: consumer.to_owned(),
         marker_id,
+        token,
     }))
 }
 
@@ -436,15 +459,23 @@ pub(crate) async fn ensure_marker_held<C: ConnectionTrait>(
         claimed.marker_id,
         claimed.message_id,
         &claimed.consumer,
+        claimed.token,
     )?;
     let lost = |source| InboxError::ClaimLost {
         message_id: claimed.message_id,
         consumer: claimed.consumer.clone(),
         source,
     };
-    match conn.query_one_raw(statement).await {
-        Ok(Some(_)) => Ok(()),
-        Ok(None) => Err(lost(None)),
+    let held = match conn.query_one_raw(statement).await {
+        // Without a token the row may be another replica's marker that took the id of this
+        // transaction's rolled-back one (SQLite reuses it): ask whether it is still open.
+        Ok(Some(_)) if claimed.token.is_none() => transaction_ended(conn).await.map(|ended| !ended),
+        Ok(found) => Ok(found.is_some()),
+        Err(err) => Err(err),
+    };
+    match held {
+        Ok(true) => Ok(()),
+        Ok(false) => Err(lost(None)),
         Err(err) if classify(&err) == DbErrorKind::Transient => Err(InboxError::Database {
             message_id: claimed.message_id,
             consumer: claimed.consumer.clone(),

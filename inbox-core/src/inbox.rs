@@ -1,4 +1,4 @@
-use crate::backend::{CLAIM_TRANSACTION, DbErrorKind, ProcessMarker, classify};
+use crate::backend::{CLAIM_TRANSACTION, DbErrorKind, ProcessMarker, classify, roll_back};
 use crate::claim::{ensure_marker_held, insert_marker, marker_token};
 use crate::consumer::{validate_claim, validate_consumer};
 use crate::metrics::{Counter, InboxMetrics, facade};
@@ -390,22 +390,27 @@ impl Inbox {
                 claimed
             }
             Ok(Claim::Duplicate) => {
-                // Nothing to keep; a failed rollback only means the connection is gone.
-                txn.rollback().await.ok();
+                roll_back(txn).await;
                 return self.settle_duplicate(db, message_id, call).await;
             }
             // The marker insert itself refuses nothing (`process` admitted the delivery
             // before the first attempt); kept total rather than unreachable.
             Ok(Claim::Refused(refusal)) => {
-                txn.rollback().await.ok();
+                roll_back(txn).await;
                 return Ok(Outcome::Refused(refusal));
             }
-            Err(err) => return Err(sort_inbox_error(err)),
+            Err(err) => {
+                // The failed INSERT may have ended the transaction (SQLite ends it on a
+                // trigger's RAISE(ROLLBACK), on SQLITE_FULL or IOERR): a dropped one would
+                // go back to the pool still counted as open.
+                roll_back(txn).await;
+                return Err(sort_inbox_error(err));
+            }
         };
         let value = match handler(&txn).await {
             Ok(value) => value,
             Err(err) => {
-                txn.rollback().await.ok();
+                roll_back(txn).await;
                 return Err(match transient_db_cause(&err).map(ToString::to_string) {
                     Some(cause) => AttemptError::HandlerTransient { err, cause },
                     None => AttemptError::Handler(err),
@@ -416,7 +421,7 @@ impl Inbox {
         // (PostgreSQL would then answer COMMIT with ROLLBACK and no error): never report
         // Processed unless the marker is still there to commit with the work.
         if let Err(err) = ensure_marker_held(&txn, &claimed).await {
-            txn.rollback().await.ok();
+            roll_back(txn).await;
             return Err(sort_inbox_error(err));
         }
         if let Err(err) = txn.commit().await {

@@ -3,7 +3,7 @@
 
 use crate::backend::{
     CLAIM_TRANSACTION, DbErrorKind, classify, complete_lease_sql, consumer_is, insert_lease_sql,
-    park_lease_sql, release_lease_sql, take_over_lease_sql, timestamp_value,
+    park_lease_sql, release_lease_sql, roll_back, take_over_lease_sql, timestamp_value,
 };
 use crate::claim::now_micros;
 use crate::clock::truncate_to_micros;
@@ -13,8 +13,8 @@ use crate::{Delivery, InboxError, MessageId, Refusal};
 use chrono::{DateTime, TimeDelta, Utc};
 use sea_orm::sea_query::ExprTrait;
 use sea_orm::{
-    ColumnTrait, ConnectionTrait, DatabaseConnection, DbErr, EntityTrait, QueryFilter, QueryOrder,
-    QuerySelect, Statement, TransactionTrait, Value,
+    ColumnTrait, ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbErr, EntityTrait,
+    QueryFilter, QueryOrder, QuerySelect, Statement, TransactionTrait, Value,
 };
 use sea_orm_inbox_entity::inbox;
 use std::time::Duration;
@@ -419,7 +419,7 @@ struct LeaseSql {
 }
 
 /// One claim transaction with the call's fencing `token`: insert-or-lock the row, decide,
-/// commit.
+/// commit; or roll back with [`roll_back`] after a failed statement.
 async fn claim_once(
     db: &DatabaseConnection,
     message_id: MessageId,
@@ -428,8 +428,29 @@ async fn claim_once(
     sql: &LeaseSql,
     token: Uuid,
 ) -> Result<LeaseClaim, DbErr> {
-    let backend = db.get_database_backend();
     let txn = db.begin_with_options(CLAIM_TRANSACTION).await?;
+    match claim_in(&txn, message_id, consumer, options, sql, token).await {
+        Ok(outcome) => {
+            txn.commit().await?;
+            Ok(outcome)
+        }
+        Err(err) => {
+            roll_back(txn).await;
+            Err(err)
+        }
+    }
+}
+
+/// The statements and the decision of [`claim_once`], in its transaction `txn`.
+async fn claim_in(
+    txn: &DatabaseTransaction,
+    message_id: MessageId,
+    consumer: &str,
+    options: &LeaseOptions,
+    sql: &LeaseSql,
+    token: Uuid,
+) -> Result<LeaseClaim, DbErr> {
+    let backend = txn.get_database_backend();
     let now = now_micros();
     let lease_until = options.expiry(now);
     let id = Value::from(message_id.as_uuid());
@@ -449,7 +470,7 @@ async fn claim_once(
         .filter(inbox::Column::MessageId.eq(message_id.as_uuid()))
         .filter(inbox::Column::Consumer.eq(consumer))
         .lock_exclusive()
-        .one(&txn)
+        .one(txn)
         .await?
         .ok_or_else(|| DbErr::RecordNotFound("the inbox row just claimed".into()))?;
     let lease = |attempt| Lease {
@@ -500,7 +521,6 @@ async fn claim_once(
         // Completed; or a one-phase or batch marker, committed together with its work.
         LeaseClaim::AlreadyProcessed
     };
-    txn.commit().await?;
     Ok(outcome)
 }
 

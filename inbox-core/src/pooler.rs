@@ -12,6 +12,7 @@
 //! statement cache, whose names would outlive the transaction that created them.
 
 #[cfg(feature = "postgres")]
+use crate::backend::roll_back;
 use sea_orm::ConnectOptions;
 use sea_orm::{DatabaseConnection, DatabaseTransaction, DbErr, TransactionTrait};
 
@@ -51,13 +52,21 @@ pub fn for_transaction_pooler(options: &mut ConnectOptions) -> &mut ConnectOptio
 
 /// Runs `work` in a transaction of its own and commits it: what a lone statement sent on a
 /// pool needs behind a transaction pooler (see the module documentation). A failed `work`
-/// drops the transaction, which rolls it back.
+/// rolls it back with [`roll_back`], which also hands back clean a connection whose
+/// transaction the database already ended.
 pub(crate) async fn in_own_transaction<T>(
     db: &DatabaseConnection,
     work: impl AsyncFnOnce(&DatabaseTransaction) -> Result<T, DbErr>,
 ) -> Result<T, DbErr> {
     let txn = db.begin().await?;
-    let value = work(&txn).await?;
-    txn.commit().await?;
-    Ok(value)
+    match work(&txn).await {
+        Ok(value) => {
+            txn.commit().await?;
+            Ok(value)
+        }
+        Err(err) => {
+            roll_back(txn).await;
+            Err(err)
+        }
+    }
 }

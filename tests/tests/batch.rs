@@ -13,14 +13,24 @@ use uuid::Uuid;
 
 const CONSUMER: &str = "projector";
 
+/// What a committed batch claim won and found done (a `BatchClaim` is consumed by its
+/// commit).
+struct Committed {
+    claimed: Vec<MessageId>,
+    already_claimed: Vec<MessageId>,
+}
+
 /// One pump iteration: claim the batch, commit; a transient failure (deadlock) re-runs the
 /// whole transaction, as retry loops at the pump level must.
-async fn claim_and_commit(db: &DatabaseConnection, ids: &[Uuid]) -> BatchClaim {
+async fn claim_and_commit(db: &DatabaseConnection, ids: &[Uuid]) -> Committed {
     for _ in 0..20 {
         let txn = db.begin_with_options(CLAIM_TRANSACTION).await.unwrap();
         match txn.claim_batch(ids.iter().copied(), CONSUMER).await {
             Ok(batch) => {
-                let claimed = batch.clone();
+                let claimed = Committed {
+                    claimed: batch.claimed.clone(),
+                    already_claimed: batch.already_claimed.clone(),
+                };
                 batch
                     .commit(txn)
                     .await

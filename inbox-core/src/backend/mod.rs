@@ -12,8 +12,8 @@ use sea_orm::sea_query::Expr;
 use sea_orm::sqlx;
 use sea_orm::sqlx::error::DatabaseError;
 use sea_orm::{
-    ColumnTrait, DbBackend, DbErr, RuntimeErr, SqliteTransactionMode, Statement,
-    TransactionOptions, Value,
+    ColumnTrait, ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, RuntimeErr,
+    SqliteTransactionMode, Statement, TransactionOptions, Value,
 };
 use sea_orm_inbox_entity::inbox;
 use std::time::Duration;
@@ -119,6 +119,29 @@ trait Dialect: Sync {
     fn consumer_is(&self, consumer: &str) -> Expr {
         inbox::Column::Consumer.eq(consumer)
     }
+
+    /// A statement that leaves the connection inside a transaction whether or not the
+    /// database already ended the one the driver counts, sent before ROLLBACK so that the
+    /// ROLLBACK always has a transaction to end. `None` where ROLLBACK outside a
+    /// transaction succeeds anyway (PostgreSQL, MySQL/MariaDB: a warning at most).
+    fn before_rollback(&self) -> Option<&'static str> {
+        None
+    }
+
+    /// A statement that fails while a transaction is open and succeeds (opening one) only
+    /// when the database already ended it: for a COMMIT that no marker proof precedes,
+    /// where COMMIT outside a transaction fails and leaves sqlx counting the connection as
+    /// inside one. `None` where COMMIT outside a transaction succeeds.
+    fn ended_transaction_probe(&self) -> Option<&'static str> {
+        None
+    }
+
+    /// Whether `db` is this database's refusal of the
+    /// [`ended_transaction_probe`](Self::ended_transaction_probe) inside an open
+    /// transaction, or `None` when `db` comes from another driver.
+    fn refuses_probe(&self, _db: &dyn DatabaseError) -> Option<bool> {
+        None
+    }
 }
 
 /// The dialect of `backend`, or why the inbox cannot use it: not a backend it supports, or
@@ -203,6 +226,54 @@ pub(crate) fn marker_insert_returns_id(backend: DbBackend) -> Result<bool, Inbox
     Ok(dialect(backend)?.marker_insert_returns_id())
 }
 
+/// Rolls `txn` back and hands its connection back to the pool clean, also when the
+/// database itself ended the transaction before (a trigger's `RAISE(ROLLBACK, ..)`, a
+/// `ROLLBACK` the handler sent as SQL, InnoDB's deadlock rollback).
+///
+/// sqlx counts transaction depth itself and lowers it only when its ROLLBACK succeeds. On
+/// SQLite a ROLLBACK with no transaction open fails ("no transaction is active"), the
+/// connection would return to the pool at depth 1, and every later `begin` on it would be
+/// a SAVEPOINT whose "commit" commits nothing. [`Dialect::before_rollback`] reopens a
+/// transaction first where that is needed, so the ROLLBACK cannot fail for that reason.
+///
+/// A rollback that fails all the same means the connection itself is broken (the server
+/// went away, SQLite's worker died): sqlx's ping on release then fails and the pool
+/// closes the connection instead of lending it again. The failure changes nothing for the
+/// caller, who rolls back because it already nacks (or acks a duplicate), so it is logged,
+/// not returned.
+pub(crate) async fn roll_back(txn: DatabaseTransaction) {
+    let before = dialect(txn.get_database_backend()).map(|dialect| dialect.before_rollback());
+    if let Ok(Some(sql)) = before
+        && let Err(error) = txn.execute_unprepared(sql).await
+    {
+        tracing::warn!(%error, "re-opening the transaction before its rollback failed");
+    }
+    if let Err(error) = txn.rollback().await {
+        tracing::warn!(%error, "rollback failed; the pool closes the connection if it is broken");
+    }
+}
+
+/// Whether the database already ended `txn` although sqlx still counts it open, asked
+/// before a COMMIT that no marker bound to this transaction precedes. Only SQLite needs to
+/// know (its COMMIT outside a transaction fails, stranding the connection at sqlx's depth
+/// 1); elsewhere `false` without a round trip. When it answers `true`, the probe opened a
+/// transaction: end it with [`roll_back`].
+pub(crate) async fn transaction_ended<C: ConnectionTrait>(txn: &C) -> Result<bool, DbErr> {
+    let Ok(dialect) = dialect(txn.get_database_backend()) else {
+        return Ok(false);
+    };
+    let Some(probe) = dialect.ended_transaction_probe() else {
+        return Ok(false);
+    };
+    match txn.execute_unprepared(probe).await {
+        Ok(_) => Ok(true),
+        Err(err) => match database_error(&err).and_then(|db| dialect.refuses_probe(db)) {
+            Some(true) => Ok(false),
+            _ => Err(err),
+        },
+    }
+}
+
 /// The proof, before COMMIT, that the transaction still holds the marker it inserted: the
 /// row with that id, message and consumer is visible through the transaction. It fails
 /// with 25P02 on a PostgreSQL transaction a failed statement aborted, and finds no row on
@@ -210,25 +281,32 @@ pub(crate) fn marker_insert_returns_id(backend: DbBackend) -> Result<bool, Inbox
 /// timeout with `innodb_rollback_on_timeout = ON` (by default a timeout rolls back only its
 /// statement, and the marker stays); a later statement may then see another replica's
 /// marker for the same message: the id tells them apart. One primary-key lookup.
+///
+/// With `token` (the marker of [`Inbox::process`](crate::Inbox::process), which carries its
+/// call's token) the row must carry it too: SQLite hands a rolled-back marker's id to the
+/// next insert, so after the database ended this transaction another replica's committed
+/// marker for the same message can have the same id.
 pub(crate) fn marker_held_statement(
     backend: DbBackend,
     marker_id: i64,
     message_id: MessageId,
     consumer: &str,
+    token: Option<Uuid>,
 ) -> Result<Statement, InboxError> {
-    let sql = dialect_sql(
-        backend,
-        "SELECT 1 FROM inbox WHERE id = ? AND message_id = ? AND consumer = ?",
-    )?;
-    Ok(Statement::from_sql_and_values(
-        backend,
-        sql,
-        [
-            Value::from(marker_id),
-            Value::from(message_id.as_uuid()),
-            Value::from(consumer),
-        ],
-    ))
+    const HELD: &str = "SELECT 1 FROM inbox WHERE id = ? AND message_id = ? AND consumer = ?";
+    let mut values = vec![
+        Value::from(marker_id),
+        Value::from(message_id.as_uuid()),
+        Value::from(consumer),
+    ];
+    let sql = match token {
+        Some(token) => {
+            values.push(Value::from(token));
+            dialect_sql(backend, &format!("{HELD} AND claim_token = ?"))?
+        }
+        None => dialect_sql(backend, HELD)?,
+    };
+    Ok(Statement::from_sql_and_values(backend, sql, values))
 }
 
 /// The read that tells a violation of the inbox index from one of a namesake index on
@@ -533,6 +611,19 @@ pub fn classify(err: &DbErr) -> DbErrorKind {
 /// ```
 pub fn is_inbox_duplicate(err: &DbErr) -> bool {
     classify(err) == DbErrorKind::InboxDuplicate
+}
+
+/// The driver's database error inside `err`, if there is one.
+fn database_error(err: &DbErr) -> Option<&dyn DatabaseError> {
+    match err {
+        DbErr::Conn(RuntimeErr::SqlxError(sqlx_err))
+        | DbErr::Exec(RuntimeErr::SqlxError(sqlx_err))
+        | DbErr::Query(RuntimeErr::SqlxError(sqlx_err)) => match sqlx_err.as_ref() {
+            sqlx::Error::Database(db) => Some(db.as_ref()),
+            _ => None,
+        },
+        _ => None,
+    }
 }
 
 fn classify_sqlx(err: &sqlx::Error) -> DbErrorKind {

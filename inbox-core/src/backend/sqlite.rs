@@ -16,6 +16,24 @@ impl Dialect for Sqlite {
         r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at", "claim_token") VALUES (?, ?, ?, ?)"#
     }
 
+    /// `SAVEPOINT` nests inside an open transaction and starts one outside it, so the
+    /// ROLLBACK that follows ends a transaction in both cases (SQLite refuses ROLLBACK
+    /// outside one, and sqlx then keeps counting the connection as inside it).
+    fn before_rollback(&self) -> Option<&'static str> {
+        Some("SAVEPOINT inbox_before_rollback")
+    }
+
+    /// `BEGIN` inside a transaction fails ("cannot start a transaction within a
+    /// transaction") and changes nothing.
+    fn ended_transaction_probe(&self) -> Option<&'static str> {
+        Some("BEGIN")
+    }
+
+    fn refuses_probe(&self, db: &dyn DatabaseError) -> Option<bool> {
+        let err = db.try_downcast_ref::<SqliteError>()?;
+        Some(err.message() == "cannot start a transaction within a transaction")
+    }
+
     /// SQLite looks the ids of `id IN (subquery)` up by rowid.
     fn purge_batch(&self, purgeable: &str) -> String {
         format!(
