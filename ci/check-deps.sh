@@ -3,7 +3,9 @@
 # the two applications of ci/apps (PostgreSQL only with native TLS; SQLite only without
 # TLS), each depending on the inbox crates with `default-features = false` and one backend
 # feature, and fails if a dependency tree holds a driver or TLS stack that application did
-# not ask for (or lacks the one it did: a check that finds nothing must not pass).
+# not ask for (or lacks the one it did: a check that finds nothing must not pass). The same
+# rule keeps the benchmark's plotting crate in inbox-bench alone: the examples and the test
+# binaries must not build it.
 #
 # Needs INBOX_TEST_POSTGRES_URL for the PostgreSQL app's run. native-tls builds openssl-sys,
 # so libssl-dev and pkg-config are installed when missing.
@@ -47,6 +49,13 @@ check_tree postgres-only +sqlx-postgres +native-tls \
   -sqlx-sqlite -sqlx-mysql -libsqlite3-sys -rustls
 check_tree sqlite-only +sqlx-sqlite +libsqlite3-sys \
   -sqlx-postgres -sqlx-mysql -rustls -native-tls -openssl-sys
+# The workspace's own packages: cargo tree from its root, not from the apps' workspace.
+(
+  cd ../..
+  check_tree inbox-bench +plotters
+  check_tree inbox-examples -plotters
+  check_tree inbox-tests -plotters
+)
 
 # One app at a time: built together, cargo would unify their features.
 echo "check-deps: building and running the apps"

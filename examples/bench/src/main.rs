@@ -2,9 +2,9 @@
 //! must run anyway, on SQLite, PostgreSQL and MySQL/MariaDB, in one command.
 //!
 //! ```text
-//! cargo run --release --example bench                         # SQLite, no setup
-//! cargo run --release --example bench -- --quick              # smoke run
-//! cargo run --release --example bench -- \
+//! cargo run --release -p inbox-bench                 # SQLite, no setup
+//! cargo run --release -p inbox-bench -- --quick      # smoke run
+//! cargo run --release -p inbox-bench -- \
 //!     --postgres postgres://postgres@127.0.0.1:5432/test \
 //!     --mysql mysql://root@127.0.0.1:3306/test \
 //!     --csv bench.csv --svg docs/bench.svg

@@ -5,7 +5,7 @@ use crate::BoxError;
 use std::time::Duration;
 
 pub const USAGE: &str = "\
-usage: cargo run --release --example bench -- [flags]
+usage: cargo run --release -p inbox-bench -- [flags]
 
   --postgres URL      also run on PostgreSQL; URL of a database the user may create
                       databases from (the bench creates and drops `inbox_bench`)

@@ -10,7 +10,7 @@ use crate::db::{CONSUMER, timestamp};
 use crate::modes::Worker;
 use chrono::Utc;
 use sea_orm::{ConnectionTrait, DatabaseTransaction, DbErr, Statement, Value};
-use sea_orm_inbox::{DbErrorKind, classify};
+use sea_orm_inbox::{DbErrorKind, HandlerFuture, classify};
 use std::collections::VecDeque;
 use std::sync::Mutex;
 use uuid::Uuid;
@@ -132,56 +132,53 @@ impl Worker {
                     }
                 }
             }
-            let txn = self.begin().await?;
-            let result: Result<Handled, DbErr> = async {
-                let marker = self
-                    .lock_marker(&txn, id)
-                    .await?
-                    .ok_or_else(|| DbErr::Custom("the InboxState row vanished".into()))?;
-                if marker.consumed {
-                    return Ok(Handled::Duplicate);
-                }
-                txn.execute_raw(self.statement(
-                    self.sql.take_lock,
-                    vec![Value::from(Uuid::new_v4()), Value::from(marker.id)],
-                ))
-                .await?;
-                self.credit_db(&txn).await?;
-                txn.execute_raw(self.statement(
-                    self.sql.mark_consumed,
-                    vec![self.now(), Value::from(marker.id)],
-                ))
-                .await?;
-                Ok(Handled::Applied)
-            }
-            .await;
-            self.finish(txn, result).await
+            self.attempt(|worker, txn| {
+                Box::pin(async move {
+                    let marker = worker
+                        .lock_marker(txn, id)
+                        .await?
+                        .ok_or_else(|| DbErr::Custom("the InboxState row vanished".into()))?;
+                    if marker.consumed {
+                        return Ok(Handled::Duplicate);
+                    }
+                    txn.execute_raw(worker.statement(
+                        worker.sql.take_lock,
+                        vec![Value::from(Uuid::new_v4()), Value::from(marker.id)],
+                    ))
+                    .await?;
+                    worker.credit(txn, 1).await?;
+                    txn.execute_raw(worker.statement(
+                        worker.sql.mark_consumed,
+                        vec![worker.now(), Value::from(marker.id)],
+                    ))
+                    .await?;
+                    Ok(Handled::Applied)
+                })
+            })
+            .await
         })
         .await
     }
 
     /// NServiceBus's optimistic outbox: look the record up, run the handler, store the
-    /// record at the end of the same transaction. A racing duplicate runs the handler
-    /// too and fails at the insert.
+    /// record at the end of the same transaction ([`Self::seed`]'s shape). A racing
+    /// duplicate runs the handler too and fails at the insert.
     pub(crate) async fn nservicebus(&self, id: Uuid) -> Result<Handled, BoxError> {
-        self.with_retries("nservicebus", || async {
-            let txn = self.begin().await?;
-            let result: Result<Handled, DbErr> = async {
-                let found = txn
-                    .query_one_raw(self.statement(
-                        self.sql.find_marker,
-                        vec![Value::from(id), Value::from(CONSUMER)],
-                    ))
-                    .await?;
-                if found.is_some() {
-                    return Ok(Handled::Duplicate);
-                }
-                self.credit_db(&txn).await?;
-                txn.execute_raw(self.marker(self.sql.marker, id)).await?;
-                Ok(Handled::Applied)
-            }
-            .await;
-            self.finish(txn, result).await
+        self.with_retries("nservicebus", || {
+            self.attempt(|worker, txn| {
+                Box::pin(async move {
+                    let found = txn
+                        .query_one_raw(worker.statement(
+                            worker.sql.find_marker,
+                            vec![Value::from(id), Value::from(CONSUMER)],
+                        ))
+                        .await?;
+                    if found.is_some() {
+                        return Ok(Handled::Duplicate);
+                    }
+                    worker.credit_then_mark(txn, id).await
+                })
+            })
         })
         .await
     }
@@ -191,37 +188,32 @@ impl Worker {
     /// second transaction. Two commits per message.
     pub(crate) async fn wolverine(&self, id: Uuid) -> Result<Handled, BoxError> {
         let envelope = self
-            .with_retries("wolverine envelope", || async {
-                let txn = self.begin().await?;
-                match txn.execute_raw(self.marker(self.sql.marker, id)).await {
-                    Ok(_) => match txn.commit().await {
-                        Ok(()) => Ok(Attempt::Done(Handled::Applied)),
-                        Err(err) => sort(err),
-                    },
-                    Err(err) => {
-                        txn.rollback().await?;
-                        sort(err)
-                    }
-                }
+            .with_retries("wolverine envelope", || {
+                self.attempt(|worker, txn| {
+                    Box::pin(async move {
+                        txn.execute_raw(worker.marker(worker.sql.marker, id))
+                            .await?;
+                        Ok(Handled::Applied)
+                    })
+                })
             })
             .await?;
         if envelope == Handled::Duplicate {
             return Ok(Handled::Duplicate);
         }
         // The envelope is persisted: from here on only the handler is retried.
-        self.with_retries("wolverine handler", || async {
-            let txn = self.begin().await?;
-            let result: Result<Handled, DbErr> = async {
-                self.credit_db(&txn).await?;
-                txn.execute_raw(self.statement(
-                    self.sql.mark_handled,
-                    vec![self.now(), Value::from(id), Value::from(CONSUMER)],
-                ))
-                .await?;
-                Ok(Handled::Applied)
-            }
-            .await;
-            self.finish(txn, result).await
+        self.with_retries("wolverine handler", || {
+            self.attempt(|worker, txn| {
+                Box::pin(async move {
+                    worker.credit(txn, 1).await?;
+                    txn.execute_raw(worker.statement(
+                        worker.sql.mark_handled,
+                        vec![worker.now(), Value::from(id), Value::from(CONSUMER)],
+                    ))
+                    .await?;
+                    Ok(Handled::Applied)
+                })
+            })
         })
         .await
     }
@@ -230,21 +222,33 @@ impl Worker {
     /// the end of the same transaction; the unique index rejects a duplicate at commit
     /// time (here at the INSERT).
     pub(crate) async fn seed(&self, id: Uuid) -> Result<Handled, BoxError> {
-        self.with_retries("seed", || async {
-            let txn = self.begin().await?;
-            let result: Result<Handled, DbErr> = async {
-                self.credit_db(&txn).await?;
-                txn.execute_raw(self.marker(self.sql.marker, id)).await?;
-                Ok(Handled::Applied)
-            }
-            .await;
-            self.finish(txn, result).await
+        self.with_retries("seed", || {
+            self.attempt(|worker, txn| Box::pin(worker.credit_then_mark(txn, id)))
         })
         .await
     }
 
-    async fn credit_db(&self, txn: &DatabaseTransaction) -> Result<(), DbErr> {
-        crate::modes::credit(txn, self.sql, self.account, 1).await
+    /// The business write, then the marker: the end of every optimistic protocol.
+    async fn credit_then_mark(
+        &self,
+        txn: &DatabaseTransaction,
+        id: Uuid,
+    ) -> Result<Handled, DbErr> {
+        self.credit(txn, 1).await?;
+        txn.execute_raw(self.marker(self.sql.marker, id)).await?;
+        Ok(Handled::Applied)
+    }
+
+    /// One attempt in a transaction of its own: `body` runs in it with this worker, then
+    /// [`Self::finish`] settles the transaction and sorts a failure. `body` is boxed like
+    /// an `Inbox::process` handler.
+    async fn attempt<F>(&self, body: F) -> Result<Attempt, BoxError>
+    where
+        F: for<'t> FnOnce(&'t Worker, &'t DatabaseTransaction) -> HandlerFuture<'t, Handled, DbErr>,
+    {
+        let txn = self.begin().await?;
+        let result = body(self, &txn).await;
+        self.finish(txn, result).await
     }
 
     /// Commits an applied delivery, rolls back anything else, and sorts a failure.

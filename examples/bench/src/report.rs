@@ -1,12 +1,7 @@
 //! Collects the measurements of a backend, computes the target ratios, and prints them.
 
+use crate::modes::Mode;
 use std::fmt::Write as _;
-
-/// The peers' protocols as the report names them.
-pub const PEERS: [&str; 4] = ["masstransit", "nservicebus", "wolverine", "seed"];
-/// The peers that commit twice per message: `process` must beat them by 1.3x at one
-/// worker on the servers, where a commit is a round trip and a log flush.
-const TWO_COMMIT_PEERS: [&str; 2] = ["masstransit", "wolverine"];
 
 /// One measured series: a label at one concurrency, one rate per round.
 #[derive(Clone, Debug)]
@@ -178,15 +173,17 @@ impl Report {
         }
         for phase in ["main", "mix"] {
             for c in self.concurrencies(phase) {
-                for peer in PEERS {
-                    let ratio = self.paired_ratio(phase, "process", peer, c);
-                    let two_commits = TWO_COMMIT_PEERS.contains(&peer);
-                    let floor = if two_commits && c == 1 && self.backend != "sqlite" {
+                for peer in Mode::PEERS {
+                    let ratio = self.paired_ratio(phase, "process", peer.name(), c);
+                    // `process` must beat a peer that commits twice per message by 1.3x at
+                    // one worker on the servers, where a commit is a round trip and a log
+                    // flush.
+                    let floor = if peer.commits_twice() && c == 1 && self.backend != "sqlite" {
                         1.3
                     } else {
                         1.0
                     };
-                    let name = format!("{phase}: process / {peer}");
+                    let name = format!("{phase}: process / {}", peer.name());
                     out.extend(TargetResult::at_least(&name, c, ratio, floor));
                 }
             }
@@ -296,17 +293,17 @@ impl Report {
     /// `process` over each peer's protocol, per phase and concurrency: the closing note.
     pub fn peers_table(&self) -> String {
         let mut out = String::from("| phase | c |");
-        for peer in PEERS {
-            let _ = write!(out, " process / {peer} |");
+        for peer in Mode::PEERS {
+            let _ = write!(out, " process / {} |", peer.name());
         }
         out.push_str("\n|---|---:|");
-        out.push_str(&"---:|".repeat(PEERS.len()));
+        out.push_str(&"---:|".repeat(Mode::PEERS.len()));
         out.push('\n');
         for phase in ["main", "mix"] {
             for c in self.concurrencies(phase) {
                 let _ = write!(out, "| {phase} | {c} |");
-                for peer in PEERS {
-                    match self.paired_ratio(phase, "process", peer, c) {
+                for peer in Mode::PEERS {
+                    match self.paired_ratio(phase, "process", peer.name(), c) {
                         Some(ratio) => {
                             let _ = write!(out, " {ratio:.2} |");
                         }
