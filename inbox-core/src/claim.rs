@@ -1,6 +1,6 @@
 use crate::backend::{
-    DbErrorKind, ProcessMarker, claim_marker_statement, classify, marker_held_statement,
-    marker_insert_returns_id,
+    DbErrorKind, ProcessMarker, claim_marker_statement, claim_silence_statement, classify,
+    marker_held_statement, marker_insert_returns_id,
 };
 use crate::batch::{BatchClaim, insert_batch, sorted_batch};
 use crate::consumer::validate_claim;
@@ -346,8 +346,9 @@ impl InboxTransactionExt for DatabaseTransaction {
 
 /// The claim itself, for any connection the crate has already proven is a transaction.
 /// With `process` (from `Inbox::process`) the marker carries the call's token in
-/// `claim_token` (see [`marker_token`]) and bounds its lock wait where the backend allows
-/// it per transaction (see [`claim_marker_statement`]).
+/// `claim_token` (see [`marker_token`]), bounds its lock wait where the backend allows it
+/// per transaction (see [`claim_marker_statement`]), and makes the server end the
+/// transaction once the client goes silent (see [`claim_silence_statement`]).
 pub(crate) async fn insert_marker<C: ConnectionTrait>(
     conn: &C,
     message_id: MessageId,
@@ -356,6 +357,15 @@ pub(crate) async fn insert_marker<C: ConnectionTrait>(
 ) -> Result<Claim, InboxError> {
     validate_claim(message_id, consumer)?;
     let backend = conn.get_database_backend();
+    if let Some(process) = &process {
+        // Before the INSERT: the server reads the bound when it starts waiting for the
+        // client, and from the INSERT on the transaction holds the marker's lock.
+        if let Some(sql) = claim_silence_statement(backend, process.silence)? {
+            conn.execute_unprepared(&sql)
+                .await
+                .map_err(|err| InboxError::from_claim(err, message_id, consumer))?;
+        }
+    }
     let statement = claim_marker_statement(backend, message_id, consumer, now_micros(), process)?;
     let marker_id = if marker_insert_returns_id(backend)? {
         match conn.query_one_raw(statement).await {

@@ -243,6 +243,39 @@ pub enum InboxError {
         max: Duration,
     },
 
+    /// A partition timeout outside the accepted range (see
+    /// [`crate::Inbox::with_partition_timeout`]).
+    #[error(
+        "a partition timeout of {timeout:?} is outside {min:?}..={max:?}: choose one well below the broker's redelivery timeout (JetStream AckWait, SQS visibility timeout, RabbitMQ consumer timeout) and above your slowest handler"
+    )]
+    PartitionTimeoutOutOfRange {
+        /// The rejected timeout.
+        timeout: Duration,
+        /// The shortest timeout accepted.
+        min: Duration,
+        /// The longest timeout accepted.
+        max: Duration,
+    },
+
+    /// The database did not answer one step of a claim within the partition timeout (the
+    /// network dropped the flow, or the server hangs). The library gave up on the
+    /// connection (it is not reused), and the server ends the abandoned transaction after
+    /// the same timeout, releasing the claim.
+    #[error(
+        "the database did not answer {step} for message {message_id} of consumer {consumer:?} within {waited:?} (a network partition or a hung server): nack the message; the server ends the abandoned transaction after the partition timeout, so a redelivery can claim it{}",
+        if *step == "COMMIT" { " (the COMMIT may have landed: the redelivery then reports the message as already processed)" } else { "" }
+    )]
+    DatabaseUnresponsive {
+        /// The message being claimed.
+        message_id: MessageId,
+        /// The consumer claiming it.
+        consumer: String,
+        /// What went unanswered: `BEGIN`, `the claim`, `the handler`, `COMMIT`...
+        step: &'static str,
+        /// How long the library waited.
+        waited: Duration,
+    },
+
     /// A retention setting that cannot work.
     #[error("invalid retention policy: {reason}")]
     InvalidRetention {
@@ -311,6 +344,8 @@ impl InboxError {
             | Self::ZeroMaxAttempts
             | Self::StaleLease { .. }
             | Self::LockTimeoutOutOfRange { .. }
+            | Self::PartitionTimeoutOutOfRange { .. }
+            | Self::DatabaseUnresponsive { .. }
             | Self::InvalidRetention { .. }
             | Self::NoTokioRuntime
             | Self::PurgerStopped { .. } => None,

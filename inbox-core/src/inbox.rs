@@ -65,6 +65,7 @@ pub struct Inbox {
     consumer: Arc<str>,
     retry: RetryPolicy,
     lock_timeout: Duration,
+    partition_timeout: Duration,
     metrics: Arc<InboxMetrics>,
 }
 
@@ -135,6 +136,7 @@ impl Inbox {
             consumer: consumer.into(),
             retry: RetryPolicy::default(),
             lock_timeout: Self::DEFAULT_LOCK_TIMEOUT,
+            partition_timeout: Self::DEFAULT_PARTITION_TIMEOUT,
             metrics: Arc::default(),
         })
     }
@@ -205,6 +207,77 @@ impl Inbox {
     /// [`with_lock_timeout`](Self::with_lock_timeout)).
     pub fn lock_timeout(&self) -> Duration {
         self.lock_timeout
+    }
+
+    /// The default [`with_partition_timeout`](Self::with_partition_timeout): 20 s, below
+    /// the shortest common default redelivery timeout (NATS JetStream's `AckWait` and
+    /// SQS's visibility timeout, 30 s).
+    pub const DEFAULT_PARTITION_TIMEOUT: Duration = Duration::from_secs(20);
+
+    /// The shortest partition timeout accepted: 1 s (MariaDB counts it in whole seconds).
+    pub const MIN_PARTITION_TIMEOUT: Duration = Duration::from_secs(1);
+
+    /// The longest partition timeout accepted: 30 min, RabbitMQ's default consumer
+    /// timeout; a claim held hostage longer outlives every broker's redelivery.
+    pub const MAX_PARTITION_TIMEOUT: Duration = Duration::from_secs(30 * 60);
+
+    /// Bounds how long either side of a claim waits for the other when the network between
+    /// them goes silent (default [`DEFAULT_PARTITION_TIMEOUT`](Self::DEFAULT_PARTITION_TIMEOUT)).
+    ///
+    /// A replica cut off from the database mid-transaction (a NAT or load balancer drops
+    /// its flow: no reset, the packets just stop) leaves an open transaction on the server
+    /// that holds the message's marker, so every redelivery on another replica waits for
+    /// it and fails; with the servers' defaults it stays for hours. With this bound:
+    ///
+    /// - the server ends the claim transaction, rolling back its work and releasing the
+    ///   marker, once its client has sent nothing for this long (PostgreSQL:
+    ///   `idle_in_transaction_session_timeout` and `tcp_user_timeout`, set for the
+    ///   transaction by the claim INSERT itself, no extra round trip; MariaDB:
+    ///   `idle_transaction_timeout` and `net_write_timeout`, session variables set by one
+    ///   statement before the claim, which the pooled connection keeps; MySQL 8 has only
+    ///   the latter. SQLite: nothing to bound);
+    /// - `process` waits at most this long for each step of an attempt (BEGIN, the claim,
+    ///   the handler, the pre-commit check, COMMIT, ROLLBACK) and then fails with
+    ///   [`InboxError::DatabaseUnresponsive`] (nack). The timed-out connection is not
+    ///   reused: sqlx tests it with a ping before it goes back to the pool and closes it
+    ///   when the ping fails. A COMMIT that timed out is in doubt and is retried like a
+    ///   lost COMMIT reply (see [`process`](Self::process)); any other step is not retried,
+    ///   since the abandoned transaction may hold the marker until the server ends it.
+    ///
+    /// So a partitioned replica's `process` returns within about this bound (twice it when
+    /// the COMMIT was cut), and the claim is free again this long after the replica went
+    /// silent. Choose it below the broker's redelivery timeout (JetStream `AckWait`, SQS
+    /// visibility timeout, Azure Service Bus lock duration, RabbitMQ `consumer_timeout`)
+    /// minus the claim's [lock timeout](Self::with_lock_timeout), so the redelivery finds
+    /// the claim released; and above the slowest handler, which it also bounds, and the
+    /// longest pause between two of its statements, after which the server ends its
+    /// transaction.
+    ///
+    /// ```
+    /// use sea_orm_inbox::{Inbox, InboxError};
+    /// use std::time::Duration;
+    ///
+    /// let inbox = Inbox::new("billing.credit")?.with_partition_timeout(Duration::from_secs(10))?;
+    /// assert_eq!(inbox.partition_timeout(), Duration::from_secs(10));
+    /// assert!(matches!(
+    ///     Inbox::new("billing.credit")?.with_partition_timeout(Duration::ZERO),
+    ///     Err(InboxError::PartitionTimeoutOutOfRange { .. })
+    /// ));
+    /// # Ok::<(), InboxError>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`InboxError::PartitionTimeoutOutOfRange`] outside
+    /// [`MIN_PARTITION_TIMEOUT`](Self::MIN_PARTITION_TIMEOUT)..=[`MAX_PARTITION_TIMEOUT`](Self::MAX_PARTITION_TIMEOUT).
+    pub fn with_partition_timeout(mut self, timeout: Duration) -> Result<Self, InboxError> {
+        self.partition_timeout = checked_partition_timeout(timeout)?;
+        Ok(self)
+    }
+
+    /// The bound on a silent database or client (see
+    /// [`with_partition_timeout`](Self::with_partition_timeout)).
+    pub fn partition_timeout(&self) -> Duration {
+        self.partition_timeout
     }
 
     /// The consumer name.
@@ -337,16 +410,27 @@ impl Inbox {
         F: for<'t> FnMut(&'t DatabaseTransaction) -> HandlerFuture<'t, T, E> + Send,
         E: 'static,
     {
-        let txn = db
-            .begin_with_options(CLAIM_TRANSACTION)
-            .await
+        let txn = self
+            .bounded(
+                message_id,
+                "BEGIN",
+                db.begin_with_options(CLAIM_TRANSACTION),
+            )
+            .await?
             .map_err(|err| self.database_failure(message_id, err))?;
         let process = ProcessMarker {
             token: call.token,
             lock_wait: self.lock_timeout,
+            silence: self.partition_timeout,
         };
         let claim_started = Instant::now();
-        let claim = insert_marker(&txn, message_id, &self.consumer, Some(process)).await;
+        let claim = self
+            .bounded(
+                message_id,
+                "the claim",
+                insert_marker(&txn, message_id, &self.consumer, Some(process)),
+            )
+            .await?;
         facade::claim_wait(&self.consumer, claim_started.elapsed());
         let claimed = match claim {
             Ok(Claim::Claimed(claimed)) => {
@@ -356,15 +440,18 @@ impl Inbox {
             }
             Ok(Claim::Duplicate) => {
                 // Nothing to keep; a failed rollback only means the connection is gone.
-                txn.rollback().await.ok();
+                self.roll_back(message_id, txn).await;
                 return self.settle_duplicate(db, message_id, call).await;
             }
             Err(err) => return Err(sort_inbox_error(err)),
         };
-        let value = match handler(&txn).await {
+        let value = match self
+            .bounded(message_id, "the handler", handler(&txn))
+            .await?
+        {
             Ok(value) => value,
             Err(err) => {
-                txn.rollback().await.ok();
+                self.roll_back(message_id, txn).await;
                 return Err(match transient_db_cause(&err).map(ToString::to_string) {
                     Some(cause) => AttemptError::HandlerTransient { err, cause },
                     None => AttemptError::Handler(err),
@@ -374,17 +461,61 @@ impl Inbox {
         // The handler may have swallowed a failed statement that ended the transaction
         // (PostgreSQL would then answer COMMIT with ROLLBACK and no error): never report
         // Processed unless the marker is still there to commit with the work.
-        if let Err(err) = ensure_marker_held(&txn, &claimed).await {
-            txn.rollback().await.ok();
+        let held = self
+            .bounded(
+                message_id,
+                "the pre-commit check",
+                ensure_marker_held(&txn, &claimed),
+            )
+            .await?;
+        if let Err(err) = held {
+            self.roll_back(message_id, txn).await;
             return Err(sort_inbox_error(err));
         }
-        if let Err(err) = txn.commit().await {
-            // The COMMIT may have landed with its reply lost: keep the value for the retry
-            // that finds out.
+        let committed = self.bounded(message_id, "COMMIT", txn.commit()).await;
+        if let Err(err) =
+            committed.and_then(|done| done.map_err(|err| self.database_failure(message_id, err)))
+        {
+            // The COMMIT may have landed with its reply lost, or be lost in a partition:
+            // keep the value for the retry that finds out.
             call.in_doubt = Some(value);
-            return Err(self.database_failure(message_id, err));
+            return Err(match err {
+                AttemptError::Fatal(err @ InboxError::DatabaseUnresponsive { .. }) => {
+                    AttemptError::Transient(err)
+                }
+                err => err,
+            });
         }
         Ok(Outcome::Processed(value))
+    }
+
+    /// Waits for one step of an attempt at most the partition timeout. Past it the step's
+    /// future is dropped, which gives up its connection; the attempt then drops its
+    /// transaction without awaiting a ROLLBACK the silent database would not answer.
+    async fn bounded<F: Future, E>(
+        &self,
+        message_id: MessageId,
+        step: &'static str,
+        future: F,
+    ) -> Result<F::Output, AttemptError<E>> {
+        tokio::time::timeout(self.partition_timeout, future)
+            .await
+            .map_err(|_| {
+                AttemptError::Fatal(InboxError::DatabaseUnresponsive {
+                    message_id,
+                    consumer: self.consumer.to_string(),
+                    step,
+                    waited: self.partition_timeout,
+                })
+            })
+    }
+
+    /// Rolls `txn` back, within the partition timeout. A failed or unanswered rollback
+    /// changes nothing: the transaction is gone with its connection, or the server ends it.
+    async fn roll_back(&self, message_id: MessageId, txn: DatabaseTransaction) {
+        self.bounded::<_, ()>(message_id, "ROLLBACK", txn.rollback())
+            .await
+            .ok();
     }
 
     /// The outcome when the marker exists. After a failed COMMIT of this call, the marker
@@ -399,7 +530,19 @@ impl Inbox {
         let Some(value) = call.in_doubt.take() else {
             return Ok(Outcome::Duplicate);
         };
-        match marker_token(db, message_id, &self.consumer).await {
+        let token = self.bounded(
+            message_id,
+            "the lost-reply check",
+            marker_token(db, message_id, &self.consumer),
+        );
+        let token = match token.await {
+            Ok(token) => token,
+            Err(err) => {
+                call.in_doubt = Some(value);
+                return Err(err);
+            }
+        };
+        match token {
             Ok(Some(token)) if token == call.token => Ok(Outcome::Processed(value)),
             Ok(_) => Ok(Outcome::Duplicate),
             Err(err) => {
@@ -446,6 +589,18 @@ impl Inbox {
             },
         }
     }
+}
+
+/// `timeout` if it lies in the accepted range of partition timeouts.
+pub(crate) fn checked_partition_timeout(timeout: Duration) -> Result<Duration, InboxError> {
+    if !(Inbox::MIN_PARTITION_TIMEOUT..=Inbox::MAX_PARTITION_TIMEOUT).contains(&timeout) {
+        return Err(InboxError::PartitionTimeoutOutOfRange {
+            timeout,
+            min: Inbox::MIN_PARTITION_TIMEOUT,
+            max: Inbox::MAX_PARTITION_TIMEOUT,
+        });
+    }
+    Ok(timeout)
 }
 
 fn sort_inbox_error<E>(err: InboxError) -> AttemptError<E> {

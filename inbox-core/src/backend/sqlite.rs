@@ -4,6 +4,7 @@
 use super::{DbErrorKind, Dialect};
 use sea_orm::sqlx::error::DatabaseError;
 use sea_orm::sqlx::sqlite::SqliteError;
+use std::time::Duration;
 
 pub(super) struct Sqlite;
 
@@ -14,6 +15,11 @@ impl Dialect for Sqlite {
 
     fn insert_process_marker(&self) -> &'static str {
         r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at", "claim_token") VALUES (?, ?, ?, ?)"#
+    }
+
+    /// Embedded: no client can vanish while the database holds its transaction.
+    fn bound_silence(&self, _silence: Duration) -> Option<String> {
+        None
     }
 
     /// SQLite looks the ids of `id IN (subquery)` up by rowid.
