@@ -214,7 +214,11 @@ async fn a_commit_reply_lost_in_a_partition_nacks_and_the_redelivery_is_a_duplic
     );
     let b = b.expect("B's redelivery hung");
     assert!(matches!(b, Ok(Outcome::Duplicate)), "{b:?}");
-    assert!(b_done - partitioned_at < SLACK, "{:?}", b_done - partitioned_at);
+    assert!(
+        b_done - partitioned_at < SLACK,
+        "{:?}",
+        b_done - partitioned_at
+    );
     assert_eq!(fixture.balance().await, 1, "the credit committed once");
     assert_eq!(fixture.markers().await, 1);
     fixture.cleanup().await;
