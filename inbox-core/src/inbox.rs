@@ -237,7 +237,9 @@ impl Inbox {
     ///   statement before the claim, which the pooled connection keeps; MySQL 8 has only
     ///   the latter. SQLite: nothing to bound);
     /// - `process` waits at most this long for each step of an attempt (BEGIN, the claim,
-    ///   the handler, the pre-commit check, COMMIT, ROLLBACK) and then fails with
+    ///   which may first wait for a lock as long as the
+    ///   [lock timeout](Self::with_lock_timeout) allows, the handler, the pre-commit check,
+    ///   COMMIT, ROLLBACK) and then fails with
     ///   [`InboxError::DatabaseUnresponsive`] (nack). The timed-out connection is not
     ///   reused: sqlx tests it with a ping before it goes back to the pool and closes it
     ///   when the ping fails. A COMMIT that timed out is in doubt and is retried like a
@@ -424,8 +426,11 @@ impl Inbox {
             silence: self.partition_timeout,
         };
         let claim_started = Instant::now();
+        // The claim may wait for another transaction's lock first, as long as the lock
+        // timeout allows: only silence beyond that is a partition.
         let claim = self
-            .bounded(
+            .bounded_for(
+                self.lock_timeout + self.partition_timeout,
                 message_id,
                 "the claim",
                 insert_marker(&txn, message_id, &self.consumer, Some(process)),
@@ -498,16 +503,26 @@ impl Inbox {
         step: &'static str,
         future: F,
     ) -> Result<F::Output, AttemptError<E>> {
-        tokio::time::timeout(self.partition_timeout, future)
+        self.bounded_for(self.partition_timeout, message_id, step, future)
             .await
-            .map_err(|_| {
-                AttemptError::Fatal(InboxError::DatabaseUnresponsive {
-                    message_id,
-                    consumer: self.consumer.to_string(),
-                    step,
-                    waited: self.partition_timeout,
-                })
+    }
+
+    /// [`bounded`](Self::bounded) by `bound` instead of the partition timeout.
+    async fn bounded_for<F: Future, E>(
+        &self,
+        bound: Duration,
+        message_id: MessageId,
+        step: &'static str,
+        future: F,
+    ) -> Result<F::Output, AttemptError<E>> {
+        tokio::time::timeout(bound, future).await.map_err(|_| {
+            AttemptError::Fatal(InboxError::DatabaseUnresponsive {
+                message_id,
+                consumer: self.consumer.to_string(),
+                step,
+                waited: bound,
             })
+        })
     }
 
     /// Rolls `txn` back, within the partition timeout. A failed or unanswered rollback
