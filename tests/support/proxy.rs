@@ -266,17 +266,9 @@ async fn accept(listener: TcpListener, upstream: String, protocol: Protocol, fau
 }
 
 /// Keeps a connection opened during a partition open and silent until the next heal.
-async fn hold_until_healed(mut client: TcpStream, mut healed: watch::Receiver<u64>) {
-    let mut sink = vec![0u8; 64 * 1024];
-    loop {
-        tokio::select! {
-            _ = healed.changed() => return,
-            read = client.read(&mut sink) => match read {
-                Ok(0) | Err(_) => return,
-                Ok(_) => {}
-            },
-        }
-    }
+async fn hold_until_healed(client: TcpStream, mut healed: watch::Receiver<u64>) {
+    healed.changed().await.ok();
+    drop(client);
 }
 
 /// Copies one connection both ways until either side closes, a COMMIT reply is lost, or a
@@ -314,6 +306,9 @@ async fn requests(
     let mut framer = Framer::new(protocol);
     let mut chunk = vec![0u8; 64 * 1024];
     loop {
+        if faults.partitioned.load(Ordering::SeqCst) {
+            return silent_end(faults).await;
+        }
         let read = from.read(&mut chunk).await.unwrap_or(0);
         if read == 0 {
             return silent_end(faults).await;
@@ -358,6 +353,9 @@ async fn replies(
 ) {
     let mut chunk = vec![0u8; 64 * 1024];
     loop {
+        if faults.partitioned.load(Ordering::SeqCst) {
+            return silent_end(faults).await;
+        }
         let read = from.read(&mut chunk).await.unwrap_or(0);
         if read == 0 {
             return silent_end(faults).await;
@@ -378,9 +376,11 @@ async fn replies(
     }
 }
 
-/// The end of one direction: the connection ends at once, unless a partition is on, which
-/// hides the close from the other side (a server that ends an abandoned session sends its
-/// FIN into the black hole) until a heal cuts the connection.
+/// The end of one direction: the connection ends at once, unless a partition is on. Then
+/// the direction stops reading until a heal cuts the connection: what its sender writes
+/// is never consumed (a server sending a large reply ends up blocked, as behind a real
+/// partition), and a close is hidden from the other side (a server that ends an abandoned
+/// session sends its FIN into the black hole).
 async fn silent_end(faults: &Faults) {
     if faults.partitioned.load(Ordering::SeqCst) {
         std::future::pending::<()>().await;

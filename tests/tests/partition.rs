@@ -13,7 +13,7 @@ use inbox_tests::{
     Backend, LostReplyProxy, TestDb, create_accounts, credit, credit_once, migrated_db,
     on_server_backends, scalar_i64,
 };
-use sea_orm::{DatabaseConnection, DbErr};
+use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend, DbErr, Statement};
 use sea_orm_inbox::{
     Inbox, InboxError, LeaseClaim, LeaseOptions, Outcome, ProcessError, Settlement, claim_lease,
     complete_lease,
@@ -165,6 +165,79 @@ async fn a_replica_cut_off_mid_handler_releases_its_claim(backend: Backend) {
         1,
         "A's credit rolled back, B's applied once"
     );
+    assert_eq!(fixture.markers().await, 1);
+    fixture.cleanup().await;
+}
+
+/// A large result of about 200 MB, far beyond what the socket buffers between the server
+/// and the proxy hold: a server sending it into a partition ends up blocked in its write,
+/// where an idle-transaction timeout does not apply.
+fn large_result(backend: Backend) -> Statement {
+    let sql = if backend.is_postgres() {
+        "SELECT repeat('x', 1000) FROM generate_series(1, 200000)"
+    } else {
+        "SELECT REPEAT('x', 1000) FROM seq_1_to_200000"
+    };
+    Statement::from_string(fixture_backend(backend), sql)
+}
+
+fn fixture_backend(backend: Backend) -> DbBackend {
+    if backend.is_postgres() {
+        DbBackend::Postgres
+    } else {
+        DbBackend::MySql
+    }
+}
+
+/// Replica A's handler holds the claim and asks for a large result; the partition starts
+/// right behind the query, so the server is busy sending, not idle, when the network goes
+/// silent. The server must still give up within the partition timeout (PostgreSQL:
+/// `tcp_user_timeout`; MariaDB: `net_write_timeout`) and release the claim for B.
+async fn a_replica_cut_off_while_the_server_sends_to_it_releases_its_claim(backend: Backend) {
+    let fixture = Fixture::new(backend).await;
+    let (replica_a, replica_b) = (replica(), replica());
+    let id = Uuid::new_v4();
+
+    let a = async {
+        let result = timeout(
+            GIVE_UP,
+            replica_a.process(&fixture.through_proxy, id, |txn| {
+                let proxy = Arc::clone(&fixture.proxy);
+                let query = large_result(backend);
+                Box::pin(async move {
+                    credit(txn, 1).await?;
+                    proxy.partition_at_next_execute();
+                    txn.query_all_raw(query).await?;
+                    Ok::<_, DbErr>(())
+                })
+            }),
+        )
+        .await;
+        (result, Instant::now())
+    };
+    let b = async {
+        let partitioned_at = fixture.partition_started().await;
+        let result = timeout(GIVE_UP, credit_once(&replica_b, &fixture.direct, id)).await;
+        (partitioned_at, result, Instant::now())
+    };
+    let ((a, a_done), (partitioned_at, b, b_done)) = tokio::join!(a, b);
+    fixture.proxy.expect_reply_dropped();
+    eprintln!(
+        "{backend:?}: A {a:?} after {:?}; B {b:?} after {:?}",
+        a_done - partitioned_at,
+        b_done - partitioned_at
+    );
+
+    let a = a.expect("A's process is still waiting on the partitioned database");
+    assert!(unresponsive_during(&a, "the handler"), "{a:?}");
+    let b = b.expect("B's redelivery is still waiting for the claim A's zombie holds");
+    assert!(matches!(b, Ok(Outcome::Processed(()))), "{b:?}");
+    assert!(
+        b_done - partitioned_at < PARTITION_TIMEOUT + SLACK,
+        "B processed the redelivery {:?} after the partition began",
+        b_done - partitioned_at
+    );
+    assert_eq!(fixture.balance().await, 1, "A's credit rolled back");
     assert_eq!(fixture.markers().await, 1);
     fixture.cleanup().await;
 }
@@ -336,6 +409,7 @@ async fn a_lease_holder_cut_off_while_completing_is_taken_over_and_fenced(backen
 
 on_server_backends!(
     a_replica_cut_off_mid_handler_releases_its_claim,
+    a_replica_cut_off_while_the_server_sends_to_it_releases_its_claim,
     a_commit_reply_lost_in_a_partition_nacks_and_the_redelivery_is_a_duplicate,
     a_commit_cut_off_by_a_partition_that_heals_settles_as_processed,
     a_lease_holder_cut_off_while_completing_is_taken_over_and_fenced,
