@@ -257,12 +257,13 @@ pub enum InboxError {
         max: Duration,
     },
 
-    /// The database did not answer one step of a claim within the partition timeout (the
-    /// network dropped the flow, or the server hangs). The library gave up on the
-    /// connection (it is not reused), and the server ends the abandoned transaction after
-    /// the same timeout, releasing the claim.
+    /// One step of a claim did not finish within its bound, the partition timeout: the
+    /// database stopped answering (the network dropped the flow, or the server hangs), or
+    /// the handler ran longer than the bound. The library gave up on the connection (it is
+    /// not reused), and the server ends the abandoned transaction after the same timeout,
+    /// releasing the claim.
     #[error(
-        "the database did not answer {step} for message {message_id} of consumer {consumer:?} within {waited:?} (a network partition or a hung server): nack the message; the server ends the abandoned transaction after the partition timeout, so a redelivery can claim it{}",
+        "{step} got no answer within {waited:?} for message {message_id} of consumer {consumer:?} (a network partition or a hung database; for the handler, also work slower than the partition timeout): nack the message; the server ends the abandoned transaction after the partition timeout, so a redelivery can claim it{}",
         if *step == "COMMIT" { " (the COMMIT may have landed: the redelivery then reports the message as already processed)" } else { "" }
     )]
     DatabaseUnresponsive {
@@ -434,6 +435,25 @@ mod tests {
                 "Nack the message",
             ),
             (
+                InboxError::DatabaseUnresponsive {
+                    message_id: MessageId::from(uuid::Uuid::from_u128(7)),
+                    consumer: "billing".into(),
+                    step: "COMMIT",
+                    waited: Duration::from_secs(20),
+                }
+                .to_string(),
+                "nack the message",
+            ),
+            (
+                InboxError::PartitionTimeoutOutOfRange {
+                    timeout: Duration::ZERO,
+                    min: Duration::from_secs(1),
+                    max: Duration::from_secs(1800),
+                }
+                .to_string(),
+                "choose one well below the broker's redelivery timeout",
+            ),
+            (
                 InboxError::BatchClaimLost {
                     consumer: "projector".into(),
                     claimed: 3,
@@ -449,6 +469,21 @@ mod tests {
                 "{message:?} should say {instruction:?}"
             );
         }
+    }
+
+    #[test]
+    fn an_unanswered_commit_says_it_may_have_landed() {
+        let unresponsive = |step| InboxError::DatabaseUnresponsive {
+            message_id: MessageId::from(uuid::Uuid::from_u128(7)),
+            consumer: "billing".into(),
+            step,
+            waited: Duration::from_secs(20),
+        };
+        let commit = unresponsive("COMMIT").to_string();
+        assert!(commit.contains("the COMMIT may have landed"), "{commit}");
+        let handler = unresponsive("the handler").to_string();
+        assert!(!handler.contains("may have landed"), "{handler}");
+        assert!(handler.starts_with("the handler got no answer within 20s"), "{handler}");
     }
 
     #[test]

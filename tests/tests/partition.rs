@@ -166,6 +166,13 @@ async fn a_replica_cut_off_mid_handler_releases_its_claim(backend: Backend) {
         "A's credit rolled back, B's applied once"
     );
     assert_eq!(fixture.markers().await, 1);
+
+    // Once the network is back, A's pool serves again: the connection that timed out in
+    // the middle of a statement was not handed out in its broken state.
+    fixture.proxy.heal();
+    let next = credit_once(&replica_a, &fixture.through_proxy, Uuid::new_v4()).await;
+    assert!(matches!(next, Ok(Outcome::Processed(()))), "{next:?}");
+    assert_eq!(fixture.balance().await, 2);
     fixture.cleanup().await;
 }
 
@@ -405,6 +412,49 @@ async fn a_lease_holder_cut_off_while_completing_is_taken_over_and_fenced(backen
         LeaseClaim::AlreadyProcessed
     );
     fixture.cleanup().await;
+}
+
+/// The bound is checked before it is used: a zero timeout would turn the server-side
+/// bounds off (0 means "never" to both servers), and one beyond every broker's redelivery
+/// timeout holds a message hostage for nothing.
+#[test]
+fn partition_timeout_is_refused_outside_its_range() {
+    let inbox = Inbox::new(CONSUMER).expect("valid name");
+    let lease = LeaseOptions::new(Duration::from_secs(30)).expect("valid lease");
+    assert_eq!(inbox.partition_timeout(), Inbox::DEFAULT_PARTITION_TIMEOUT);
+    assert_eq!(lease.partition_timeout(), Inbox::DEFAULT_PARTITION_TIMEOUT);
+    for accepted in [Inbox::MIN_PARTITION_TIMEOUT, Inbox::MAX_PARTITION_TIMEOUT] {
+        let set = inbox.clone().with_partition_timeout(accepted);
+        assert_eq!(
+            set.map(|inbox| inbox.partition_timeout()).ok(),
+            Some(accepted)
+        );
+        let set = lease.with_partition_timeout(accepted);
+        assert_eq!(
+            set.map(|lease| lease.partition_timeout()).ok(),
+            Some(accepted)
+        );
+    }
+    let refused = [
+        Duration::ZERO,
+        Inbox::MIN_PARTITION_TIMEOUT - Duration::from_millis(1),
+        Inbox::MAX_PARTITION_TIMEOUT + Duration::from_millis(1),
+        Duration::MAX,
+    ];
+    for timeout in refused {
+        let message = match inbox.clone().with_partition_timeout(timeout) {
+            Err(err @ InboxError::PartitionTimeoutOutOfRange { .. }) => err.to_string(),
+            other => panic!("{timeout:?} must be refused: {other:?}"),
+        };
+        assert!(
+            message.contains("below the broker's redelivery timeout"),
+            "{message}"
+        );
+        assert!(matches!(
+            lease.with_partition_timeout(timeout),
+            Err(InboxError::PartitionTimeoutOutOfRange { .. })
+        ));
+    }
 }
 
 on_server_backends!(
