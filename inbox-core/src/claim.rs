@@ -224,7 +224,11 @@ pub trait InboxTransactionExt: sealed::Sealed {
     /// `Claimed`. The wait is bounded by the backend's own lock timeout only (PostgreSQL:
     /// `lock_timeout`, unbounded by default, so consider `SET LOCAL lock_timeout` first;
     /// MySQL/MariaDB: `innodb_lock_wait_timeout`, 50 s by default; SQLite: the busy
-    /// timeout); [`crate::Inbox::process`] bounds it for you.
+    /// timeout); [`crate::Inbox::process`] bounds it for you. Nor does it bound a silent
+    /// network: `process` also makes the server end a claim transaction whose client
+    /// vanished ([`crate::Inbox::with_partition_timeout`]); in a transaction of your own,
+    /// set `idle_in_transaction_session_timeout` (PostgreSQL, `SET LOCAL`) or
+    /// `idle_transaction_timeout` (MariaDB) before claiming.
     ///
     /// Commit through [`ClaimedMessage::commit`]: it proves the transaction still holds
     /// the marker before COMMIT.

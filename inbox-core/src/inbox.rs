@@ -313,6 +313,12 @@ impl Inbox {
     ///
     /// The claim's lock wait is bounded by [`with_lock_timeout`](Self::with_lock_timeout).
     ///
+    /// A network partition cannot hold the call or the message: every step of an attempt
+    /// is bounded by [`with_partition_timeout`](Self::with_partition_timeout), past which
+    /// the call gives up the connection and returns [`InboxError::DatabaseUnresponsive`]
+    /// (nack), and the claim transaction tells the server to end itself once this replica
+    /// has been silent that long, so another replica's redelivery gets the claim.
+    ///
     /// A COMMIT whose reply is lost (the connection dies in the middle of it) may have
     /// committed. Every attempt of one call writes the same token into the marker's
     /// `claim_token`, so the retry that meets the marker knows whether it is its own: then
@@ -326,7 +332,9 @@ impl Inbox {
     /// [`ProcessError::Handler`] when the handler fails (rolled back; not retried unless
     /// transient, as above, and then returned when the attempts run out),
     /// [`ProcessError::Inbox`] for failures a retry would not fix
-    /// ([`InboxError::NilMessageId`], before any SQL runs, and [`InboxError::ClaimLost`]),
+    /// ([`InboxError::NilMessageId`], before any SQL runs, [`InboxError::ClaimLost`], and
+    /// [`InboxError::DatabaseUnresponsive`] when a step got no answer within the partition
+    /// timeout),
     /// [`ProcessError::RetriesExhausted`] when every attempt met a transient failure. All
     /// of them mean: nack the message. If the last failure was the COMMIT itself, the work
     /// may have committed; the redelivery then reports `Duplicate` (see [`ProcessError`]).
