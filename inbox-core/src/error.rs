@@ -483,7 +483,10 @@ mod tests {
         assert!(commit.contains("the COMMIT may have landed"), "{commit}");
         let handler = unresponsive("the handler").to_string();
         assert!(!handler.contains("may have landed"), "{handler}");
-        assert!(handler.starts_with("the handler got no answer within 20s"), "{handler}");
+        assert!(
+            handler.starts_with("the handler got no answer within 20s"),
+            "{handler}"
+        );
     }
 
     #[test]
