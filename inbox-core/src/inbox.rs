@@ -1,4 +1,4 @@
-use crate::backend::{CLAIM_TRANSACTION, DbErrorKind, ProcessMarker, classify};
+use crate::backend::{CLAIM_TRANSACTION, DbErrorKind, ProcessMarker, classify, over_network};
 use crate::claim::{ensure_marker_held, insert_marker, marker_token};
 use crate::consumer::{validate_claim, validate_consumer};
 use crate::metrics::{Counter, InboxMetrics, facade};
@@ -235,16 +235,20 @@ impl Inbox {
     ///   transaction by the claim INSERT itself, no extra round trip; MariaDB:
     ///   `idle_transaction_timeout` and `net_write_timeout`, session variables set by one
     ///   statement before the claim, which the pooled connection keeps; MySQL 8 has only
-    ///   the latter. SQLite: nothing to bound);
+    ///   the latter);
     /// - `process` waits at most this long for each step of an attempt (BEGIN, the claim,
     ///   which may first wait for a lock as long as the
     ///   [lock timeout](Self::with_lock_timeout) allows, the handler, the pre-commit check,
     ///   COMMIT, ROLLBACK) and then fails with
     ///   [`InboxError::DatabaseUnresponsive`] (nack). The timed-out connection is not
-    ///   reused: sqlx tests it with a ping before it goes back to the pool and closes it
-    ///   when the ping fails. A COMMIT that timed out is in doubt and is retried like a
+    ///   handed out again: sqlx pings it before it goes back to the pool and closes it
+    ///   when the ping fails (behind a partition the ping waits until the kernel gives up
+    ///   or the network comes back, holding a pool slot meanwhile). A COMMIT that timed out is in doubt and is retried like a
     ///   lost COMMIT reply (see [`process`](Self::process)); any other step is not retried,
     ///   since the abandoned transaction may hold the marker until the server ends it.
+    ///
+    /// SQLite is embedded: no network can go silent, so neither side applies there (its
+    /// waits end in its busy timeout).
     ///
     /// So a partitioned replica's `process` returns within about this bound (twice it when
     /// the COMMIT was cut), and the claim is free again this long after the replica went
@@ -420,8 +424,10 @@ impl Inbox {
         F: for<'t> FnMut(&'t DatabaseTransaction) -> HandlerFuture<'t, T, E> + Send,
         E: 'static,
     {
+        let bound = self.step_bound(db);
         let txn = self
             .bounded(
+                bound,
                 message_id,
                 "BEGIN",
                 db.begin_with_options(CLAIM_TRANSACTION),
@@ -437,8 +443,8 @@ impl Inbox {
         // The claim may wait for another transaction's lock first, as long as the lock
         // timeout allows: only silence beyond that is a partition.
         let claim = self
-            .bounded_for(
-                self.lock_timeout + self.partition_timeout,
+            .bounded(
+                bound.map(|bound| bound + self.lock_timeout),
                 message_id,
                 "the claim",
                 insert_marker(&txn, message_id, &self.consumer, Some(process)),
@@ -453,18 +459,18 @@ impl Inbox {
             }
             Ok(Claim::Duplicate) => {
                 // Nothing to keep; a failed rollback only means the connection is gone.
-                self.roll_back(message_id, txn).await;
+                self.roll_back(bound, message_id, txn).await;
                 return self.settle_duplicate(db, message_id, call).await;
             }
             Err(err) => return Err(sort_inbox_error(err)),
         };
         let value = match self
-            .bounded(message_id, "the handler", handler(&txn))
+            .bounded(bound, message_id, "the handler", handler(&txn))
             .await?
         {
             Ok(value) => value,
             Err(err) => {
-                self.roll_back(message_id, txn).await;
+                self.roll_back(bound, message_id, txn).await;
                 return Err(match transient_db_cause(&err).map(ToString::to_string) {
                     Some(cause) => AttemptError::HandlerTransient { err, cause },
                     None => AttemptError::Handler(err),
@@ -476,16 +482,19 @@ impl Inbox {
         // Processed unless the marker is still there to commit with the work.
         let held = self
             .bounded(
+                bound,
                 message_id,
                 "the pre-commit check",
                 ensure_marker_held(&txn, &claimed),
             )
             .await?;
         if let Err(err) = held {
-            self.roll_back(message_id, txn).await;
+            self.roll_back(bound, message_id, txn).await;
             return Err(sort_inbox_error(err));
         }
-        let committed = self.bounded(message_id, "COMMIT", txn.commit()).await;
+        let committed = self
+            .bounded(bound, message_id, "COMMIT", txn.commit())
+            .await;
         if let Err(err) =
             committed.and_then(|done| done.map_err(|err| self.database_failure(message_id, err)))
         {
@@ -502,27 +511,25 @@ impl Inbox {
         Ok(Outcome::Processed(value))
     }
 
-    /// Waits for one step of an attempt at most the partition timeout. Past it the step's
-    /// future is dropped, which gives up its connection; the attempt then drops its
-    /// transaction without awaiting a ROLLBACK the silent database would not answer.
-    async fn bounded<F: Future, E>(
-        &self,
-        message_id: MessageId,
-        step: &'static str,
-        future: F,
-    ) -> Result<F::Output, AttemptError<E>> {
-        self.bounded_for(self.partition_timeout, message_id, step, future)
-            .await
+    /// The bound on each step of an attempt on `db`: the partition timeout, or none where
+    /// no network can go silent (SQLite, whose waits its busy timeout bounds).
+    fn step_bound(&self, db: &DatabaseConnection) -> Option<Duration> {
+        over_network(db.get_database_backend()).then_some(self.partition_timeout)
     }
 
-    /// [`bounded`](Self::bounded) by `bound` instead of the partition timeout.
-    async fn bounded_for<F: Future, E>(
+    /// Waits for one step of an attempt at most `bound`. Past it the step's future is
+    /// dropped, which gives up its connection; the attempt then drops its transaction
+    /// without awaiting a ROLLBACK the silent database would not answer.
+    async fn bounded<F: Future, E>(
         &self,
-        bound: Duration,
+        bound: Option<Duration>,
         message_id: MessageId,
         step: &'static str,
         future: F,
     ) -> Result<F::Output, AttemptError<E>> {
+        let Some(bound) = bound else {
+            return Ok(future.await);
+        };
         tokio::time::timeout(bound, future).await.map_err(|_| {
             AttemptError::Fatal(InboxError::DatabaseUnresponsive {
                 message_id,
@@ -533,10 +540,15 @@ impl Inbox {
         })
     }
 
-    /// Rolls `txn` back, within the partition timeout. A failed or unanswered rollback
-    /// changes nothing: the transaction is gone with its connection, or the server ends it.
-    async fn roll_back(&self, message_id: MessageId, txn: DatabaseTransaction) {
-        self.bounded::<_, ()>(message_id, "ROLLBACK", txn.rollback())
+    /// Rolls `txn` back, within `bound`. A failed or unanswered rollback changes nothing:
+    /// the transaction is gone with its connection, or the server ends it.
+    async fn roll_back(
+        &self,
+        bound: Option<Duration>,
+        message_id: MessageId,
+        txn: DatabaseTransaction,
+    ) {
+        self.bounded::<_, ()>(bound, message_id, "ROLLBACK", txn.rollback())
             .await
             .ok();
     }
@@ -554,6 +566,7 @@ impl Inbox {
             return Ok(Outcome::Duplicate);
         };
         let token = self.bounded(
+            self.step_bound(db),
             message_id,
             "the lost-reply check",
             marker_token(db, message_id, &self.consumer),

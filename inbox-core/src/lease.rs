@@ -3,7 +3,8 @@
 
 use crate::backend::{
     CLAIM_TRANSACTION, DbErrorKind, classify, complete_lease_sql, consumer_is, insert_lease_sql,
-    park_lease_sql, release_lease_sql, silence_statement, take_over_lease_sql, timestamp_value,
+    over_network, park_lease_sql, release_lease_sql, silence_statement, take_over_lease_sql,
+    timestamp_value,
 };
 use crate::claim::now_micros;
 use crate::clock::truncate_to_micros;
@@ -83,7 +84,8 @@ impl LeaseOptions {
     /// per transaction on PostgreSQL and MySQL/MariaDB), so the row's lock does not keep
     /// a takeover waiting; and [`claim_lease`], [`complete_lease`] and [`release_lease`]
     /// (which take the bound from the [`Lease`]) give up after this long without an
-    /// answer, with [`InboxError::DatabaseUnresponsive`]. A holder cut off for longer than
+    /// answer, with [`InboxError::DatabaseUnresponsive`] (not on SQLite, which has no
+    /// network to go silent). A holder cut off for longer than
     /// its lease is taken over, and its later completion is refused
     /// ([`InboxError::StaleLease`]).
     ///
@@ -271,7 +273,7 @@ const TRANSIENT_RETRIES: u32 = 5;
 async fn retry_transient<T, F, Fut>(
     message_id: MessageId,
     consumer: &str,
-    (bound, step): (Duration, &'static str),
+    (bound, step): (Option<Duration>, &'static str),
     mut attempt: F,
 ) -> Result<T, InboxError>
 where
@@ -281,13 +283,16 @@ where
     let mut tries = 0;
     loop {
         tries += 1;
-        let Ok(result) = tokio::time::timeout(bound, attempt()).await else {
-            return Err(InboxError::DatabaseUnresponsive {
-                message_id,
-                consumer: consumer.to_owned(),
-                step,
-                waited: bound,
-            });
+        let result = match bound {
+            Some(bound) => tokio::time::timeout(bound, attempt()).await.map_err(|_| {
+                InboxError::DatabaseUnresponsive {
+                    message_id,
+                    consumer: consumer.to_owned(),
+                    step,
+                    waited: bound,
+                }
+            })?,
+            None => attempt().await,
         };
         match result {
             Ok(value) => return Ok(value),
@@ -447,7 +452,10 @@ pub async fn claim_lease_with_token(
         park: park_lease_sql(backend)?,
         silence: silence_statement(backend, options.partition_timeout)?,
     };
-    let bound = (options.partition_timeout, "the lease claim");
+    let bound = (
+        over_network(backend).then_some(options.partition_timeout),
+        "the lease claim",
+    );
     retry_transient(message_id, consumer, bound, || {
         claim_once(db, message_id, consumer, options, &sql, token.as_uuid())
     })
@@ -646,7 +654,10 @@ async fn compare_and_set(
 ) -> Result<(), InboxError> {
     let backend = db.get_database_backend();
     let silence = silence_statement(backend, lease.partition_timeout)?;
-    let bound = (lease.partition_timeout, "the lease update");
+    let bound = (
+        over_network(backend).then_some(lease.partition_timeout),
+        "the lease update",
+    );
     let updated = retry_transient(lease.message_id, &lease.consumer, bound, || async {
         let update = Statement::from_sql_and_values(
             backend,

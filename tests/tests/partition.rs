@@ -414,6 +414,34 @@ async fn a_lease_holder_cut_off_while_completing_is_taken_over_and_fenced(backen
     fixture.cleanup().await;
 }
 
+/// SQLite is embedded: no network can go silent, so the partition timeout bounds nothing
+/// there; a handler slower than it still commits (its waits end in the busy timeout).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sqlite_has_no_network_to_bound() {
+    let db = migrated_db(Backend::Sqlite).await;
+    let conn = db.connect().await;
+    create_accounts(&conn).await;
+    let inbox = Inbox::new(CONSUMER)
+        .and_then(|inbox| inbox.with_partition_timeout(Inbox::MIN_PARTITION_TIMEOUT))
+        .expect("a valid inbox");
+    let slow = Inbox::MIN_PARTITION_TIMEOUT + Duration::from_millis(500);
+    let result = inbox
+        .process(&conn, Uuid::new_v4(), |txn| {
+            Box::pin(async move {
+                tokio::time::sleep(slow).await;
+                credit(txn, 1).await
+            })
+        })
+        .await;
+    assert!(matches!(result, Ok(Outcome::Processed(()))), "{result:?}");
+    assert_eq!(
+        scalar_i64(&conn, "SELECT balance FROM account WHERE id = 1").await,
+        1
+    );
+    conn.close().await.ok();
+    db.cleanup().await;
+}
+
 /// The bound is checked before it is used: a zero timeout would turn the server-side
 /// bounds off (0 means "never" to both servers), and one beyond every broker's redelivery
 /// timeout holds a message hostage for nothing.

@@ -78,6 +78,12 @@ trait Dialect: Sync {
         None
     }
 
+    /// Whether a client reaches the database over a network, which a partition can
+    /// silence (an embedded database cannot go silent: its waits end in its busy timeout).
+    fn over_network(&self) -> bool {
+        true
+    }
+
     /// A statement that makes the server end the current transaction, releasing its
     /// locks, once its client has been silent for `silence` (waiting for the next
     /// statement, or not reading a reply the server is sending), for a transaction whose
@@ -166,6 +172,13 @@ pub(crate) struct ProcessMarker {
     /// is silent, where the INSERT can set it (PostgreSQL); elsewhere
     /// [`claim_silence_statement`] sets it before the INSERT.
     pub(crate) silence: Duration,
+}
+
+/// Whether a client of `backend` reaches its database over a network, so that a partition
+/// can leave it waiting: the library bounds its waits there (`false` for a backend the
+/// inbox cannot use, whose first statement fails anyway).
+pub(crate) fn over_network(backend: DbBackend) -> bool {
+    dialect(backend).is_ok_and(|dialect| dialect.over_network())
 }
 
 /// What a bound travels as to PostgreSQL's `set_config`: milliseconds, as text.

@@ -17,6 +17,10 @@ impl Dialect for Sqlite {
         r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at", "claim_token") VALUES (?, ?, ?, ?)"#
     }
 
+    fn over_network(&self) -> bool {
+        false
+    }
+
     /// Embedded: no client can vanish while the database holds its transaction.
     fn bound_silence(&self, _silence: Duration) -> Option<String> {
         None
