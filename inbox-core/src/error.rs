@@ -264,7 +264,7 @@ pub enum InboxError {
     /// releasing the claim.
     #[error(
         "{step} got no answer within {waited:?} for message {message_id} of consumer {consumer:?} (a network partition or a hung database; for the handler, also work slower than the partition timeout): nack the message; the server ends the abandoned transaction after the partition timeout, so a redelivery can claim it{}",
-        if *step == "COMMIT" { " (the COMMIT may have landed: the redelivery then reports the message as already processed)" } else { "" }
+        if *commit_in_doubt { ". A COMMIT of this call went unanswered and may have landed: then the redelivery finds the work done" } else { "" }
     )]
     DatabaseUnresponsive {
         /// The message being claimed.
@@ -275,6 +275,9 @@ pub enum InboxError {
         step: &'static str,
         /// How long the library waited.
         waited: Duration,
+        /// Whether a COMMIT of this call went unanswered, so the work may have committed
+        /// (the redelivery then finds the marker). `false`: nothing of the call committed.
+        commit_in_doubt: bool,
     },
 
     /// A retention setting that cannot work.
@@ -440,6 +443,7 @@ mod tests {
                     consumer: "billing".into(),
                     step: "COMMIT",
                     waited: Duration::from_secs(20),
+                    commit_in_doubt: true,
                 }
                 .to_string(),
                 "nack the message",
@@ -473,15 +477,16 @@ mod tests {
 
     #[test]
     fn an_unanswered_commit_says_it_may_have_landed() {
-        let unresponsive = |step| InboxError::DatabaseUnresponsive {
+        let unresponsive = |step, commit_in_doubt| InboxError::DatabaseUnresponsive {
             message_id: MessageId::from(uuid::Uuid::from_u128(7)),
             consumer: "billing".into(),
             step,
             waited: Duration::from_secs(20),
+            commit_in_doubt,
         };
-        let commit = unresponsive("COMMIT").to_string();
-        assert!(commit.contains("the COMMIT may have landed"), "{commit}");
-        let handler = unresponsive("the handler").to_string();
+        let commit = unresponsive("COMMIT", true).to_string();
+        assert!(commit.contains("may have landed"), "{commit}");
+        let handler = unresponsive("the handler", false).to_string();
         assert!(!handler.contains("may have landed"), "{handler}");
         assert!(
             handler.starts_with("the handler got no answer within 20s"),

@@ -377,7 +377,13 @@ impl Inbox {
                 match self.attempt(db, message_id, &mut call, &mut handler).await {
                     Ok(outcome) => break Ok(outcome),
                     Err(AttemptError::Handler(err)) => break Err(ProcessError::Handler(err)),
-                    Err(AttemptError::Fatal(err)) => break Err(ProcessError::Inbox(err)),
+                    Err(AttemptError::Fatal(err)) => {
+                        break Err(ProcessError::Inbox(if call.in_doubt.is_some() {
+                            commit_in_doubt(err)
+                        } else {
+                            err
+                        }));
+                    }
                     Err(AttemptError::Transient(err)) if attempt < self.retry.attempts() => {
                         self.before_retry(attempt, &err).await;
                         attempt += 1;
@@ -503,7 +509,7 @@ impl Inbox {
             call.in_doubt = Some(value);
             return Err(match err {
                 AttemptError::Fatal(err @ InboxError::DatabaseUnresponsive { .. }) => {
-                    AttemptError::Transient(err)
+                    AttemptError::Transient(commit_in_doubt(err))
                 }
                 err => err,
             });
@@ -536,6 +542,7 @@ impl Inbox {
                 consumer: self.consumer.to_string(),
                 step,
                 waited: bound,
+                commit_in_doubt: false,
             })
         })
     }
@@ -625,6 +632,18 @@ impl Inbox {
             },
         }
     }
+}
+
+/// `err`, noting when it is [`InboxError::DatabaseUnresponsive`] that an unanswered
+/// COMMIT of the call may have landed.
+fn commit_in_doubt(mut err: InboxError) -> InboxError {
+    if let InboxError::DatabaseUnresponsive {
+        commit_in_doubt, ..
+    } = &mut err
+    {
+        *commit_in_doubt = true;
+    }
+    err
 }
 
 /// `timeout` if it lies in the accepted range of partition timeouts.

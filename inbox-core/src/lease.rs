@@ -290,6 +290,8 @@ where
                     consumer: consumer.to_owned(),
                     step,
                     waited: bound,
+                    // The bound covers the whole short transaction, COMMIT included.
+                    commit_in_doubt: true,
                 }
             })?,
             None => attempt().await,

@@ -92,14 +92,20 @@ fn replica() -> Inbox {
         .expect("a valid inbox")
 }
 
-/// Whether `result` is the nack of a database that stopped answering during `step`.
-fn unresponsive_during<T, E>(result: &Result<Outcome<T>, ProcessError<E>>, step: &str) -> bool {
+/// Whether `result` is the nack of a database that stopped answering during `step`, with
+/// a COMMIT of the call in doubt or not.
+fn unresponsive_during<T, E>(
+    result: &Result<Outcome<T>, ProcessError<E>>,
+    step: &str,
+    in_doubt: bool,
+) -> bool {
     let Err(err) = result else {
         return false;
     };
     matches!(
         err.inbox_error(),
-        Some(InboxError::DatabaseUnresponsive { step: seen, .. }) if *seen == step
+        Some(InboxError::DatabaseUnresponsive { step: seen, commit_in_doubt, .. })
+            if *seen == step && *commit_in_doubt == in_doubt
     )
 }
 
@@ -145,7 +151,7 @@ async fn a_replica_cut_off_mid_handler_releases_its_claim(backend: Backend) {
     );
 
     let a = a.expect("A's process is still waiting on the partitioned database");
-    assert!(unresponsive_during(&a, "the handler"), "{a:?}");
+    assert!(unresponsive_during(&a, "the handler", false), "{a:?}");
     assert_eq!(Settlement::of(&a), Settlement::Nack);
     assert!(
         a_done - partitioned_at < PARTITION_TIMEOUT + SLACK,
@@ -236,7 +242,7 @@ async fn a_replica_cut_off_while_the_server_sends_to_it_releases_its_claim(backe
     );
 
     let a = a.expect("A's process is still waiting on the partitioned database");
-    assert!(unresponsive_during(&a, "the handler"), "{a:?}");
+    assert!(unresponsive_during(&a, "the handler", false), "{a:?}");
     let b = b.expect("B's redelivery is still waiting for the claim A's zombie holds");
     assert!(matches!(b, Ok(Outcome::Processed(()))), "{b:?}");
     assert!(
@@ -280,7 +286,7 @@ async fn a_commit_reply_lost_in_a_partition_nacks_and_the_redelivery_is_a_duplic
     );
 
     let a = a.expect("A's process is still waiting for its COMMIT's reply");
-    assert!(unresponsive_during(&a, "BEGIN"), "{a:?}");
+    assert!(unresponsive_during(&a, "BEGIN", true), "{a:?}");
     assert_eq!(Settlement::of(&a), Settlement::Nack);
     assert!(
         a_done - partitioned_at < 2 * PARTITION_TIMEOUT + SLACK,
