@@ -243,9 +243,10 @@ impl Inbox {
     ///   [`InboxError::DatabaseUnresponsive`] (nack). The timed-out connection is not
     ///   handed out again: sqlx pings it before it goes back to the pool and closes it
     ///   when the ping fails (behind a partition the ping waits until the kernel gives up
-    ///   or the network comes back, holding a pool slot meanwhile). A COMMIT that timed out is in doubt and is retried like a
-    ///   lost COMMIT reply (see [`process`](Self::process)); any other step is not retried,
-    ///   since the abandoned transaction may hold the marker until the server ends it.
+    ///   or the network comes back, holding a pool slot meanwhile). A COMMIT that timed
+    ///   out is in doubt and is retried like a lost COMMIT reply (see
+    ///   [`process`](Self::process)); any other step is not retried, since the abandoned
+    ///   transaction may hold the marker until the server ends it.
     ///
     /// SQLite is embedded: no network can go silent, so neither side applies there (its
     /// waits end in its busy timeout).
@@ -340,7 +341,9 @@ impl Inbox {
     /// [`InboxError::DatabaseUnresponsive`] when a step got no answer within the partition
     /// timeout),
     /// [`ProcessError::RetriesExhausted`] when every attempt met a transient failure. All
-    /// of them mean: nack the message. If the last failure was the COMMIT itself, the work
+    /// of them mean: nack the message. If a COMMIT of the call failed and no later attempt
+    /// found out whether it landed (the last failure was the COMMIT, or a step after an
+    /// unanswered COMMIT: `DatabaseUnresponsive { commit_in_doubt: true, .. }`), the work
     /// may have committed; the redelivery then reports `Duplicate` (see [`ProcessError`]).
     pub async fn process<T, E, F>(
         &self,
