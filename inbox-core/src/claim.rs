@@ -1,6 +1,7 @@
 use crate::backend::{
-    DbErrorKind, ProcessMarker, claim_marker_statement, classify, inbox_duplicate_confirmation,
-    marker_held_statement, marker_insert_returns_id, roll_back, transaction_ended,
+    DbErrorKind, ProcessMarker, claim_marker_statement, claim_silence_statement, classify,
+    inbox_duplicate_confirmation, marker_held_statement, marker_insert_returns_id, roll_back,
+    transaction_ended,
 };
 use crate::batch::{BatchClaim, admit_batch, insert_batch};
 use crate::consumer::validate_claim;
@@ -270,7 +271,11 @@ pub trait InboxTransactionExt: sealed::Sealed {
     /// `Claimed`. The wait is bounded by the backend's own lock timeout only (PostgreSQL:
     /// `lock_timeout`, unbounded by default, so consider `SET LOCAL lock_timeout` first;
     /// MySQL/MariaDB: `innodb_lock_wait_timeout`, 50 s by default; SQLite: the busy
-    /// timeout); [`crate::Inbox::process`] bounds it for you.
+    /// timeout); [`crate::Inbox::process`] bounds it for you. Nor does it bound a silent
+    /// network: `process` also makes the server end a claim transaction whose client
+    /// vanished ([`crate::Inbox::with_partition_timeout`]); in a transaction of your own,
+    /// set `idle_in_transaction_session_timeout` (PostgreSQL, `SET LOCAL`) or
+    /// `idle_transaction_timeout` (MariaDB) before claiming.
     ///
     /// Commit through [`ClaimedMessage::commit`]: it proves the transaction still holds
     /// the marker before COMMIT.
@@ -409,8 +414,9 @@ impl InboxTransactionExt for DatabaseTransaction {
 
 /// The claim itself, for any connection the crate has already proven is a transaction.
 /// With `process` (from `Inbox::process`) the marker carries the call's token in
-/// `claim_token` (see [`marker_token`]) and bounds its lock wait where the backend allows
-/// it per transaction (see [`claim_marker_statement`]).
+/// `claim_token` (see [`marker_token`]), bounds its lock wait where the backend allows it
+/// per transaction (see [`claim_marker_statement`]), and makes the server end the
+/// transaction once the client goes silent (see [`claim_silence_statement`]).
 pub(crate) async fn insert_marker<C: ConnectionTrait>(
     conn: &C,
     message_id: MessageId,
@@ -419,6 +425,15 @@ pub(crate) async fn insert_marker<C: ConnectionTrait>(
 ) -> Result<Claim, InboxError> {
     validate_claim(message_id, consumer)?;
     let backend = conn.get_database_backend();
+    if let Some(process) = &process {
+        // Before the INSERT: the server reads the bound when it starts waiting for the
+        // client, and from the INSERT on the transaction holds the marker's lock.
+        if let Some(sql) = claim_silence_statement(backend, process.silence)? {
+            conn.execute_unprepared(&sql)
+                .await
+                .map_err(|err| InboxError::from_claim(err, message_id, consumer))?;
+        }
+    }
     let token = process.as_ref().map(|process| process.token);
     let statement = claim_marker_statement(backend, message_id, consumer, now_micros(), process)?;
     let marker_id = if marker_insert_returns_id(backend)? {

@@ -243,6 +243,43 @@ pub enum InboxError {
         max: Duration,
     },
 
+    /// A partition timeout outside the accepted range (see
+    /// [`crate::Inbox::with_partition_timeout`]).
+    #[error(
+        "a partition timeout of {timeout:?} is outside {min:?}..={max:?}: choose one well below the broker's redelivery timeout (JetStream AckWait, SQS visibility timeout, RabbitMQ consumer timeout) and above your slowest handler"
+    )]
+    PartitionTimeoutOutOfRange {
+        /// The rejected timeout.
+        timeout: Duration,
+        /// The shortest timeout accepted.
+        min: Duration,
+        /// The longest timeout accepted.
+        max: Duration,
+    },
+
+    /// One step of a claim did not finish within its bound, the partition timeout: the
+    /// database stopped answering (the network dropped the flow, or the server hangs), or
+    /// the handler ran longer than the bound. The library gave up on the connection (it is
+    /// not reused), and the server ends the abandoned transaction after the same timeout,
+    /// releasing the claim.
+    #[error(
+        "{step} got no answer within {waited:?} for message {message_id} of consumer {consumer:?} (a network partition or a hung database; for the handler, also work slower than the partition timeout): nack the message; the server ends the abandoned transaction after the partition timeout, so a redelivery can claim it{}",
+        if *commit_in_doubt { ". A COMMIT of this call went unanswered and may have landed: then the redelivery finds the work done" } else { "" }
+    )]
+    DatabaseUnresponsive {
+        /// The message being claimed.
+        message_id: MessageId,
+        /// The consumer claiming it.
+        consumer: String,
+        /// What went unanswered: `BEGIN`, `the claim`, `the handler`, `COMMIT`...
+        step: &'static str,
+        /// How long the library waited.
+        waited: Duration,
+        /// Whether a COMMIT of this call went unanswered, so the work may have committed
+        /// (the redelivery then finds the marker). `false`: nothing of the call committed.
+        commit_in_doubt: bool,
+    },
+
     /// A retention setting that cannot work.
     #[error("invalid retention policy: {reason}")]
     InvalidRetention {
@@ -323,6 +360,8 @@ impl InboxError {
             | Self::ZeroMaxAttempts
             | Self::StaleLease { .. }
             | Self::LockTimeoutOutOfRange { .. }
+            | Self::PartitionTimeoutOutOfRange { .. }
+            | Self::DatabaseUnresponsive { .. }
             | Self::InvalidRetention { .. }
             | Self::InvalidAdmissionFloor { .. }
             | Self::NoTokioRuntime
@@ -414,6 +453,26 @@ mod tests {
                 "Nack the message",
             ),
             (
+                InboxError::DatabaseUnresponsive {
+                    message_id: MessageId::from(uuid::Uuid::from_u128(7)),
+                    consumer: "billing".into(),
+                    step: "COMMIT",
+                    waited: Duration::from_secs(20),
+                    commit_in_doubt: true,
+                }
+                .to_string(),
+                "nack the message",
+            ),
+            (
+                InboxError::PartitionTimeoutOutOfRange {
+                    timeout: Duration::ZERO,
+                    min: Duration::from_secs(1),
+                    max: Duration::from_secs(1800),
+                }
+                .to_string(),
+                "choose one well below the broker's redelivery timeout",
+            ),
+            (
                 InboxError::BatchClaimLost {
                     consumer: "projector".into(),
                     claimed: 3,
@@ -437,6 +496,25 @@ mod tests {
                 "{message:?} should say {instruction:?}"
             );
         }
+    }
+
+    #[test]
+    fn an_unanswered_commit_says_it_may_have_landed() {
+        let unresponsive = |step, commit_in_doubt| InboxError::DatabaseUnresponsive {
+            message_id: MessageId::from(uuid::Uuid::from_u128(7)),
+            consumer: "billing".into(),
+            step,
+            waited: Duration::from_secs(20),
+            commit_in_doubt,
+        };
+        let commit = unresponsive("COMMIT", true).to_string();
+        assert!(commit.contains("may have landed"), "{commit}");
+        let handler = unresponsive("the handler", false).to_string();
+        assert!(!handler.contains("may have landed"), "{handler}");
+        assert!(
+            handler.starts_with("the handler got no answer within 20s"),
+            "{handler}"
+        );
     }
 
     #[test]

@@ -1,4 +1,6 @@
-use crate::backend::{CLAIM_TRANSACTION, DbErrorKind, ProcessMarker, classify, roll_back};
+use crate::backend::{
+    CLAIM_TRANSACTION, DbErrorKind, ProcessMarker, classify, over_network, roll_back,
+};
 use crate::claim::{ensure_marker_held, insert_marker, marker_token};
 use crate::consumer::{validate_claim, validate_consumer};
 use crate::metrics::{Counter, InboxMetrics, facade};
@@ -71,6 +73,7 @@ pub struct Inbox {
     retry: RetryPolicy,
     lock_timeout: Duration,
     floor: Option<AdmissionFloor>,
+    partition_timeout: Duration,
     metrics: Arc<InboxMetrics>,
 }
 
@@ -142,6 +145,7 @@ impl Inbox {
             retry: RetryPolicy::default(),
             lock_timeout: Self::DEFAULT_LOCK_TIMEOUT,
             floor: None,
+            partition_timeout: Self::DEFAULT_PARTITION_TIMEOUT,
             metrics: Arc::default(),
         })
     }
@@ -230,6 +234,84 @@ impl Inbox {
         self.floor
     }
 
+    /// The default [`with_partition_timeout`](Self::with_partition_timeout): 20 s, below
+    /// the shortest common default redelivery timeout (NATS JetStream's `AckWait` and
+    /// SQS's visibility timeout, 30 s).
+    pub const DEFAULT_PARTITION_TIMEOUT: Duration = Duration::from_secs(20);
+
+    /// The shortest partition timeout accepted: 1 s (MariaDB counts it in whole seconds).
+    pub const MIN_PARTITION_TIMEOUT: Duration = Duration::from_secs(1);
+
+    /// The longest partition timeout accepted: 30 min, RabbitMQ's default consumer
+    /// timeout; a claim held hostage longer outlives every broker's redelivery.
+    pub const MAX_PARTITION_TIMEOUT: Duration = Duration::from_secs(30 * 60);
+
+    /// Bounds how long either side of a claim waits for the other when the network between
+    /// them goes silent (default [`DEFAULT_PARTITION_TIMEOUT`](Self::DEFAULT_PARTITION_TIMEOUT)).
+    ///
+    /// A replica cut off from the database mid-transaction (a NAT or load balancer drops
+    /// its flow: no reset, the packets just stop) leaves an open transaction on the server
+    /// that holds the message's marker, so every redelivery on another replica waits for
+    /// it and fails; with the servers' defaults it stays for hours. With this bound:
+    ///
+    /// - the server ends the claim transaction, rolling back its work and releasing the
+    ///   marker, once its client has sent nothing for this long (PostgreSQL:
+    ///   `idle_in_transaction_session_timeout` and `tcp_user_timeout`, set for the
+    ///   transaction by the claim INSERT itself, no extra round trip; MariaDB:
+    ///   `idle_transaction_timeout` and `net_write_timeout`, session variables set by one
+    ///   statement before the claim, which the pooled connection keeps; MySQL 8 has only
+    ///   the latter);
+    /// - `process` waits at most this long for each step of an attempt (BEGIN, the claim,
+    ///   which may first wait for a lock as long as the
+    ///   [lock timeout](Self::with_lock_timeout) allows, the handler, the pre-commit check,
+    ///   COMMIT, ROLLBACK) and then fails with
+    ///   [`InboxError::DatabaseUnresponsive`] (nack). The timed-out connection is not
+    ///   handed out again: sqlx pings it before it goes back to the pool and closes it
+    ///   when the ping fails (behind a partition the ping waits until the kernel gives up
+    ///   or the network comes back, holding a pool slot meanwhile). A COMMIT that timed
+    ///   out is in doubt and is retried like a lost COMMIT reply (see
+    ///   [`process`](Self::process)); any other step is not retried, since the abandoned
+    ///   transaction may hold the marker until the server ends it.
+    ///
+    /// SQLite is embedded: no network can go silent, so neither side applies there (its
+    /// waits end in its busy timeout).
+    ///
+    /// So a partitioned replica's `process` returns within about this bound (twice it when
+    /// the COMMIT was cut), and the claim is free again this long after the replica went
+    /// silent. Choose it below the broker's redelivery timeout (JetStream `AckWait`, SQS
+    /// visibility timeout, Azure Service Bus lock duration, RabbitMQ `consumer_timeout`)
+    /// minus the claim's [lock timeout](Self::with_lock_timeout), so the redelivery finds
+    /// the claim released; and above the slowest handler, which it also bounds, and the
+    /// longest pause between two of its statements, after which the server ends its
+    /// transaction.
+    ///
+    /// ```
+    /// use sea_orm_inbox::{Inbox, InboxError};
+    /// use std::time::Duration;
+    ///
+    /// let inbox = Inbox::new("billing.credit")?.with_partition_timeout(Duration::from_secs(10))?;
+    /// assert_eq!(inbox.partition_timeout(), Duration::from_secs(10));
+    /// assert!(matches!(
+    ///     Inbox::new("billing.credit")?.with_partition_timeout(Duration::ZERO),
+    ///     Err(InboxError::PartitionTimeoutOutOfRange { .. })
+    /// ));
+    /// # Ok::<(), InboxError>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`InboxError::PartitionTimeoutOutOfRange`] outside
+    /// [`MIN_PARTITION_TIMEOUT`](Self::MIN_PARTITION_TIMEOUT)..=[`MAX_PARTITION_TIMEOUT`](Self::MAX_PARTITION_TIMEOUT).
+    pub fn with_partition_timeout(mut self, timeout: Duration) -> Result<Self, InboxError> {
+        self.partition_timeout = checked_partition_timeout(timeout)?;
+        Ok(self)
+    }
+
+    /// The bound on a silent database or client (see
+    /// [`with_partition_timeout`](Self::with_partition_timeout)).
+    pub fn partition_timeout(&self) -> Duration {
+        self.partition_timeout
+    }
+
     /// The consumer name.
     pub fn consumer(&self) -> &str {
         &self.consumer
@@ -267,6 +349,12 @@ impl Inbox {
     ///
     /// The claim's lock wait is bounded by [`with_lock_timeout`](Self::with_lock_timeout).
     ///
+    /// A network partition cannot hold the call or the message: every step of an attempt
+    /// is bounded by [`with_partition_timeout`](Self::with_partition_timeout), past which
+    /// the call gives up the connection and returns [`InboxError::DatabaseUnresponsive`]
+    /// (nack), and the claim transaction tells the server to end itself once this replica
+    /// has been silent that long, so another replica's redelivery gets the claim.
+    ///
     /// A COMMIT whose reply is lost (the connection dies in the middle of it) may have
     /// committed. Every attempt of one call writes the same token into the marker's
     /// `claim_token`, so the retry that meets the marker knows whether it is its own: then
@@ -280,9 +368,13 @@ impl Inbox {
     /// [`ProcessError::Handler`] when the handler fails (rolled back; not retried unless
     /// transient, as above, and then returned when the attempts run out),
     /// [`ProcessError::Inbox`] for failures a retry would not fix
-    /// ([`InboxError::NilMessageId`], before any SQL runs, and [`InboxError::ClaimLost`]),
+    /// ([`InboxError::NilMessageId`], before any SQL runs, [`InboxError::ClaimLost`], and
+    /// [`InboxError::DatabaseUnresponsive`] when a step got no answer within the partition
+    /// timeout),
     /// [`ProcessError::RetriesExhausted`] when every attempt met a transient failure. All
-    /// of them mean: nack the message. If the last failure was the COMMIT itself, the work
+    /// of them mean: nack the message. If a COMMIT of the call failed and no later attempt
+    /// found out whether it landed (the last failure was the COMMIT, or a step after an
+    /// unanswered COMMIT: `DatabaseUnresponsive { commit_in_doubt: true, .. }`), the work
     /// may have committed; the redelivery then reports `Duplicate` (see [`ProcessError`]).
     pub async fn process<T, E, F>(
         &self,
@@ -325,7 +417,13 @@ impl Inbox {
                 match self.attempt(db, message_id, &mut call, &mut handler).await {
                     Ok(outcome) => break Ok(outcome),
                     Err(AttemptError::Handler(err)) => break Err(ProcessError::Handler(err)),
-                    Err(AttemptError::Fatal(err)) => break Err(ProcessError::Inbox(err)),
+                    Err(AttemptError::Fatal(err)) => {
+                        break Err(ProcessError::Inbox(if call.in_doubt.is_some() {
+                            commit_in_doubt(err)
+                        } else {
+                            err
+                        }));
+                    }
                     Err(AttemptError::Transient(err)) if attempt < self.retry.attempts() => {
                         self.before_retry(attempt, &err).await;
                         attempt += 1;
@@ -372,16 +470,32 @@ impl Inbox {
         F: for<'t> FnMut(&'t DatabaseTransaction) -> HandlerFuture<'t, T, E> + Send,
         E: 'static,
     {
-        let txn = db
-            .begin_with_options(CLAIM_TRANSACTION)
-            .await
+        let bound = self.step_bound(db);
+        let txn = self
+            .bounded(
+                bound,
+                message_id,
+                "BEGIN",
+                db.begin_with_options(CLAIM_TRANSACTION),
+            )
+            .await?
             .map_err(|err| self.database_failure(message_id, err))?;
         let process = ProcessMarker {
             token: call.token,
             lock_wait: self.lock_timeout,
+            silence: self.partition_timeout,
         };
         let claim_started = Instant::now();
-        let claim = insert_marker(&txn, message_id, &self.consumer, Some(process)).await;
+        // The claim may wait for another transaction's lock first, as long as the lock
+        // timeout allows: only silence beyond that is a partition.
+        let claim = self
+            .bounded(
+                bound.map(|bound| bound + self.lock_timeout),
+                message_id,
+                "the claim",
+                insert_marker(&txn, message_id, &self.consumer, Some(process)),
+            )
+            .await?;
         facade::claim_wait(&self.consumer, claim_started.elapsed());
         let claimed = match claim {
             Ok(Claim::Claimed(claimed)) => {
@@ -390,27 +504,30 @@ impl Inbox {
                 claimed
             }
             Ok(Claim::Duplicate) => {
-                roll_back(txn).await;
+                self.roll_back(bound, message_id, txn).await;
                 return self.settle_duplicate(db, message_id, call).await;
             }
             // The marker insert itself refuses nothing (`process` admitted the delivery
             // before the first attempt); kept total rather than unreachable.
             Ok(Claim::Refused(refusal)) => {
-                roll_back(txn).await;
+                self.roll_back(bound, message_id, txn).await;
                 return Ok(Outcome::Refused(refusal));
             }
             Err(err) => {
                 // The failed INSERT may have ended the transaction (SQLite ends it on a
                 // trigger's RAISE(ROLLBACK), on SQLITE_FULL or IOERR): a dropped one would
                 // go back to the pool still counted as open.
-                roll_back(txn).await;
+                self.roll_back(bound, message_id, txn).await;
                 return Err(sort_inbox_error(err));
             }
         };
-        let value = match handler(&txn).await {
+        let value = match self
+            .bounded(bound, message_id, "the handler", handler(&txn))
+            .await?
+        {
             Ok(value) => value,
             Err(err) => {
-                roll_back(txn).await;
+                self.roll_back(bound, message_id, txn).await;
                 return Err(match transient_db_cause(&err).map(ToString::to_string) {
                     Some(cause) => AttemptError::HandlerTransient { err, cause },
                     None => AttemptError::Handler(err),
@@ -420,17 +537,78 @@ impl Inbox {
         // The handler may have swallowed a failed statement that ended the transaction
         // (PostgreSQL would then answer COMMIT with ROLLBACK and no error): never report
         // Processed unless the marker is still there to commit with the work.
-        if let Err(err) = ensure_marker_held(&txn, &claimed).await {
-            roll_back(txn).await;
+        let held = self
+            .bounded(
+                bound,
+                message_id,
+                "the pre-commit check",
+                ensure_marker_held(&txn, &claimed),
+            )
+            .await?;
+        if let Err(err) = held {
+            self.roll_back(bound, message_id, txn).await;
             return Err(sort_inbox_error(err));
         }
-        if let Err(err) = txn.commit().await {
-            // The COMMIT may have landed with its reply lost: keep the value for the retry
-            // that finds out.
+        let committed = self
+            .bounded(bound, message_id, "COMMIT", txn.commit())
+            .await;
+        if let Err(err) =
+            committed.and_then(|done| done.map_err(|err| self.database_failure(message_id, err)))
+        {
+            // The COMMIT may have landed with its reply lost, or be lost in a partition:
+            // keep the value for the retry that finds out.
             call.in_doubt = Some(value);
-            return Err(self.database_failure(message_id, err));
+            return Err(match err {
+                AttemptError::Fatal(err @ InboxError::DatabaseUnresponsive { .. }) => {
+                    AttemptError::Transient(commit_in_doubt(err))
+                }
+                err => err,
+            });
         }
         Ok(Outcome::Processed(value))
+    }
+
+    /// The bound on each step of an attempt on `db`: the partition timeout, or none where
+    /// no network can go silent (SQLite, whose waits its busy timeout bounds).
+    fn step_bound(&self, db: &DatabaseConnection) -> Option<Duration> {
+        over_network(db.get_database_backend()).then_some(self.partition_timeout)
+    }
+
+    /// Waits for one step of an attempt at most `bound`. Past it the step's future is
+    /// dropped, which gives up its connection; the attempt then drops its transaction
+    /// without awaiting a ROLLBACK the silent database would not answer.
+    async fn bounded<F: Future, E>(
+        &self,
+        bound: Option<Duration>,
+        message_id: MessageId,
+        step: &'static str,
+        future: F,
+    ) -> Result<F::Output, AttemptError<E>> {
+        let Some(bound) = bound else {
+            return Ok(future.await);
+        };
+        tokio::time::timeout(bound, future).await.map_err(|_| {
+            AttemptError::Fatal(InboxError::DatabaseUnresponsive {
+                message_id,
+                consumer: self.consumer.to_string(),
+                step,
+                waited: bound,
+                commit_in_doubt: false,
+            })
+        })
+    }
+
+    /// Rolls `txn` back, within `bound`. A failed or unanswered rollback changes nothing:
+    /// the transaction is gone with its connection, or the server ends it.
+    async fn roll_back(
+        &self,
+        bound: Option<Duration>,
+        message_id: MessageId,
+        txn: DatabaseTransaction,
+    ) {
+        self.bounded::<_, ()>(bound, message_id, "ROLLBACK", roll_back(txn))
+            .await
+            .ok();
     }
 
     /// The outcome when the marker exists. After a failed COMMIT of this call, the marker
@@ -450,7 +628,20 @@ impl Inbox {
         let read = in_own_transaction(db, async |txn| {
             marker_token(txn, message_id, &self.consumer).await
         });
-        match read.await {
+        let token = self.bounded(
+            self.step_bound(db),
+            message_id,
+            "the lost-reply check",
+            read,
+        );
+        let token = match token.await {
+            Ok(token) => token,
+            Err(err) => {
+                call.in_doubt = Some(value);
+                return Err(err);
+            }
+        };
+        match token {
             Ok(Some(token)) if token == call.token => Ok(Outcome::Processed(value)),
             Ok(_) => Ok(Outcome::Duplicate),
             Err(err) => {
@@ -501,6 +692,30 @@ impl Inbox {
             },
         }
     }
+}
+
+/// `err`, noting when it is [`InboxError::DatabaseUnresponsive`] that an unanswered
+/// COMMIT of the call may have landed.
+fn commit_in_doubt(mut err: InboxError) -> InboxError {
+    if let InboxError::DatabaseUnresponsive {
+        commit_in_doubt, ..
+    } = &mut err
+    {
+        *commit_in_doubt = true;
+    }
+    err
+}
+
+/// `timeout` if it lies in the accepted range of partition timeouts.
+pub(crate) fn checked_partition_timeout(timeout: Duration) -> Result<Duration, InboxError> {
+    if !(Inbox::MIN_PARTITION_TIMEOUT..=Inbox::MAX_PARTITION_TIMEOUT).contains(&timeout) {
+        return Err(InboxError::PartitionTimeoutOutOfRange {
+            timeout,
+            min: Inbox::MIN_PARTITION_TIMEOUT,
+            max: Inbox::MAX_PARTITION_TIMEOUT,
+        });
+    }
+    Ok(timeout)
 }
 
 fn sort_inbox_error<E>(err: InboxError) -> AttemptError<E> {

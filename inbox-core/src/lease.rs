@@ -3,13 +3,15 @@
 
 use crate::backend::{
     CLAIM_TRANSACTION, DbErrorKind, classify, complete_lease_sql, consumer_is, insert_lease_sql,
-    park_lease_sql, release_lease_sql, roll_back, take_over_lease_sql, timestamp_value,
+    over_network, park_lease_sql, release_lease_sql, roll_back, silence_statement,
+    take_over_lease_sql, timestamp_value,
 };
 use crate::claim::now_micros;
 use crate::clock::truncate_to_micros;
 use crate::consumer::{validate_claim, validate_consumer};
+use crate::inbox::checked_partition_timeout;
 use crate::pooler::in_own_transaction;
-use crate::{Delivery, InboxError, MessageId, Refusal};
+use crate::{Delivery, Inbox, InboxError, MessageId, Refusal};
 use chrono::{DateTime, TimeDelta, Utc};
 use sea_orm::sea_query::ExprTrait;
 use sea_orm::{
@@ -41,6 +43,7 @@ use uuid::Uuid;
 pub struct LeaseOptions {
     lease: Duration,
     max_attempts: u32,
+    partition_timeout: Duration,
 }
 
 impl LeaseOptions {
@@ -70,7 +73,46 @@ impl LeaseOptions {
         Ok(Self {
             lease,
             max_attempts: Self::DEFAULT_MAX_ATTEMPTS,
+            partition_timeout: Inbox::DEFAULT_PARTITION_TIMEOUT,
         })
+    }
+
+    /// Bounds each short transaction of the lease calls against a silent network, as
+    /// [`Inbox::with_partition_timeout`] bounds a claim (default
+    /// [`Inbox::DEFAULT_PARTITION_TIMEOUT`]): the server ends the transaction of a holder
+    /// cut off in the middle of it once it has been silent this long (one more statement
+    /// per transaction on PostgreSQL and MySQL/MariaDB), so the row's lock does not keep
+    /// a takeover waiting; and [`claim_lease`], [`complete_lease`] and [`release_lease`]
+    /// (which take the bound from the [`Lease`]) give up after this long without an
+    /// answer, with [`InboxError::DatabaseUnresponsive`] (not on SQLite, which has no
+    /// network to go silent). A holder cut off for longer than
+    /// its lease is taken over, and its later completion is refused
+    /// ([`InboxError::StaleLease`]).
+    ///
+    /// ```
+    /// use sea_orm_inbox::LeaseOptions;
+    /// use std::time::Duration;
+    ///
+    /// let options = LeaseOptions::new(Duration::from_secs(60))?
+    ///     .with_partition_timeout(Duration::from_secs(5))?;
+    /// assert_eq!(options.partition_timeout(), Duration::from_secs(5));
+    /// # Ok::<(), sea_orm_inbox::InboxError>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`InboxError::PartitionTimeoutOutOfRange`] outside
+    /// [`Inbox::MIN_PARTITION_TIMEOUT`]..=[`Inbox::MAX_PARTITION_TIMEOUT`].
+    pub fn with_partition_timeout(self, timeout: Duration) -> Result<Self, InboxError> {
+        Ok(Self {
+            partition_timeout: checked_partition_timeout(timeout)?,
+            ..self
+        })
+    }
+
+    /// The bound on a silent network (see
+    /// [`with_partition_timeout`](Self::with_partition_timeout)).
+    pub fn partition_timeout(&self) -> Duration {
+        self.partition_timeout
     }
 
     /// Parks a claim as dead when its lease expires on attempt `max_attempts`.
@@ -136,6 +178,8 @@ pub struct Lease {
     token: Uuid,
     attempt: u32,
     lease_until: DateTime<Utc>,
+    /// [`LeaseOptions::partition_timeout`] of the claim, for completing or releasing it.
+    partition_timeout: Duration,
 }
 
 impl Lease {
@@ -227,10 +271,13 @@ pub enum LeaseClaim {
 const TRANSIENT_RETRIES: u32 = 5;
 
 /// Runs `attempt` (one whole short transaction), again from the top on a transient
-/// failure, and turns the final database error into an [`InboxError`].
+/// failure, and turns the final database error into an [`InboxError`]. An attempt the
+/// database leaves unanswered for `bound` is given up and not retried: its abandoned
+/// transaction may hold the row until the server ends it.
 async fn retry_transient<T, F, Fut>(
     message_id: MessageId,
     consumer: &str,
+    (bound, step): (Option<Duration>, &'static str),
     mut attempt: F,
 ) -> Result<T, InboxError>
 where
@@ -240,7 +287,20 @@ where
     let mut tries = 0;
     loop {
         tries += 1;
-        match attempt().await {
+        let result = match bound {
+            Some(bound) => tokio::time::timeout(bound, attempt()).await.map_err(|_| {
+                InboxError::DatabaseUnresponsive {
+                    message_id,
+                    consumer: consumer.to_owned(),
+                    step,
+                    waited: bound,
+                    // The bound covers the whole short transaction, COMMIT included.
+                    commit_in_doubt: true,
+                }
+            })?,
+            None => attempt().await,
+        };
+        match result {
             Ok(value) => return Ok(value),
             Err(err) if classify(&err) == DbErrorKind::Transient && tries < TRANSIENT_RETRIES => {
                 tokio::time::sleep(Duration::from_millis(5 * u64::from(tries))).await;
@@ -405,8 +465,13 @@ pub async fn claim_lease_with_token(
         insert: insert_lease_sql(backend)?,
         take_over: take_over_lease_sql(backend)?,
         park: park_lease_sql(backend)?,
+        silence: silence_statement(backend, options.partition_timeout)?,
     };
-    retry_transient(message_id, consumer, || {
+    let bound = (
+        over_network(backend).then_some(options.partition_timeout),
+        "the lease claim",
+    );
+    retry_transient(message_id, consumer, bound, || {
         claim_once(db, message_id, consumer, options, &sql, token.as_uuid())
     })
     .await
@@ -416,6 +481,7 @@ struct LeaseSql {
     insert: String,
     take_over: String,
     park: String,
+    silence: Option<String>,
 }
 
 /// One claim transaction with the call's fencing `token`: insert-or-lock the row, decide,
@@ -450,6 +516,7 @@ async fn claim_in(
     sql: &LeaseSql,
     token: Uuid,
 ) -> Result<LeaseClaim, DbErr> {
+    bound_silence(txn, sql.silence.as_deref()).await?;
     let backend = txn.get_database_backend();
     let now = now_micros();
     let lease_until = options.expiry(now);
@@ -479,6 +546,7 @@ async fn claim_in(
         token,
         attempt,
         lease_until,
+        partition_timeout: options.partition_timeout,
     };
     // This call's row: just inserted, or written by an earlier try of this call whose
     // COMMIT landed although its reply was lost.
@@ -487,7 +555,7 @@ async fn claim_in(
         .filter(|_| row.claim_token == Some(token))
         .filter(|_| row.processed_at.is_none() && row.dead_at.is_none());
     let outcome = if let Some(own_lease_until) = own_lease_until {
-        own_lease(&row, message_id, consumer, token, own_lease_until)
+        own_lease(&row, lease(1), own_lease_until)
     } else if let Some(dead_at) = row.dead_at {
         LeaseClaim::Dead(dead_claim(&row, dead_at))
     } else if let (None, Some(held_until), Some(old_token)) =
@@ -524,22 +592,14 @@ async fn claim_in(
     Ok(outcome)
 }
 
-/// The lease a row written with this call's `token` grants: its attempt and expiry as
-/// stored, `Claimed` on attempt 1 and `TakenOver` after.
-fn own_lease(
-    row: &inbox::Model,
-    message_id: MessageId,
-    consumer: &str,
-    token: Uuid,
-    lease_until: DateTime<Utc>,
-) -> LeaseClaim {
+/// The lease a row written with this call's token grants: `lease` with the row's attempt
+/// and expiry as stored, `Claimed` on attempt 1 and `TakenOver` after.
+fn own_lease(row: &inbox::Model, lease: Lease, lease_until: DateTime<Utc>) -> LeaseClaim {
     let attempt = attempts_of(row);
     let lease = Lease {
-        message_id,
-        consumer: consumer.to_owned(),
-        token,
         attempt,
         lease_until,
+        ..lease
     };
     if attempt <= 1 {
         LeaseClaim::Claimed(lease)
@@ -628,7 +688,12 @@ async fn compare_and_set(
     sql: String,
 ) -> Result<(), InboxError> {
     let backend = db.get_database_backend();
-    let updated = retry_transient(lease.message_id, &lease.consumer, || async {
+    let silence = silence_statement(backend, lease.partition_timeout)?;
+    let bound = (
+        over_network(backend).then_some(lease.partition_timeout),
+        "the lease update",
+    );
+    let updated = retry_transient(lease.message_id, &lease.consumer, bound, || async {
         let update = Statement::from_sql_and_values(
             backend,
             &sql,
@@ -639,7 +704,11 @@ async fn compare_and_set(
                 Value::from(lease.token),
             ],
         );
-        let result = in_own_transaction(db, async |txn| txn.execute_raw(update).await).await?;
+        let result = in_own_transaction(db, async |txn| {
+            bound_silence(txn, silence.as_deref()).await?;
+            txn.execute_raw(update).await
+        })
+        .await?;
         Ok(result.rows_affected())
     })
     .await?;
@@ -652,6 +721,15 @@ async fn compare_and_set(
             attempt: lease.attempt,
         })
     }
+}
+
+/// Runs `silence` (see [`silence_statement`]) in `txn` before the transaction takes a row
+/// lock, which a holder cut off by a partition would otherwise keep for hours.
+async fn bound_silence(txn: &DatabaseTransaction, silence: Option<&str>) -> Result<(), DbErr> {
+    if let Some(sql) = silence {
+        txn.execute_unprepared(sql).await?;
+    }
+    Ok(())
 }
 
 /// A two-phase claim whose lease expired without completing: a crashed or hung attempt,

@@ -50,9 +50,10 @@ impl<T> Outcome<T> {
 /// means: do not acknowledge; nack or abandon the message so the broker redelivers it (or
 /// dead-letters it after its own limit).
 ///
-/// Nothing of this call committed, with one exception: when the last failure was the
-/// COMMIT itself (its reply lost with the connection, so the client cannot know), the
-/// work may have committed. Nacking is still right: the redelivery then finds the marker
+/// Nothing of this call committed, with one exception: when a COMMIT of the call failed
+/// (its reply lost with the connection, or unanswered in a partition, so the client cannot
+/// know) and no later attempt found out, the work may have committed
+/// ([`InboxError::DatabaseUnresponsive`] then says `commit_in_doubt`). Nacking is still right: the redelivery then finds the marker
 /// and reports [`Outcome::Duplicate`], and the effect stays applied once. (While attempts
 /// remain, `process` settles that doubt itself and returns [`Outcome::Processed`].)
 #[derive(Debug)]

@@ -18,6 +18,18 @@
 //! under test, and dropping an armed proxy that never dropped a reply panics, so a test
 //! whose COMMIT took another path fails loudly instead of passing without the fault.
 //!
+//! # Partitions
+//!
+//! The same proxy also plays a network partition, as a NAT or load balancer that silently
+//! drops a flow: [`partition`](LostReplyProxy::partition) stops forwarding in both
+//! directions while every socket stays open (no reset, no close: each side just hears
+//! nothing, and new connections are accepted but never reach the server);
+//! [`partition_at_commit`](LostReplyProxy::partition_at_commit) lets the next COMMIT reach
+//! the server and starts the partition right behind it, so its reply is lost in the black
+//! hole rather than with a closed connection. [`heal`](LostReplyProxy::heal) ends it the
+//! way such a device does once it has forgotten the flows: every connection that lived
+//! through the partition is cut, later ones are forwarded again.
+//!
 //! SQLite is embedded: there is no network between the client and the database, so the
 //! proxy (and every lost-reply test) exists only for the server backends.
 
@@ -28,6 +40,7 @@ use std::sync::{Arc, Mutex};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 /// The wire protocol the proxy reads to find the COMMIT.
@@ -42,6 +55,10 @@ enum Protocol {
 enum Trigger {
     Commit,
     NextExecute,
+    /// A COMMIT, whose reply the partition it starts swallows.
+    PartitionAtCommit,
+    /// A prepared statement's execution, whose reply the partition it starts swallows.
+    PartitionAtExecute,
 }
 
 /// What a chunk of client bytes completed.
@@ -54,8 +71,8 @@ struct Seen {
 impl Seen {
     fn fires(self, trigger: Trigger) -> bool {
         match trigger {
-            Trigger::Commit => self.commit,
-            Trigger::NextExecute => self.execute,
+            Trigger::Commit | Trigger::PartitionAtCommit => self.commit,
+            Trigger::NextExecute | Trigger::PartitionAtExecute => self.execute,
         }
     }
 }
@@ -67,8 +84,12 @@ struct Faults {
     armed: Mutex<Option<Trigger>>,
     /// How many times the proxy was armed.
     armings: AtomicU32,
-    /// COMMIT replies swallowed (each followed by a cut connection).
+    /// COMMIT replies swallowed (each followed by a cut connection, or by a partition).
     dropped: AtomicU32,
+    /// While set, nothing is forwarded either way and new connections reach nothing.
+    partitioned: AtomicBool,
+    /// Bumped by every heal: the connections that saw an older value end.
+    heals: watch::Sender<u64>,
 }
 
 /// A proxy on an ephemeral 127.0.0.1 port in front of a test database's server.
@@ -127,6 +148,38 @@ impl LostReplyProxy {
         self.arm_for(Trigger::NextExecute);
     }
 
+    /// Starts a partition now: nothing is forwarded either way on any connection, open or
+    /// new, and every socket stays open.
+    pub fn partition(&self) {
+        self.faults.partitioned.store(true, Ordering::SeqCst);
+    }
+
+    /// Lets the next COMMIT any connection sends reach the server, and starts a partition
+    /// right behind it: the server commits, its reply is lost in the partition, and the
+    /// client's connection stays open, silent (once).
+    pub fn partition_at_commit(&self) {
+        self.arm_for(Trigger::PartitionAtCommit);
+    }
+
+    /// Lets the next prepared statement any connection executes reach the server, and
+    /// starts a partition right behind it: the server runs it (inside its transaction, if
+    /// any, which then holds its locks), and its reply is lost in the partition (once).
+    pub fn partition_at_next_execute(&self) {
+        self.arm_for(Trigger::PartitionAtExecute);
+    }
+
+    /// Whether a partition is on.
+    pub fn is_partitioned(&self) -> bool {
+        self.faults.partitioned.load(Ordering::SeqCst)
+    }
+
+    /// Ends the partition: every connection opened before now is cut (both sockets
+    /// closed), later connections are forwarded again.
+    pub fn heal(&self) {
+        self.faults.partitioned.store(false, Ordering::SeqCst);
+        self.faults.heals.send_modify(|heals| *heals += 1);
+    }
+
     fn arm_for(&self, trigger: Trigger) {
         self.faults.armings.fetch_add(1, Ordering::SeqCst);
         *self.faults.armed.lock().expect("the proxy's lock") = Some(trigger);
@@ -155,6 +208,9 @@ impl LostReplyProxy {
 impl Drop for LostReplyProxy {
     fn drop(&mut self) {
         self.acceptor.abort();
+        // No relay outlives the proxy: connections left in a partition would keep their
+        // clients (and a pool's release ping) waiting forever.
+        self.heal();
         let armings = self.faults.armings.load(Ordering::SeqCst);
         if armings > self.replies_dropped() && !std::thread::panicking() {
             panic!(
@@ -195,16 +251,35 @@ fn route(url: &str, protocol: Protocol, proxy_port: u16) -> (String, String) {
 
 async fn accept(listener: TcpListener, upstream: String, protocol: Protocol, faults: Arc<Faults>) {
     while let Ok((client, _)) = listener.accept().await {
+        let healed = faults.heals.subscribe();
+        if faults.partitioned.load(Ordering::SeqCst) {
+            // The client's SYN reached the device, nothing behind it ever answers.
+            tokio::spawn(hold_until_healed(client, healed));
+            continue;
+        }
         let Ok(server) = TcpStream::connect(&upstream).await else {
             // The client sees its connection refused, as with the server down.
             continue;
         };
-        tokio::spawn(relay(client, server, protocol, Arc::clone(&faults)));
+        tokio::spawn(relay(client, server, protocol, Arc::clone(&faults), healed));
     }
 }
 
-/// Copies one connection both ways until either side closes or a COMMIT reply is lost.
-async fn relay(client: TcpStream, server: TcpStream, protocol: Protocol, faults: Arc<Faults>) {
+/// Keeps a connection opened during a partition open and silent until the next heal.
+async fn hold_until_healed(client: TcpStream, mut healed: watch::Receiver<u64>) {
+    healed.changed().await.ok();
+    drop(client);
+}
+
+/// Copies one connection both ways until either side closes, a COMMIT reply is lost, or a
+/// heal cuts it.
+async fn relay(
+    client: TcpStream,
+    server: TcpStream,
+    protocol: Protocol,
+    faults: Arc<Faults>,
+    mut healed: watch::Receiver<u64>,
+) {
     client.set_nodelay(true).ok();
     server.set_nodelay(true).ok();
     let (client_read, client_write) = client.into_split();
@@ -215,6 +290,7 @@ async fn relay(client: TcpStream, server: TcpStream, protocol: Protocol, faults:
     tokio::select! {
         () = requests(client_read, server_write, protocol, &faults, &losing_reply) => {}
         () = replies(server_read, client_write, &faults, &losing_reply) => {}
+        _ = healed.changed() => {}
     }
 }
 
@@ -230,19 +306,36 @@ async fn requests(
     let mut framer = Framer::new(protocol);
     let mut chunk = vec![0u8; 64 * 1024];
     loop {
-        let Ok(read) = from.read(&mut chunk).await else {
-            return;
-        };
-        if read == 0 {
-            return;
+        if faults.partitioned.load(Ordering::SeqCst) {
+            return silent_end(faults).await;
         }
+        let read = from.read(&mut chunk).await.unwrap_or(0);
+        if read == 0 {
+            return silent_end(faults).await;
+        }
+        // Read before the framer's verdict: the chunk that starts a partition still goes
+        // through.
+        let partitioned = faults.partitioned.load(Ordering::SeqCst);
         let seen = framer.push(&chunk[..read]);
         if seen != Seen::default() {
             let mut armed = faults.armed.lock().expect("the proxy's lock");
-            if armed.is_some_and(|trigger| seen.fires(trigger)) {
-                *armed = None;
-                losing_reply.store(true, Ordering::SeqCst);
+            match *armed {
+                Some(trigger @ (Trigger::PartitionAtCommit | Trigger::PartitionAtExecute))
+                    if seen.fires(trigger) =>
+                {
+                    *armed = None;
+                    faults.partitioned.store(true, Ordering::SeqCst);
+                    faults.dropped.fetch_add(1, Ordering::SeqCst);
+                }
+                Some(trigger) if seen.fires(trigger) => {
+                    *armed = None;
+                    losing_reply.store(true, Ordering::SeqCst);
+                }
+                _ => {}
             }
+        }
+        if partitioned {
+            continue;
         }
         if to.write_all(&chunk[..read]).await.is_err() {
             return;
@@ -260,11 +353,12 @@ async fn replies(
 ) {
     let mut chunk = vec![0u8; 64 * 1024];
     loop {
-        let Ok(read) = from.read(&mut chunk).await else {
-            return;
-        };
+        if faults.partitioned.load(Ordering::SeqCst) {
+            return silent_end(faults).await;
+        }
+        let read = from.read(&mut chunk).await.unwrap_or(0);
         if read == 0 {
-            return;
+            return silent_end(faults).await;
         }
         // The client sends its COMMIT only after reading every earlier reply, so the first
         // bytes after the flag are the COMMIT's answer: the server has committed. (PostgreSQL
@@ -273,9 +367,23 @@ async fn replies(
             faults.dropped.fetch_add(1, Ordering::SeqCst);
             return;
         }
+        if faults.partitioned.load(Ordering::SeqCst) {
+            continue;
+        }
         if to.write_all(&chunk[..read]).await.is_err() {
             return;
         }
+    }
+}
+
+/// The end of one direction: the connection ends at once, unless a partition is on. Then
+/// the direction stops reading until a heal cuts the connection: what its sender writes
+/// is never consumed (a server sending a large reply ends up blocked, as behind a real
+/// partition), and a close is hidden from the other side (a server that ends an abandoned
+/// session sends its FIN into the black hole).
+async fn silent_end(faults: &Faults) {
+    if faults.partitioned.load(Ordering::SeqCst) {
+        std::future::pending::<()>().await;
     }
 }
 

@@ -69,11 +69,13 @@ trait Dialect: Sync {
     /// another delivery's. Binds: message_id, consumer, received_at, claim_token.
     fn insert_process_marker(&self) -> &'static str;
 
-    /// [`insert_process_marker`](Self::insert_process_marker) that also bounds the lock
-    /// waits of its transaction, where the database can do that for one transaction
-    /// without an extra round trip. Binds: those of `insert_process_marker`, then the bound
-    /// as text (`"5000ms"`). `None`: the database's own setting bounds the wait.
-    fn insert_process_marker_bounding_lock_wait(&self) -> Option<&'static str> {
+    /// [`insert_process_marker`](Self::insert_process_marker) that also bounds its
+    /// transaction's lock waits and makes the server end the transaction once the client
+    /// goes silent, where the database can set both for one transaction without an extra
+    /// round trip. Binds: those of `insert_process_marker`, then the lock-wait bound and
+    /// the silence bound as text (`"5000ms"`). `None`: the database's own setting bounds
+    /// the lock wait, and [`bound_silence`](Self::bound_silence) runs before the INSERT.
+    fn insert_process_marker_bounded(&self) -> Option<&'static str> {
         None
     }
 
@@ -83,6 +85,19 @@ trait Dialect: Sync {
     fn confirm_inbox_duplicate(&self) -> Option<&'static str> {
         None
     }
+
+    /// Whether a client reaches the database over a network, which a partition can
+    /// silence (an embedded database cannot go silent: its waits end in its busy timeout).
+    fn over_network(&self) -> bool {
+        true
+    }
+
+    /// A statement that makes the server end the current transaction, releasing its
+    /// locks, once its client has been silent for `silence` (waiting for the next
+    /// statement, or not reading a reply the server is sending), for a transaction whose
+    /// first statement cannot carry the bound itself. `None`: nothing to bound (an
+    /// embedded database has no client to lose).
+    fn bound_silence(&self, silence: Duration) -> Option<String>;
 
     /// Whether the marker INSERT ends in `RETURNING "id"`; otherwise the driver reports
     /// the new row's auto-increment id.
@@ -175,7 +190,8 @@ fn dialect(backend: DbBackend) -> Result<&'static dyn Dialect, InboxError> {
     }
 }
 
-/// What `Inbox::process` adds to its marker: the call's token and the lock-wait bound.
+/// What `Inbox::process` adds to its marker: the call's token and the transaction's
+/// bounds.
 pub(crate) struct ProcessMarker {
     /// Written into `claim_token`, the same for every attempt of one call.
     pub(crate) token: Uuid,
@@ -183,6 +199,47 @@ pub(crate) struct ProcessMarker {
     /// them for one transaction (PostgreSQL); elsewhere the database's own setting applies
     /// (MySQL/MariaDB: `innodb_lock_wait_timeout`; SQLite: the busy timeout).
     pub(crate) lock_wait: Duration,
+    /// How long the server keeps the transaction (and the marker's lock) while its client
+    /// is silent, where the INSERT can set it (PostgreSQL); elsewhere
+    /// [`claim_silence_statement`] sets it before the INSERT.
+    pub(crate) silence: Duration,
+}
+
+/// Whether a client of `backend` reaches its database over a network, so that a partition
+/// can leave it waiting: the library bounds its waits there (`false` for a backend the
+/// inbox cannot use, whose first statement fails anyway).
+pub(crate) fn over_network(backend: DbBackend) -> bool {
+    dialect(backend).is_ok_and(|dialect| dialect.over_network())
+}
+
+/// What a bound travels as to PostgreSQL's `set_config`: milliseconds, as text.
+fn millis_text(bound: Duration) -> String {
+    format!("{}ms", bound.as_millis())
+}
+
+/// The statement to run in a claim transaction of `Inbox::process` before its marker
+/// INSERT, so that the server ends the transaction once its client has been silent for
+/// `silence`: `None` where the INSERT sets the bound itself (PostgreSQL) or there is no
+/// server (SQLite).
+pub(crate) fn claim_silence_statement(
+    backend: DbBackend,
+    silence: Duration,
+) -> Result<Option<String>, InboxError> {
+    let dialect = dialect(backend)?;
+    if dialect.insert_process_marker_bounded().is_some() {
+        return Ok(None);
+    }
+    Ok(dialect.bound_silence(silence))
+}
+
+/// The statement that makes the server end the current transaction once its client has
+/// been silent for `silence` (`None` on SQLite): the first statement of a short
+/// transaction whose own statements cannot carry the bound (the lease transactions).
+pub(crate) fn silence_statement(
+    backend: DbBackend,
+    silence: Duration,
+) -> Result<Option<String>, InboxError> {
+    Ok(dialect(backend)?.bound_silence(silence))
 }
 
 /// The marker INSERT for one claim, with its bind values: `claim_message`'s plain marker,
@@ -209,9 +266,10 @@ pub(crate) fn claim_marker_statement(
         ));
     };
     values.push(Value::from(process.token));
-    let sql = match dialect.insert_process_marker_bounding_lock_wait() {
+    let sql = match dialect.insert_process_marker_bounded() {
         Some(sql) => {
-            values.push(Value::from(format!("{}ms", process.lock_wait.as_millis())));
+            values.push(Value::from(millis_text(process.lock_wait)));
+            values.push(Value::from(millis_text(process.silence)));
             sql
         }
         None => dialect.insert_process_marker(),

@@ -8,6 +8,7 @@ use sea_orm::sea_query::Expr;
 use sea_orm::sqlx::error::DatabaseError;
 use sea_orm::sqlx::mysql::MySqlDatabaseError;
 use sea_orm_inbox_entity::INDEX_NAME;
+use std::time::Duration;
 
 pub(super) struct MySql;
 
@@ -18,6 +19,24 @@ impl Dialect for MySql {
 
     fn insert_process_marker(&self) -> &'static str {
         "INSERT INTO `inbox` (`message_id`, `consumer`, `received_at`, `claim_token`) VALUES (?, ?, ?, ?)"
+    }
+
+    /// MariaDB ends a transaction whose client has been silent for
+    /// `idle_transaction_timeout` seconds (10.3+; 0, the default, falls back to the 8 h
+    /// `wait_timeout`) by closing the connection, which rolls it back and releases its
+    /// locks; `net_write_timeout` (60 s by default) does the same when the server is
+    /// blocked sending a reply. Both are session variables that the server reads when it
+    /// starts waiting, so they must be set before the marker's lock is taken, and they stay
+    /// on the pooled connection afterwards. Whole seconds, rounded up. MySQL 8 has no
+    /// `idle_transaction_timeout`: it sits in a MariaDB executable comment (`/*M!100300`),
+    /// which MySQL skips, so there only `net_write_timeout` applies and an idle partitioned
+    /// transaction lasts until `wait_timeout`.
+    fn bound_silence(&self, silence: Duration) -> Option<String> {
+        let seconds = silence.as_secs() + u64::from(silence.subsec_nanos() > 0);
+        Some(format!(
+            "SET SESSION net_write_timeout = {seconds} \
+             /*M!100300 , idle_transaction_timeout = {seconds} */"
+        ))
     }
 
     /// MySQL has no DO NOTHING, so it gets a no-op `ON DUPLICATE KEY UPDATE consumer =

@@ -5,6 +5,7 @@ use super::{DbErrorKind, Dialect};
 use sea_orm::sqlx::error::DatabaseError;
 use sea_orm::sqlx::postgres::PgDatabaseError;
 use sea_orm_inbox_entity::{INDEX_NAME, TABLE_NAME};
+use std::time::Duration;
 
 pub(super) struct Postgres;
 
@@ -22,10 +23,26 @@ impl Dialect for Postgres {
     /// the INSERT instead of costing a round trip. The WHERE runs before the row is
     /// inserted, so the INSERT's own wait on another transaction's index entry is bounded
     /// too. A shorter `lock_timeout` the session already has is kept.
-    fn insert_process_marker_bounding_lock_wait(&self) -> Option<&'static str> {
+    ///
+    /// The same way it sets `idle_in_transaction_session_timeout` (the server ends the
+    /// session when the client sends nothing for that long inside the transaction, which
+    /// releases the marker of a replica cut off by a partition) and `tcp_user_timeout`
+    /// (the kernel drops the connection when data the server sent stays unacknowledged
+    /// that long: the server blocked sending a reply into the partition is not idle).
+    fn insert_process_marker_bounded(&self) -> Option<&'static str> {
         Some(
-            r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at", "claim_token") SELECT $1, $2, $3, $4 WHERE set_config('lock_timeout', CASE WHEN current_setting('lock_timeout') = '0' OR current_setting('lock_timeout')::interval > $5::interval THEN $5 ELSE current_setting('lock_timeout') END, true) IS NOT NULL RETURNING "id""#,
+            r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at", "claim_token") SELECT $1, $2, $3, $4 WHERE set_config('lock_timeout', CASE WHEN current_setting('lock_timeout') = '0' OR current_setting('lock_timeout')::interval > $5::interval THEN $5 ELSE current_setting('lock_timeout') END, true) IS NOT NULL AND set_config('idle_in_transaction_session_timeout', $6, true) IS NOT NULL AND set_config('tcp_user_timeout', $6, true) IS NOT NULL RETURNING "id""#,
         )
+    }
+
+    /// `SET LOCAL` of the two settings the bounded marker INSERT sets, as a query of its
+    /// own (a simple query: no prepared statement, safe behind a transaction pooler).
+    fn bound_silence(&self, silence: Duration) -> Option<String> {
+        let bound = super::millis_text(silence);
+        Some(format!(
+            "SELECT set_config('idle_in_transaction_session_timeout', '{bound}', true), \
+             set_config('tcp_user_timeout', '{bound}', true)"
+        ))
     }
 
     fn marker_insert_returns_id(&self) -> bool {

@@ -4,6 +4,7 @@
 use super::{DbErrorKind, Dialect};
 use sea_orm::sqlx::error::DatabaseError;
 use sea_orm::sqlx::sqlite::SqliteError;
+use std::time::Duration;
 
 pub(super) struct Sqlite;
 
@@ -32,6 +33,15 @@ impl Dialect for Sqlite {
     fn refuses_probe(&self, db: &dyn DatabaseError) -> Option<bool> {
         let err = db.try_downcast_ref::<SqliteError>()?;
         Some(err.message() == "cannot start a transaction within a transaction")
+    }
+
+    fn over_network(&self) -> bool {
+        false
+    }
+
+    /// Embedded: no client can vanish while the database holds its transaction.
+    fn bound_silence(&self, _silence: Duration) -> Option<String> {
+        None
     }
 
     /// SQLite looks the ids of `id IN (subquery)` up by rowid.

@@ -1,0 +1,500 @@
+//! A replica cut off from the database mid-transaction, as a NAT or load balancer does when
+//! it silently drops a flow: packets stop both ways, no reset, the sockets stay open. The
+//! proxy in `tests/support` plays that partition (`LostReplyProxy::partition`).
+//!
+//! What must hold, with a short partition timeout so the suite stays fast: the cut-off
+//! replica's call returns within the bound with a nack-meaning error; the server ends its
+//! abandoned transaction within the same bound (its work rolled back, the claim released),
+//! so a redelivery on another replica is processed; the effect exists exactly once.
+//!
+//! PostgreSQL and MariaDB only: SQLite is embedded, with no network to lose.
+
+use inbox_tests::{
+    Backend, LostReplyProxy, TestDb, create_accounts, credit, credit_once, migrated_db,
+    on_server_backends, scalar_i64,
+};
+use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend, DbErr, Statement};
+use sea_orm_inbox::{
+    Inbox, InboxError, LeaseClaim, LeaseOptions, Outcome, ProcessError, Settlement, claim_lease,
+    complete_lease,
+};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+use tokio::time::timeout;
+use uuid::Uuid;
+
+const CONSUMER: &str = "billing.credit";
+
+/// The partition timeout of every replica in these tests.
+const PARTITION_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Scheduling slack on a loaded machine, added to every bound asserted.
+const SLACK: Duration = Duration::from_secs(3);
+
+/// How long a test waits for a call before it reports the call as hung.
+const GIVE_UP: Duration = Duration::from_secs(40);
+
+/// The test's database, a direct pool (the healthy replica B, setup and checks), the proxy
+/// in front of the server, and a pool through it (replica A, the one cut off).
+struct Fixture {
+    db: TestDb,
+    direct: DatabaseConnection,
+    proxy: Arc<LostReplyProxy>,
+    through_proxy: DatabaseConnection,
+}
+
+impl Fixture {
+    async fn new(backend: Backend) -> Self {
+        let db = migrated_db(backend).await;
+        let proxy = Arc::new(LostReplyProxy::start(&db).await);
+        let direct = db.connect().await;
+        let through_proxy = proxy.connect().await;
+        create_accounts(&direct).await;
+        Self {
+            db,
+            direct,
+            proxy,
+            through_proxy,
+        }
+    }
+
+    /// Heals the partition first (a pool cannot close while a connection of it waits in
+    /// the black hole), then closes the pools, checks the proxy and drops the database.
+    async fn cleanup(self) {
+        self.proxy.heal();
+        self.through_proxy.close().await.ok();
+        self.direct.close().await.ok();
+        drop(self.proxy);
+        self.db.cleanup().await;
+    }
+
+    /// Waits until the proxy's partition is on, and returns when it was seen.
+    async fn partition_started(&self) -> Instant {
+        while !self.proxy.is_partitioned() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        Instant::now()
+    }
+
+    async fn balance(&self) -> i64 {
+        scalar_i64(&self.direct, "SELECT balance FROM account WHERE id = 1").await
+    }
+
+    async fn markers(&self) -> i64 {
+        scalar_i64(&self.direct, "SELECT COUNT(*) FROM inbox").await
+    }
+}
+
+fn replica() -> Inbox {
+    Inbox::new(CONSUMER)
+        .and_then(|inbox| inbox.with_partition_timeout(PARTITION_TIMEOUT))
+        .expect("a valid inbox")
+}
+
+/// Whether `result` is the nack of a database that stopped answering during `step`, with
+/// a COMMIT of the call in doubt or not.
+fn unresponsive_during<T, E>(
+    result: &Result<Outcome<T>, ProcessError<E>>,
+    step: &str,
+    in_doubt: bool,
+) -> bool {
+    let Err(err) = result else {
+        return false;
+    };
+    matches!(
+        err.inbox_error(),
+        Some(InboxError::DatabaseUnresponsive { step: seen, commit_in_doubt, .. })
+            if *seen == step && *commit_in_doubt == in_doubt
+    )
+}
+
+/// Replica A is cut off after its handler's first write (the marker and the credit are
+/// in its open transaction), while the handler goes on with a second statement. A's
+/// `process` must return within the partition timeout (nack); the server must end A's
+/// transaction within the same bound, so B's redelivery claims the message and credits
+/// once, and A's credit is rolled back.
+async fn a_replica_cut_off_mid_handler_releases_its_claim(backend: Backend) {
+    let fixture = Fixture::new(backend).await;
+    let (replica_a, replica_b) = (replica(), replica());
+    let id = Uuid::new_v4();
+    let runs_a = AtomicU32::new(0);
+
+    let a = async {
+        let result = timeout(
+            GIVE_UP,
+            replica_a.process(&fixture.through_proxy, id, |txn| {
+                runs_a.fetch_add(1, Ordering::SeqCst);
+                let proxy = Arc::clone(&fixture.proxy);
+                Box::pin(async move {
+                    credit(txn, 1).await?;
+                    proxy.partition();
+                    // Into the black hole: neither the statement nor an answer gets through.
+                    credit(txn, 1).await?;
+                    Ok::<_, DbErr>(())
+                })
+            }),
+        )
+        .await;
+        (result, Instant::now())
+    };
+    let b = async {
+        let partitioned_at = fixture.partition_started().await;
+        let result = timeout(GIVE_UP, credit_once(&replica_b, &fixture.direct, id)).await;
+        (partitioned_at, result, Instant::now())
+    };
+    let ((a, a_done), (partitioned_at, b, b_done)) = tokio::join!(a, b);
+    eprintln!(
+        "{backend:?}: A {a:?} after {:?}; B {b:?} after {:?}",
+        a_done - partitioned_at,
+        b_done - partitioned_at
+    );
+
+    let a = a.expect("A's process is still waiting on the partitioned database");
+    assert!(unresponsive_during(&a, "the handler", false), "{a:?}");
+    assert_eq!(Settlement::of(&a), Settlement::Nack);
+    assert!(
+        a_done - partitioned_at < PARTITION_TIMEOUT + SLACK,
+        "A returned {:?} after the partition began",
+        a_done - partitioned_at
+    );
+    let b = b.expect("B's redelivery is still waiting for the claim A's zombie holds");
+    assert!(matches!(b, Ok(Outcome::Processed(()))), "{b:?}");
+    assert!(
+        b_done - partitioned_at < PARTITION_TIMEOUT + SLACK,
+        "B processed the redelivery {:?} after the partition began",
+        b_done - partitioned_at
+    );
+    assert_eq!(runs_a.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        fixture.balance().await,
+        1,
+        "A's credit rolled back, B's applied once"
+    );
+    assert_eq!(fixture.markers().await, 1);
+
+    // Once the network is back, A's pool serves again: the connection that timed out in
+    // the middle of a statement was not handed out in its broken state.
+    fixture.proxy.heal();
+    let next = credit_once(&replica_a, &fixture.through_proxy, Uuid::new_v4()).await;
+    assert!(matches!(next, Ok(Outcome::Processed(()))), "{next:?}");
+    assert_eq!(fixture.balance().await, 2);
+    fixture.cleanup().await;
+}
+
+/// A large result of about 200 MB, far beyond what the socket buffers between the server
+/// and the proxy hold: a server sending it into a partition ends up blocked in its write,
+/// where an idle-transaction timeout does not apply.
+fn large_result(backend: Backend) -> Statement {
+    let sql = if backend.is_postgres() {
+        "SELECT repeat('x', 1000) FROM generate_series(1, 200000)"
+    } else {
+        "SELECT REPEAT('x', 1000) FROM seq_1_to_200000"
+    };
+    Statement::from_string(fixture_backend(backend), sql)
+}
+
+fn fixture_backend(backend: Backend) -> DbBackend {
+    if backend.is_postgres() {
+        DbBackend::Postgres
+    } else {
+        DbBackend::MySql
+    }
+}
+
+/// Replica A's handler holds the claim and asks for a large result; the partition starts
+/// right behind the query, so the server is busy sending, not idle, when the network goes
+/// silent. The server must still give up within the partition timeout (PostgreSQL:
+/// `tcp_user_timeout`; MariaDB: `net_write_timeout`) and release the claim for B.
+async fn a_replica_cut_off_while_the_server_sends_to_it_releases_its_claim(backend: Backend) {
+    let fixture = Fixture::new(backend).await;
+    let (replica_a, replica_b) = (replica(), replica());
+    let id = Uuid::new_v4();
+
+    let a = async {
+        let result = timeout(
+            GIVE_UP,
+            replica_a.process(&fixture.through_proxy, id, |txn| {
+                let proxy = Arc::clone(&fixture.proxy);
+                let query = large_result(backend);
+                Box::pin(async move {
+                    credit(txn, 1).await?;
+                    proxy.partition_at_next_execute();
+                    txn.query_all_raw(query).await?;
+                    Ok::<_, DbErr>(())
+                })
+            }),
+        )
+        .await;
+        (result, Instant::now())
+    };
+    let b = async {
+        let partitioned_at = fixture.partition_started().await;
+        let result = timeout(GIVE_UP, credit_once(&replica_b, &fixture.direct, id)).await;
+        (partitioned_at, result, Instant::now())
+    };
+    let ((a, a_done), (partitioned_at, b, b_done)) = tokio::join!(a, b);
+    fixture.proxy.expect_reply_dropped();
+    eprintln!(
+        "{backend:?}: A {a:?} after {:?}; B {b:?} after {:?}",
+        a_done - partitioned_at,
+        b_done - partitioned_at
+    );
+
+    let a = a.expect("A's process is still waiting on the partitioned database");
+    assert!(unresponsive_during(&a, "the handler", false), "{a:?}");
+    let b = b.expect("B's redelivery is still waiting for the claim A's zombie holds");
+    assert!(matches!(b, Ok(Outcome::Processed(()))), "{b:?}");
+    assert!(
+        b_done - partitioned_at < PARTITION_TIMEOUT + SLACK,
+        "B processed the redelivery {:?} after the partition began",
+        b_done - partitioned_at
+    );
+    assert_eq!(fixture.balance().await, 1, "A's credit rolled back");
+    assert_eq!(fixture.markers().await, 1);
+    fixture.cleanup().await;
+}
+
+/// The COMMIT reaches the server, which commits; its reply is lost in the partition (the
+/// connection stays open, silent). A's COMMIT is in doubt: `process` retries through the
+/// lost-reply path, whose fresh connection meets the partition too, and returns a nack
+/// within twice the partition timeout. B's redelivery is the duplicate; the credit stays
+/// applied once.
+async fn a_commit_reply_lost_in_a_partition_nacks_and_the_redelivery_is_a_duplicate(
+    backend: Backend,
+) {
+    let fixture = Fixture::new(backend).await;
+    let (replica_a, replica_b) = (replica(), replica());
+    let id = Uuid::new_v4();
+
+    fixture.proxy.partition_at_commit();
+    let a = async {
+        let result = timeout(GIVE_UP, credit_once(&replica_a, &fixture.through_proxy, id)).await;
+        (result, Instant::now())
+    };
+    let b = async {
+        let partitioned_at = fixture.partition_started().await;
+        let result = timeout(GIVE_UP, credit_once(&replica_b, &fixture.direct, id)).await;
+        (partitioned_at, result, Instant::now())
+    };
+    let ((a, a_done), (partitioned_at, b, b_done)) = tokio::join!(a, b);
+    fixture.proxy.expect_reply_dropped();
+    eprintln!(
+        "{backend:?}: A {a:?} after {:?}; B {b:?} after {:?}",
+        a_done - partitioned_at,
+        b_done - partitioned_at
+    );
+
+    let a = a.expect("A's process is still waiting for its COMMIT's reply");
+    assert!(unresponsive_during(&a, "BEGIN", true), "{a:?}");
+    assert_eq!(Settlement::of(&a), Settlement::Nack);
+    assert!(
+        a_done - partitioned_at < 2 * PARTITION_TIMEOUT + SLACK,
+        "A returned {:?} after the partition began",
+        a_done - partitioned_at
+    );
+    assert_eq!(
+        replica_a.metrics().snapshot().transient_retries,
+        1,
+        "the COMMIT in doubt went to the lost-reply path"
+    );
+    let b = b.expect("B's redelivery hung");
+    assert!(matches!(b, Ok(Outcome::Duplicate)), "{b:?}");
+    assert!(
+        b_done - partitioned_at < SLACK,
+        "{:?}",
+        b_done - partitioned_at
+    );
+    assert_eq!(fixture.balance().await, 1, "the credit committed once");
+    assert_eq!(fixture.markers().await, 1);
+    fixture.cleanup().await;
+}
+
+/// As above, but the partition heals while A retries: the retry finds the marker carrying
+/// its call's token, and `process` reports `Processed` (not a duplicate), the handler run
+/// once.
+async fn a_commit_cut_off_by_a_partition_that_heals_settles_as_processed(backend: Backend) {
+    let fixture = Fixture::new(backend).await;
+    let replica_a = replica();
+    let id = Uuid::new_v4();
+    let runs = AtomicU32::new(0);
+
+    fixture.proxy.partition_at_commit();
+    let a = timeout(
+        GIVE_UP,
+        replica_a.process(&fixture.through_proxy, id, |txn| {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Box::pin(async move { credit(txn, 1).await.map(|()| "credited") })
+        }),
+    );
+    let healer = async {
+        fixture.partition_started().await;
+        // After A's COMMIT timed out, while its retry waits for a new connection.
+        tokio::time::sleep(PARTITION_TIMEOUT + PARTITION_TIMEOUT / 2).await;
+        fixture.proxy.heal();
+    };
+    let (a, ()) = tokio::join!(a, healer);
+    fixture.proxy.expect_reply_dropped();
+    let counts = replica_a.metrics().snapshot();
+    eprintln!("{backend:?}: A {a:?}, {counts:?}");
+
+    let a = a.expect("A's process is still waiting for its COMMIT's reply");
+    assert_eq!(a.ok(), Some(Outcome::Processed("credited")));
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the handler ran once");
+    assert_eq!((counts.processed, counts.duplicates), (1, 0), "{counts:?}");
+    assert_eq!(fixture.balance().await, 1);
+    fixture.cleanup().await;
+}
+
+/// A two-phase lease holder is cut off in the middle of completing (its UPDATE reached the
+/// server, inside a transaction that now holds the row). Its call returns within the
+/// partition timeout; the server ends the abandoned transaction, so another replica takes
+/// the expired lease over instead of waiting on the row; the old holder's completion,
+/// once the network is back, is refused.
+async fn a_lease_holder_cut_off_while_completing_is_taken_over_and_fenced(backend: Backend) {
+    let fixture = Fixture::new(backend).await;
+    let options = LeaseOptions::new(PARTITION_TIMEOUT)
+        .and_then(|options| options.with_partition_timeout(PARTITION_TIMEOUT))
+        .expect("valid lease options");
+    let id = Uuid::new_v4();
+    let held = match claim_lease(&fixture.through_proxy, id, CONSUMER, &options).await {
+        Ok(LeaseClaim::Claimed(lease)) => lease,
+        other => panic!("a new message: {other:?}"),
+    };
+
+    fixture.proxy.partition_at_next_execute();
+    let a = async {
+        let result = timeout(GIVE_UP, complete_lease(&fixture.through_proxy, &held)).await;
+        (result, Instant::now())
+    };
+    let b = async {
+        let partitioned_at = fixture.partition_started().await;
+        let expires_in = (held.lease_until() - chrono::Utc::now())
+            .to_std()
+            .unwrap_or_default();
+        tokio::time::sleep(expires_in + Duration::from_millis(50)).await;
+        let result = timeout(
+            GIVE_UP,
+            claim_lease(&fixture.direct, id, CONSUMER, &options),
+        )
+        .await;
+        (partitioned_at, result, Instant::now())
+    };
+    let ((a, a_done), (partitioned_at, b, b_done)) = tokio::join!(a, b);
+    fixture.proxy.expect_reply_dropped();
+    eprintln!(
+        "{backend:?}: A {a:?} after {:?}; B {b:?} after {:?}",
+        a_done - partitioned_at,
+        b_done - partitioned_at
+    );
+
+    let a = a.expect("A's completion is still waiting on the partitioned database");
+    assert!(
+        matches!(a, Err(InboxError::DatabaseUnresponsive { .. })),
+        "{a:?}"
+    );
+    assert!(a_done - partitioned_at < PARTITION_TIMEOUT + SLACK);
+    let b = b.expect("B's takeover is still waiting for the row A's zombie holds");
+    let taken = match b {
+        Ok(LeaseClaim::TakenOver(lease)) => lease,
+        other => panic!("the expired lease is B's to take over: {other:?}"),
+    };
+    assert_eq!(taken.attempt(), 2);
+    assert!(b_done - partitioned_at < PARTITION_TIMEOUT + SLACK);
+
+    fixture.proxy.heal();
+    let late = complete_lease(&fixture.through_proxy, &held).await;
+    assert!(
+        matches!(late, Err(InboxError::StaleLease { attempt: 1, .. })),
+        "{late:?}"
+    );
+    complete_lease(&fixture.direct, &taken)
+        .await
+        .expect("the new holder completes");
+    assert_eq!(
+        claim_lease(&fixture.direct, id, CONSUMER, &options)
+            .await
+            .expect("claim again"),
+        LeaseClaim::AlreadyProcessed
+    );
+    fixture.cleanup().await;
+}
+
+/// SQLite is embedded: no network can go silent, so the partition timeout bounds nothing
+/// there; a handler slower than it still commits (its waits end in the busy timeout).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sqlite_has_no_network_to_bound() {
+    let db = migrated_db(Backend::Sqlite).await;
+    let conn = db.connect().await;
+    create_accounts(&conn).await;
+    let inbox = Inbox::new(CONSUMER)
+        .and_then(|inbox| inbox.with_partition_timeout(Inbox::MIN_PARTITION_TIMEOUT))
+        .expect("a valid inbox");
+    let slow = Inbox::MIN_PARTITION_TIMEOUT + Duration::from_millis(500);
+    let result = inbox
+        .process(&conn, Uuid::new_v4(), |txn| {
+            Box::pin(async move {
+                tokio::time::sleep(slow).await;
+                credit(txn, 1).await
+            })
+        })
+        .await;
+    assert!(matches!(result, Ok(Outcome::Processed(()))), "{result:?}");
+    assert_eq!(
+        scalar_i64(&conn, "SELECT balance FROM account WHERE id = 1").await,
+        1
+    );
+    conn.close().await.ok();
+    db.cleanup().await;
+}
+
+/// The bound is checked before it is used: a zero timeout would turn the server-side
+/// bounds off (0 means "never" to both servers), and one beyond every broker's redelivery
+/// timeout holds a message hostage for nothing.
+#[test]
+fn partition_timeout_is_refused_outside_its_range() {
+    let inbox = Inbox::new(CONSUMER).expect("valid name");
+    let lease = LeaseOptions::new(Duration::from_secs(30)).expect("valid lease");
+    assert_eq!(inbox.partition_timeout(), Inbox::DEFAULT_PARTITION_TIMEOUT);
+    assert_eq!(lease.partition_timeout(), Inbox::DEFAULT_PARTITION_TIMEOUT);
+    for accepted in [Inbox::MIN_PARTITION_TIMEOUT, Inbox::MAX_PARTITION_TIMEOUT] {
+        let set = inbox.clone().with_partition_timeout(accepted);
+        assert_eq!(
+            set.map(|inbox| inbox.partition_timeout()).ok(),
+            Some(accepted)
+        );
+        let set = lease.with_partition_timeout(accepted);
+        assert_eq!(
+            set.map(|lease| lease.partition_timeout()).ok(),
+            Some(accepted)
+        );
+    }
+    let refused = [
+        Duration::ZERO,
+        Inbox::MIN_PARTITION_TIMEOUT - Duration::from_millis(1),
+        Inbox::MAX_PARTITION_TIMEOUT + Duration::from_millis(1),
+        Duration::MAX,
+    ];
+    for timeout in refused {
+        let message = match inbox.clone().with_partition_timeout(timeout) {
+            Err(err @ InboxError::PartitionTimeoutOutOfRange { .. }) => err.to_string(),
+            other => panic!("{timeout:?} must be refused: {other:?}"),
+        };
+        assert!(
+            message.contains("below the broker's redelivery timeout"),
+            "{message}"
+        );
+        assert!(matches!(
+            lease.with_partition_timeout(timeout),
+            Err(InboxError::PartitionTimeoutOutOfRange { .. })
+        ));
+    }
+}
+
+on_server_backends!(
+    a_replica_cut_off_mid_handler_releases_its_claim,
+    a_replica_cut_off_while_the_server_sends_to_it_releases_its_claim,
+    a_commit_reply_lost_in_a_partition_nacks_and_the_redelivery_is_a_duplicate,
+    a_commit_cut_off_by_a_partition_that_heals_settles_as_processed,
+    a_lease_holder_cut_off_while_completing_is_taken_over_and_fenced,
+);
