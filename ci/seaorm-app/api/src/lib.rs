@@ -4,7 +4,10 @@
 //! source later; the handler and the settlement stay as they are.
 
 use entity::ledger;
-use sea_orm::{ActiveModelTrait, ActiveValue::Set, Database, DatabaseTransaction, DbErr, EntityTrait, PaginatorTrait};
+use sea_orm::{
+    ActiveModelTrait, ActiveValue::Set, Database, DatabaseTransaction, DbErr, EntityTrait,
+    PaginatorTrait,
+};
 use sea_orm_inbox::{Inbox, Outcome, Settlement};
 use std::process::ExitCode;
 use uuid::Uuid;
@@ -49,7 +52,9 @@ async fn run() -> Result<String, Box<dyn std::error::Error>> {
     for &message_id in ids.iter().chain(&ids) {
         let amount = 10;
         let result = inbox
-            .process(&db, message_id, |txn| Box::pin(credit(txn, message_id, amount)))
+            .process(&db, message_id, |txn| {
+                Box::pin(credit(txn, message_id, amount))
+            })
             .await;
         match &result {
             Ok(Outcome::Processed(())) => processed += 1,
