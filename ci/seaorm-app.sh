@@ -2,8 +2,9 @@
 # The acceptance app (ci/seaorm-app, laid out like SeaORM's examples) driven by SeaORM's
 # own tooling, the real `sea-orm-cli` 2.0.4, in a temporary copy:
 #
-#  1. `migrate generate` rebuilds `migrations()` from the `mod m..._...;` lines: the inbox
-#     migrations, each a module file named after its stable name, must still be listed.
+#  1. `migrate generate` (and the migration crate's own `cargo run -- generate`) rebuilds
+#     `migrations()` from the `mod m..._...;` lines: the inbox migrations, each a module
+#     file named after its stable name, must still be listed.
 #     The control: the README's former form (`Box::new(sea_orm_inbox_migration::CreateInbox)`
 #     written into lib.rs) must lose them, or the check proves nothing.
 #  2. `migrate up` and `migrate status` on a fresh PostgreSQL database (and MariaDB when
@@ -123,16 +124,13 @@ EOF
 }
 step "control: migrate generate drops the former README form" generate_loses_the_former_form
 
-generate_keeps_the_module_files() {
-  lists_inbox_migrations migration/src/lib.rs || return 1
-  sea-orm-cli migrate generate -d migration add_something || return 1
-  lists_inbox_migrations migration/src/lib.rs || return 1
-  local new
-  new=$(ls migration/src/m*_add_something.rs) || return 1
-  # The generated module's body is `todo!()`: give it a real one, as its author would.
-  local name
-  name=$(basename "$new" .rs)
-  cat >"$new" <<EOF || return 1
+# suffix, table: gives the module `generate` just wrote (its body is `todo!()`) a real
+# migration, creating `table`, as its author would; records its name in new_migrations.
+fill_in_generated() {
+  local suffix=$1 table=$2 file name
+  file=$(ls migration/src/m*_"$suffix".rs) || return 1
+  name=$(basename "$file" .rs)
+  cat >"$file" <<EOF || return 1
 use sea_orm_migration::{prelude::*, schema::*};
 
 pub struct Migration;
@@ -147,20 +145,32 @@ impl MigrationName for Migration {
 impl MigrationTrait for Migration {
     async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
         manager
-            .create_table(Table::create().table("something").col(pk_auto("id")).to_owned())
+            .create_table(Table::create().table("$table").col(pk_auto("id")).to_owned())
             .await
     }
 
     async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        manager.drop_table(Table::drop().table("something").to_owned()).await
+        manager.drop_table(Table::drop().table("$table").to_owned()).await
     }
 }
 EOF
-  new_migration=$name
-  say "  migrations() after generate:"
+  new_migrations+=("$name")
+}
+
+new_migrations=()
+generate_keeps_the_module_files() {
+  lists_inbox_migrations migration/src/lib.rs || return 1
+  sea-orm-cli migrate generate -d migration add_something || return 1
+  lists_inbox_migrations migration/src/lib.rs || return 1
+  fill_in_generated add_something something || return 1
+  # The migration crate's own command line runs the same generator, from its folder.
+  (cd migration && cargo run --quiet -- generate add_another) || return 1
+  lists_inbox_migrations migration/src/lib.rs || return 1
+  fill_in_generated add_another another || return 1
+  say "  migrations() after both:"
   sed -n '/vec!\[/,/\]/p' migration/src/lib.rs
 }
-step "sea-orm-cli migrate generate add_something keeps the inbox migrations" generate_keeps_the_module_files
+step "sea-orm-cli migrate generate, then cargo run -- generate, keep the inbox migrations" generate_keeps_the_module_files
 
 # --- 2./3. migrate up, status, the consumer, on each server -----------------------------
 migrate_and_consume() { # label, admin URL, database kind
@@ -178,7 +188,7 @@ migrate_and_consume() { # label, admin URL, database kind
   local status
   status=$(sea-orm-cli migrate status -d migration -u "$url" 2>&1) || { echo "$status"; return 1; }
   echo "$status" | grep "Migration '"
-  for migration in "${inbox_migrations[@]}" "$new_migration" m20240101_000001_create_ledger; do
+  for migration in "${inbox_migrations[@]}" "${new_migrations[@]}" m20240101_000001_create_ledger; do
     grep -q "Migration '$migration'... Applied" <<<"$status" \
       || { echo "seaorm-app:   $label: $migration is not applied" >&2; return 1; }
   done
