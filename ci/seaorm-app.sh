@@ -8,7 +8,7 @@
 #     The control: the README's former form (`Box::new(sea_orm_inbox_migration::CreateInbox)`
 #     written into lib.rs) must lose them, or the check proves nothing.
 #  2. `migrate up` and `migrate status` on a fresh PostgreSQL database (and MariaDB when
-#     INBOX_TEST_MYSQL_URL is set): every library migration applied, plus the new one.
+#     INBOX_TEST_MYSQL_URL is set): every library migration applied, and the new ones.
 #  3. The app's consumer processes messages through `Inbox::process` on that database.
 #  4. `generate entity --ignore-tables seaql_migrations,inbox` writes no inbox entity; the
 #     control: without the flag it does.
