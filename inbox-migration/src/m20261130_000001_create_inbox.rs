@@ -7,6 +7,13 @@ use sea_orm_migration::sea_orm::DatabaseBackend;
 ///
 /// Its name, `m20261130_000001_create_inbox`, never changes: SeaORM records it in
 /// `seaql_migrations`, so the migration runs once per database.
+///
+/// `down` drops the table only while it is empty. Its rows are the markers of processed
+/// messages: dropping them would make every redelivery of those messages apply its effect
+/// again. A rollback (`migrate down`, `refresh`, `reset`) meeting a marker fails with
+/// [`DbErr::Migration`] and leaves the table, its rows and the migration's record as they
+/// were; deleting the markers first (`DELETE FROM inbox`) is the explicit opt-in.
+/// (`migrate fresh` runs no `down`: it drops every table, this one included.)
 pub struct CreateInbox;
 
 impl MigrationName for CreateInbox {
@@ -80,6 +87,7 @@ impl MigrationTrait for CreateInbox {
     }
 
     async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        refuse_to_drop_markers(manager).await?;
         manager
             .drop_index(
                 Index::drop()
@@ -92,4 +100,28 @@ impl MigrationTrait for CreateInbox {
             .drop_table(Table::drop().table(inbox::Entity).to_owned())
             .await
     }
+}
+
+/// Fails while `inbox` holds a row: the rows are what keeps redeliveries from being
+/// applied twice, so only the operator may throw them away, by deleting them.
+async fn refuse_to_drop_markers(manager: &SchemaManager<'_>) -> Result<(), DbErr> {
+    let any_marker = Query::select()
+        .expr(Expr::val(1))
+        .from(inbox::Entity)
+        .limit(1)
+        .to_owned();
+    if manager
+        .get_connection()
+        .query_one(&any_marker)
+        .await?
+        .is_some()
+    {
+        return Err(DbErr::Migration(format!(
+            "{}: refusing to drop the inbox table while it holds markers; every message \
+             they record as processed would be applied again when redelivered. To drop \
+             them anyway, delete them first (DELETE FROM inbox) and roll back again",
+            CreateInbox.name()
+        )));
+    }
+    Ok(())
 }

@@ -1,5 +1,5 @@
-//! Acceptance 1: the migration goes up, down and up again on every backend, creates the
-//! index under its exact name, is a no-op the second time, and keeps microseconds.
+//! The migrations go up, down and up again on every backend, create the index under its
+//! exact name, are a no-op the second time, keep microseconds, and refuse to drop markers.
 
 use chrono::{DateTime, TimeZone, Utc};
 use inbox_tests::stmt;
@@ -166,8 +166,57 @@ async fn timestamps_keep_microseconds_past_2038(backend: Backend) {
     db.cleanup().await;
 }
 
+async fn down_refuses_to_drop_markers_until_they_are_deleted(backend: Backend) {
+    let db = fresh_db(backend).await;
+    let conn = db.connect().await;
+    Migrator::up(&conn, None).await.expect("up");
+    inbox::ActiveModel {
+        message_id: Set(uuid::Uuid::new_v4()),
+        consumer: Set("kept".into()),
+        received_at: Set(Utc::now()),
+        ..Default::default()
+    }
+    .insert(&conn)
+    .await
+    .expect("insert a marker");
+
+    let refused = Migrator::down(&conn, None)
+        .await
+        .expect_err("down must not drop the table while it holds a marker");
+    assert!(
+        matches!(&refused, sea_orm::DbErr::Migration(message) if message.contains("DELETE FROM inbox")),
+        "the refusal says how to opt in: {refused:?}"
+    );
+    assert_eq!(
+        scalar_i64(&conn, "SELECT COUNT(*) FROM inbox").await,
+        1,
+        "the marker is kept"
+    );
+    let applied = Migrator::get_applied_migrations(&conn)
+        .await
+        .expect("applied");
+    assert!(
+        applied
+            .iter()
+            .any(|m| m.name() == "m20261130_000001_create_inbox"),
+        "CreateInbox is still recorded as applied"
+    );
+
+    // The explicit opt-in: the operator deletes the markers, then the rollback goes through.
+    conn.execute_unprepared("DELETE FROM inbox")
+        .await
+        .expect("delete the markers");
+    Migrator::down(&conn, None)
+        .await
+        .expect("down of an empty inbox");
+    assert_eq!(inbox_table_count(backend, &conn).await, 0);
+    conn.close().await.ok();
+    db.cleanup().await;
+}
+
 on_every_backend!(
     up_down_up_keeps_the_exact_index,
+    down_refuses_to_drop_markers_until_they_are_deleted,
     second_up_is_a_no_op,
     timestamps_keep_microseconds_past_2038
 );

@@ -1,0 +1,3 @@
+//! `SeaORM` Entity prelude.
+
+pub use super::ledger::Entity as Ledger;

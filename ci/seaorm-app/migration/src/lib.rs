@@ -1,0 +1,18 @@
+pub use sea_orm_migration::prelude::*;
+
+mod m20240101_000001_create_ledger;
+mod m20261130_000001_create_inbox;
+mod m20261130_000002_add_inbox_leases;
+
+pub struct Migrator;
+
+#[async_trait::async_trait]
+impl MigratorTrait for Migrator {
+    fn migrations() -> Vec<Box<dyn MigrationTrait>> {
+        vec![
+            Box::new(m20240101_000001_create_ledger::Migration),
+            Box::new(m20261130_000001_create_inbox::Migration),
+            Box::new(m20261130_000002_add_inbox_leases::Migration),
+        ]
+    }
+}
