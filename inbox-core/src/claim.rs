@@ -401,9 +401,9 @@ pub(crate) async fn insert_marker<C: ConnectionTrait>(
     let statement = claim_marker_statement(backend, message_id, consumer, now_micros(), process)?;
     let marker_id = if marker_insert_returns_id(backend)? {
         match conn.query_one_raw(statement).await {
-            Ok(row) => row
-                .ok_or_else(|| DbErr::Custom("the marker INSERT returned no row".into()))
-                .and_then(|row| row.try_get_by_index::<i64>(0)),
+            Ok(Some(row)) => row.try_get_by_index::<i64>(0),
+            // The conflict clause met the marker of a committed claim.
+            Ok(None) => return Ok(Claim::Duplicate),
             Err(err) => return claim_failure(conn, err, message_id, consumer).await,
         }
     } else {
