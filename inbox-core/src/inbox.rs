@@ -280,7 +280,9 @@ impl Inbox {
     /// [`ProcessError::Handler`] when the handler fails (rolled back; not retried unless
     /// transient, as above, and then returned when the attempts run out),
     /// [`ProcessError::Inbox`] for failures a retry would not fix
-    /// ([`InboxError::NilMessageId`], before any SQL runs, and [`InboxError::ClaimLost`]),
+    /// ([`InboxError::NilMessageId`], before any SQL runs, [`InboxError::ClaimLost`], and
+    /// [`InboxError::MissingMigration`] when an inbox migration has not run: call
+    /// [`crate::verify_schema`] at startup to find that once),
     /// [`ProcessError::RetriesExhausted`] when every attempt met a transient failure. All
     /// of them mean: nack the message. If the last failure was the COMMIT itself, the work
     /// may have committed; the redelivery then reports `Duplicate` (see [`ProcessError`]).

@@ -672,3 +672,34 @@ fn classify_database(db: &dyn DatabaseError) -> DbErrorKind {
         .find_map(|classify| classify(db))
         .unwrap_or(DbErrorKind::Other)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The missing-column texts of each server (PostgreSQL's 42703 in two languages,
+    /// MySQL's 1054 column, SQLite's two forms after their prefix) lead to the migration
+    /// that adds the column; other columns to none.
+    #[test]
+    fn a_missing_column_names_its_migration() {
+        for message in [
+            "column \"claim_token\" of relation \"inbox\" does not exist",
+            "Spalte »lease_until« von Relation »inbox« existiert nicht",
+            "attempts",
+            "inbox.dead_at",
+        ] {
+            assert_eq!(
+                migration_of_column_named_in(message),
+                Some(InboxMigration::AddInboxLeases),
+                "{message}"
+            );
+        }
+        for message in [
+            "column \"claim_tokens\" of relation \"orders\" does not exist",
+            "order_attempts",
+            "",
+        ] {
+            assert_eq!(migration_of_column_named_in(message), None, "{message}");
+        }
+    }
+}

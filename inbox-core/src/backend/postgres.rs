@@ -130,6 +130,23 @@ fn names_inbox_table(message: &str) -> bool {
 mod tests {
     use super::*;
 
+    /// Every statement that may meet an existing marker arbitrates on the inbox's
+    /// constraint, by the name the entity crate gives it, and on nothing else.
+    #[test]
+    fn every_marker_insert_arbitrates_on_the_inbox_constraint() {
+        let clause = format!(r#" ON CONFLICT ON CONSTRAINT "{INDEX_NAME}" DO NOTHING"#);
+        for sql in [
+            Postgres.insert_marker(),
+            Postgres.insert_process_marker(),
+            Postgres
+                .insert_process_marker_bounding_lock_wait()
+                .unwrap_or_default(),
+            Postgres.on_inbox_conflict_do_nothing(),
+        ] {
+            assert!(sql.contains(&clause), "{sql}");
+        }
+    }
+
     /// The 42P01 texts of PostgreSQL 15's message catalogues (`relation "%s" does not
     /// exist` and its translations).
     #[test]
