@@ -246,7 +246,10 @@ pub trait InboxTransactionExt: sealed::Sealed {
     /// [`Claim::Duplicate`] only when the insert met the marker on the inbox index
     /// `ix_inbox_message_id_consumer` (on PostgreSQL through `ON CONFLICT ON CONSTRAINT`,
     /// so the server logs no error for a duplicate; elsewhere as the unique violation the
-    /// database raised on that index). If another open transaction holds the same claim,
+    /// database raised on that index). On PostgreSQL under REPEATABLE READ or SERIALIZABLE,
+    /// a marker committed after the transaction's snapshot was taken fails the claim with a
+    /// serialization failure (40001, which [`crate::classify`] calls transient) instead:
+    /// retry in a new transaction, which sees the marker and gets `Duplicate`. If another open transaction holds the same claim,
     /// this call waits until it ends: committed means `Duplicate`, rolled back means
     /// `Claimed`. The wait is bounded by the backend's own lock timeout only (PostgreSQL:
     /// `lock_timeout`, unbounded by default, so consider `SET LOCAL lock_timeout` first;
