@@ -10,7 +10,7 @@
 use inbox_tests::{
     Backend, LostReplyProxy, create_accounts, credit_once, migrated_db, run, scalar_i64,
 };
-use sea_orm::{DbErr, TransactionTrait};
+use sea_orm::{ConnectionTrait, DbErr, IsolationLevel, TransactionTrait};
 use sea_orm_inbox::prelude::*;
 use sea_orm_inbox::{DbErrorKind, LeaseClaim, LeaseOptions, claim_lease, classify};
 use std::time::Duration;
@@ -149,6 +149,37 @@ async fn another_unique_violation_is_still_an_error_on_postgres() {
         .process(&conn, id, |_txn| Box::pin(async { Ok::<_, DbErr>(()) }))
         .await;
     assert!(outcome.is_err(), "process must not ack it: {outcome:?}");
+    conn.close().await.ok();
+    db.cleanup().await;
+}
+
+/// Under REPEATABLE READ, PostgreSQL's `ON CONFLICT` answers a marker committed after the
+/// snapshot with a serialization failure: transient, and the retry in a new transaction is
+/// `Duplicate`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[cfg_attr(not(inbox_postgres), ignore = "set INBOX_TEST_POSTGRES_URL")]
+async fn a_marker_newer_than_a_repeatable_read_snapshot_is_transient() {
+    let db = migrated_db(Backend::Postgres).await;
+    let conn = db.connect().await;
+    let other = db.connect().await;
+    let id = Uuid::new_v4();
+    let txn = conn
+        .begin_with_config(Some(IsolationLevel::RepeatableRead), None)
+        .await
+        .unwrap();
+    txn.execute_unprepared("SELECT 1")
+        .await
+        .expect("the first statement takes the snapshot");
+    assert!(claim_and_commit(&other, id, "quiet.rr").await.is_claimed());
+    let err = txn
+        .claim_message(id, "quiet.rr")
+        .await
+        .expect_err("the snapshot cannot see the marker");
+    txn.rollback().await.unwrap();
+    let source = err.db_err().expect("the database's error");
+    assert_eq!(classify(source), DbErrorKind::Transient, "{err}");
+    assert!(claim_and_commit(&conn, id, "quiet.rr").await.is_duplicate());
+    other.close().await.ok();
     conn.close().await.ok();
     db.cleanup().await;
 }
