@@ -410,6 +410,14 @@ mod tests {
                 "add sea_orm_inbox_migration::CreateInbox",
             ),
             (
+                InboxError::MissingMigration {
+                    migration: InboxMigration::AddInboxLeases,
+                    source: DbErr::Custom("no such column: claim_token".into()),
+                }
+                .to_string(),
+                "sea_orm_inbox_migration::AddInboxLeases (m20261130_000002_add_inbox_leases) adds: add it to your Migrator",
+            ),
+            (
                 InboxError::UnsupportedBackend {
                     backend: "Oracle".into(),
                 }

@@ -344,3 +344,90 @@ fn check_index(keys: &[InboxIndexKey], needs_constraint: bool) -> Result<(), Sch
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn keys(columns: &[&str], unique: bool, partial: bool, constraint: bool) -> Vec<InboxIndexKey> {
+        columns
+            .iter()
+            .map(|column| InboxIndexKey {
+                column: (*column).to_owned(),
+                unique,
+                partial,
+                constraint,
+            })
+            .collect()
+    }
+
+    fn found(result: Result<(), SchemaError>) -> String {
+        match result {
+            Err(SchemaError::WrongIndex { found }) => found,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_index_must_be_unique_on_exactly_the_two_columns_in_order() {
+        let both = ["message_id", "consumer"];
+        assert!(check_index(&keys(&both, true, false, true), true).is_ok());
+        assert!(check_index(&keys(&both, true, false, false), false).is_ok());
+        assert_eq!(
+            found(check_index(
+                &keys(&["consumer", "message_id"], true, false, true),
+                true
+            )),
+            "on (consumer, message_id)"
+        );
+        assert_eq!(
+            found(check_index(&keys(&both, false, true, true), true)),
+            "not unique, partial (or on a column prefix)"
+        );
+        assert!(matches!(
+            check_index(&[], true),
+            Err(SchemaError::MissingIndex)
+        ));
+        assert!(matches!(
+            check_index(&keys(&both, true, false, false), true),
+            Err(SchemaError::MissingMigration {
+                migration: InboxMigration::InboxUniqueConstraint,
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn missing_columns_name_the_first_migration_that_adds_one() {
+        let columns = |names: &[&str]| {
+            names
+                .iter()
+                .map(|name| InboxColumn {
+                    name: (*name).to_owned(),
+                    collation: None,
+                })
+                .collect::<Vec<_>>()
+        };
+        let first = [
+            "id",
+            "message_id",
+            "consumer",
+            "received_at",
+            "processed_at",
+        ];
+        assert!(matches!(check_columns(&[]), Err(SchemaError::MissingTable)));
+        let Err(SchemaError::MissingMigration { migration, missing }) =
+            check_columns(&columns(&[&first[..], &["attempts", "dead_at"]].concat()))
+        else {
+            panic!("lease columns missing")
+        };
+        assert_eq!(migration, InboxMigration::AddInboxLeases);
+        assert_eq!(missing, "the column(s) lease_until, claim_token");
+        let all = [
+            &first[..],
+            &["attempts", "lease_until", "claim_token", "dead_at"],
+        ]
+        .concat();
+        assert!(check_columns(&columns(&all)).is_ok());
+    }
+}
