@@ -115,16 +115,14 @@ pub enum SchemaError {
 
     /// The inbox table has no index named `ix_inbox_message_id_consumer`.
     #[error(
-        "the inbox table has no index named {INDEX_NAME}, so nothing stops two deliveries from both claiming a message: create it with CREATE UNIQUE INDEX {INDEX_NAME} ON inbox (message_id, consumer) (on PostgreSQL then run {})",
-        InboxMigration::InboxUniqueConstraint
+        "the inbox table has no index named {INDEX_NAME}, so nothing stops two deliveries from both claiming a message: create it with CREATE UNIQUE INDEX {INDEX_NAME} ON inbox (message_id, consumer) (PostgreSQL: ALTER TABLE inbox ADD CONSTRAINT {INDEX_NAME} UNIQUE (message_id, consumer))"
     )]
     MissingIndex,
 
     /// The index `ix_inbox_message_id_consumer` exists but is not a plain UNIQUE index on
     /// exactly `(message_id, consumer)`.
     #[error(
-        "the index {INDEX_NAME} is {found}, not a UNIQUE index on exactly (message_id, consumer), so duplicates are not detected as the inbox expects: drop it and create it with CREATE UNIQUE INDEX {INDEX_NAME} ON inbox (message_id, consumer) (on PostgreSQL then run {})",
-        InboxMigration::InboxUniqueConstraint
+        "the index {INDEX_NAME} is {found}, not a UNIQUE index on exactly (message_id, consumer), so duplicates are not detected as the inbox expects: drop it and create it with CREATE UNIQUE INDEX {INDEX_NAME} ON inbox (message_id, consumer) (PostgreSQL: ALTER TABLE inbox ADD CONSTRAINT {INDEX_NAME} UNIQUE (message_id, consumer))"
     )]
     WrongIndex {
         /// What the index is instead.
@@ -339,7 +337,9 @@ fn check_index(keys: &[InboxIndexKey], needs_constraint: bool) -> Result<(), Sch
     if needs_constraint && !first.constraint {
         return Err(SchemaError::MissingMigration {
             migration: InboxMigration::InboxUniqueConstraint,
-            missing: format!("the UNIQUE constraint {INDEX_NAME} (it has the index only)"),
+            missing: format!(
+                "the UNIQUE constraint {INDEX_NAME} (it has the index only; if that migration is already recorded as run, attach the index yourself: ALTER TABLE inbox ADD CONSTRAINT {INDEX_NAME} UNIQUE USING INDEX {INDEX_NAME})"
+            ),
         });
     }
     Ok(())
