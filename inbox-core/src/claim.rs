@@ -21,11 +21,11 @@ use uuid::Uuid;
 /// on the claim, never ignore it.
 ///
 /// After [`Duplicate`](Claim::Duplicate) the transaction must be rolled back (or dropped,
-/// which rolls it back). On PostgreSQL the claim statement's failure aborted the whole
-/// transaction (any further statement fails with SQLSTATE 25P02), but MySQL/MariaDB and
-/// SQLite keep it usable: a caller who ignores `Duplicate` there and commits applies the
-/// work a second time. Acknowledge the message to the broker either way: a duplicate is a
-/// success.
+/// which rolls it back). The claim raised nothing into it (PostgreSQL's claim detects the
+/// duplicate with `ON CONFLICT ON CONSTRAINT`; MySQL/MariaDB and SQLite keep a transaction
+/// usable after a unique violation), so it is still usable: a caller who ignores
+/// `Duplicate` and commits applies the work a second time. Acknowledge the message to the
+/// broker either way: a duplicate is a success.
 #[must_use = "a Duplicate claim means the work was already done: skip it and roll back"]
 #[derive(Debug, PartialEq, Eq, Hash)]
 pub enum Claim {
@@ -265,8 +265,13 @@ pub trait InboxTransactionExt: sealed::Sealed {
     /// before any SQL runs.
     ///
     /// Returns [`Claim::Claimed`] when this transaction now holds it, and
-    /// [`Claim::Duplicate`] only when the database rejected the insert on the inbox index
-    /// `ix_inbox_message_id_consumer`. If another open transaction holds the same claim,
+    /// [`Claim::Duplicate`] only when the insert met the marker on the inbox index
+    /// `ix_inbox_message_id_consumer` (on PostgreSQL through `ON CONFLICT ON CONSTRAINT`,
+    /// so the server logs no error for a duplicate; elsewhere as the unique violation the
+    /// database raised on that index). On PostgreSQL under REPEATABLE READ or SERIALIZABLE,
+    /// a marker committed after the transaction's snapshot was taken fails the claim with a
+    /// serialization failure (40001, which [`crate::classify`] calls transient) instead:
+    /// retry in a new transaction, which sees the marker and gets `Duplicate`. If another open transaction holds the same claim,
     /// this call waits until it ends: committed means `Duplicate`, rolled back means
     /// `Claimed`. The wait is bounded by the backend's own lock timeout only (PostgreSQL:
     /// `lock_timeout`, unbounded by default, so consider `SET LOCAL lock_timeout` first;
@@ -293,6 +298,9 @@ pub trait InboxTransactionExt: sealed::Sealed {
     ///   [`InboxError::ConsumerContainsNul`], [`InboxError::ConsumerTooLong`],
     ///   [`InboxError::NilMessageId`] before any SQL runs;
     /// - [`InboxError::MissingTable`] when the migration has not run;
+    /// - [`InboxError::MissingMigration`] when a later inbox migration has not run (on
+    ///   PostgreSQL: [`InboxUniqueConstraint`](crate::InboxMigration::InboxUniqueConstraint));
+    ///   [`crate::verify_schema`] finds it at startup;
     /// - [`InboxError::Database`] for every other failure, including a unique violation on
     ///   any other index, with the original [`DbErr`].
     fn claim_message(
@@ -311,7 +319,8 @@ pub trait InboxTransactionExt: sealed::Sealed {
     ///
     /// The ids are deduplicated and sorted first, so replicas claiming overlapping batches
     /// lock index entries in the same order (no deadlock between them). A row that exists
-    /// for an id leaves it unchanged and raises nothing (`ON CONFLICT DO NOTHING`; MySQL:
+    /// for an id leaves it unchanged and raises nothing (PostgreSQL: `ON CONFLICT ON
+    /// CONSTRAINT ix_inbox_message_id_consumer DO NOTHING`; SQLite: `ON CONFLICT DO NOTHING`; MySQL:
     /// `ON DUPLICATE KEY UPDATE consumer = consumer`), so the transaction stays usable:
     /// process the `claimed` ids through this transaction, stopping at the first failed
     /// statement, then commit with [`BatchClaim::commit`](crate::BatchClaim::commit), which
@@ -333,7 +342,8 @@ pub trait InboxTransactionExt: sealed::Sealed {
     /// Before any SQL: [`InboxError::EmptyBatch`], [`InboxError::BatchTooLarge`] (more than
     /// [`crate::MAX_CLAIM_BATCH`] distinct ids), [`InboxError::NilMessageId`] for a nil id
     /// anywhere in the batch, and the consumer errors of `claim_message`. Then
-    /// [`InboxError::MissingTable`] or [`InboxError::Database`], which is also the error
+    /// [`InboxError::MissingTable`], [`InboxError::MissingMigration`] or
+    /// [`InboxError::Database`], which is also the error
     /// when a batch row conflicted on a unique index of the inbox table other than the
     /// inbox's own (roll back and drop that index).
     ///
@@ -438,9 +448,9 @@ pub(crate) async fn insert_marker<C: ConnectionTrait>(
     let statement = claim_marker_statement(backend, message_id, consumer, now_micros(), process)?;
     let marker_id = if marker_insert_returns_id(backend)? {
         match conn.query_one_raw(statement).await {
-            Ok(row) => row
-                .ok_or_else(|| DbErr::Custom("the marker INSERT returned no row".into()))
-                .and_then(|row| row.try_get_by_index::<i64>(0)),
+            Ok(Some(row)) => row.try_get_by_index::<i64>(0),
+            // The conflict clause met the marker of a committed claim.
+            Ok(None) => return Ok(Claim::Duplicate),
             Err(err) => return claim_failure(conn, err, message_id, consumer).await,
         }
     } else {

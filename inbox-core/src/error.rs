@@ -1,5 +1,5 @@
-use crate::MessageId;
-use crate::backend::{DbErrorKind, classify};
+use crate::backend::{DbErrorKind, classify, missing_migration};
+use crate::{InboxMigration, MessageId};
 use sea_orm::DbErr;
 use std::time::Duration;
 
@@ -65,6 +65,20 @@ pub enum InboxError {
         "the inbox table does not exist: add sea_orm_inbox_migration::CreateInbox to your Migrator (or run sea_orm_inbox_migration::Migrator::up) before claiming messages ({source})"
     )]
     MissingTable {
+        /// The database's own error.
+        #[source]
+        source: DbErr,
+    },
+
+    /// The inbox table lacks a column or the constraint that one of the inbox migrations
+    /// adds: that migration has not run on this database.
+    /// [`verify_schema`](crate::verify_schema) finds this at startup.
+    #[error(
+        "the inbox table lacks what {migration} adds: add it to your Migrator after the earlier inbox migrations and run it (or run sea_orm_inbox_migration::Migrator::up), and call sea_orm_inbox::verify_schema at startup ({source})"
+    )]
+    MissingMigration {
+        /// The migration to add and run.
+        migration: InboxMigration,
         /// The database's own error.
         #[source]
         source: DbErr,
@@ -323,9 +337,13 @@ pub enum InboxError {
 
 impl InboxError {
     /// The error for a database failure while claiming `message_id` for `consumer`:
-    /// [`MissingTable`](Self::MissingTable) when the classifier says so, else
+    /// [`MissingTable`](Self::MissingTable) or [`MissingMigration`](Self::MissingMigration)
+    /// when the database says so, else
     /// [`Database`](Self::Database).
     pub(crate) fn from_claim(source: DbErr, message_id: MessageId, consumer: &str) -> Self {
+        if let Some(migration) = missing_migration(&source) {
+            return Self::MissingMigration { migration, source };
+        }
         match crate::classify(&source) {
             crate::DbErrorKind::MissingInboxTable => Self::MissingTable { source },
             _ => Self::Database {
@@ -340,6 +358,7 @@ impl InboxError {
     pub fn db_err(&self) -> Option<&DbErr> {
         match self {
             Self::MissingTable { source }
+            | Self::MissingMigration { source, .. }
             | Self::Database { source, .. }
             | Self::Query { source, .. } => Some(source),
             Self::ClaimLost { source, .. } => source.as_ref(),
@@ -428,6 +447,14 @@ mod tests {
                 }
                 .to_string(),
                 "add sea_orm_inbox_migration::CreateInbox",
+            ),
+            (
+                InboxError::MissingMigration {
+                    migration: InboxMigration::AddInboxLeases,
+                    source: DbErr::Custom("no such column: claim_token".into()),
+                }
+                .to_string(),
+                "sea_orm_inbox_migration::AddInboxLeases (m20261130_000002_add_inbox_leases) adds: add it to your Migrator",
             ),
             (
                 InboxError::UnsupportedBackend {

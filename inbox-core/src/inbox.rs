@@ -368,9 +368,10 @@ impl Inbox {
     /// [`ProcessError::Handler`] when the handler fails (rolled back; not retried unless
     /// transient, as above, and then returned when the attempts run out),
     /// [`ProcessError::Inbox`] for failures a retry would not fix
-    /// ([`InboxError::NilMessageId`], before any SQL runs, [`InboxError::ClaimLost`], and
+    /// ([`InboxError::NilMessageId`], before any SQL runs, [`InboxError::ClaimLost`],
     /// [`InboxError::DatabaseUnresponsive`] when a step got no answer within the partition
-    /// timeout),
+    /// timeout, and [`InboxError::MissingMigration`] when an inbox migration has not run:
+    /// call [`crate::verify_schema`] at startup to find that once),
     /// [`ProcessError::RetriesExhausted`] when every attempt met a transient failure. All
     /// of them mean: nack the message. If a COMMIT of the call failed and no later attempt
     /// found out whether it landed (the last failure was the COMMIT, or a step after an

@@ -349,8 +349,9 @@ fn dead_claim(row: &inbox::Model, dead_at: DateTime<Utc>) -> DeadClaim {
 /// # Errors
 /// Bad input as for `claim_message` ([`InboxError::EmptyConsumer`],
 /// [`InboxError::ConsumerTooLong`], [`InboxError::NilMessageId`]);
-/// [`InboxError::MissingTable`]; [`InboxError::Database`] for other failures (including a
-/// database that lacks the second migration's columns).
+/// [`InboxError::MissingTable`]; [`InboxError::MissingMigration`] for a database that
+/// lacks a later inbox migration (the second's columns; on PostgreSQL the third's
+/// constraint); [`InboxError::Database`] for other failures.
 ///
 /// ```
 /// use sea_orm_inbox::{LeaseClaim, LeaseOptions, claim_lease, complete_lease, MessageId};

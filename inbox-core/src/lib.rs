@@ -20,6 +20,7 @@ mod pooler;
 pub mod prelude;
 mod retention;
 mod retry;
+mod schema;
 
 pub use admission::{AdmissionFloor, Delivery, Refusal};
 pub use backend::{CLAIM_TRANSACTION, DbErrorKind, classify, is_inbox_duplicate, timestamp_value};
@@ -41,6 +42,7 @@ pub use retention::{
     spawn_purger,
 };
 pub use retry::RetryPolicy;
+pub use schema::{InboxMigration, SchemaError, verify_schema};
 pub use sea_orm_inbox_entity::{
     CONSUMER_MAX_CHARS, INDEX_NAME, RECEIVED_AT_INDEX_NAME, TABLE_NAME,
 };

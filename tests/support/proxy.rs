@@ -30,6 +30,10 @@
 //! way such a device does once it has forgotten the flows: every connection that lived
 //! through the partition is cut, later ones are forwarded again.
 //!
+//! The proxy also counts the error replies the server sends (PostgreSQL's
+//! `ErrorResponse`, MySQL's `ERR` packet; see [`error_replies`](LostReplyProxy::error_replies)):
+//! each is a failed statement the server may write into its log.
+//!
 //! SQLite is embedded: there is no network between the client and the database, so the
 //! proxy (and every lost-reply test) exists only for the server backends.
 
@@ -90,6 +94,8 @@ struct Faults {
     partitioned: AtomicBool,
     /// Bumped by every heal: the connections that saw an older value end.
     heals: watch::Sender<u64>,
+    /// Error replies the server sent.
+    errors: AtomicU32,
 }
 
 /// A proxy on an ephemeral 127.0.0.1 port in front of a test database's server.
@@ -183,6 +189,12 @@ impl LostReplyProxy {
     fn arm_for(&self, trigger: Trigger) {
         self.faults.armings.fetch_add(1, Ordering::SeqCst);
         *self.faults.armed.lock().expect("the proxy's lock") = Some(trigger);
+    }
+
+    /// Error replies the server sent through the proxy so far (PostgreSQL's
+    /// `ErrorResponse`, MySQL's `ERR` packet).
+    pub fn error_replies(&self) -> u32 {
+        self.faults.errors.load(Ordering::SeqCst)
     }
 
     /// COMMIT replies dropped so far.
@@ -289,7 +301,7 @@ async fn relay(
     // sockets, so the client sees the cut right after its COMMIT.
     tokio::select! {
         () = requests(client_read, server_write, protocol, &faults, &losing_reply) => {}
-        () = replies(server_read, client_write, &faults, &losing_reply) => {}
+        () = replies(server_read, client_write, protocol, &faults, &losing_reply) => {}
         _ = healed.changed() => {}
     }
 }
@@ -348,9 +360,11 @@ async fn requests(
 async fn replies(
     mut from: OwnedReadHalf,
     mut to: OwnedWriteHalf,
+    protocol: Protocol,
     faults: &Faults,
     losing_reply: &AtomicBool,
 ) {
+    let mut framer = ReplyFramer::new(protocol);
     let mut chunk = vec![0u8; 64 * 1024];
     loop {
         if faults.partitioned.load(Ordering::SeqCst) {
@@ -370,6 +384,9 @@ async fn replies(
         if faults.partitioned.load(Ordering::SeqCst) {
             continue;
         }
+        faults
+            .errors
+            .fetch_add(framer.push(&chunk[..read]), Ordering::SeqCst);
         if to.write_all(&chunk[..read]).await.is_err() {
             return;
         }
@@ -487,6 +504,53 @@ impl Framer {
     }
 }
 
+/// Splits the server's byte stream into protocol messages and counts the error replies.
+/// The server's messages all carry their length from the first byte on: the proxy's
+/// routes turn TLS off, so PostgreSQL never answers an untyped SSLRequest.
+struct ReplyFramer {
+    protocol: Protocol,
+    buffer: Vec<u8>,
+}
+
+/// MySQL's ERR packet header byte.
+const MYSQL_ERR: u8 = 0xff;
+
+impl ReplyFramer {
+    fn new(protocol: Protocol) -> Self {
+        Self {
+            protocol,
+            buffer: Vec::new(),
+        }
+    }
+
+    /// Appends `bytes` and counts the error replies among the messages they completed.
+    fn push(&mut self, bytes: &[u8]) -> u32 {
+        self.buffer.extend_from_slice(bytes);
+        let mut errors = 0;
+        loop {
+            let b = &self.buffer;
+            let (len, is_error) = match self.protocol {
+                Protocol::Postgres => {
+                    let Some(header) = b.get(1..5) else { break };
+                    let len = u32::from_be_bytes([header[0], header[1], header[2], header[3]]);
+                    (1 + len as usize, b[0] == b'E')
+                }
+                Protocol::MySql => {
+                    let Some(header) = b.get(..4) else { break };
+                    let len = u32::from_le_bytes([header[0], header[1], header[2], 0]);
+                    (4 + len as usize, b.get(4) == Some(&MYSQL_ERR))
+                }
+            };
+            if len > b.len() {
+                break;
+            }
+            errors += u32::from(is_error);
+            self.buffer.drain(..len);
+        }
+        errors
+    }
+}
+
 /// The bytes before the first NUL.
 fn cstr(bytes: &[u8]) -> &[u8] {
     bytes.split(|&b| b == 0).next().unwrap_or_default()
@@ -509,6 +573,29 @@ mod tests {
         message.extend_from_slice(&(body.len() as u32 + 4).to_be_bytes());
         message.extend_from_slice(body);
         message
+    }
+
+    #[test]
+    fn counts_error_replies_split_across_reads() {
+        let mut framer = ReplyFramer::new(Protocol::Postgres);
+        let stream = [
+            pg(b'C', b"INSERT 0 1\0"),
+            pg(b'E', b"SERROR\0C23505\0\0"),
+            pg(b'Z', b"E"),
+        ]
+        .concat();
+        let (first, rest) = stream.split_at(14);
+        assert_eq!(framer.push(first) + framer.push(rest), 1);
+
+        let mut framer = ReplyFramer::new(Protocol::MySql);
+        let ok = [7, 0, 0, 1, 0, 1, 0, 2, 0, 0, 0];
+        let err = [
+            9, 0, 0, 1, 0xff, 0x26, 0x04, b'#', b'2', b'3', b'0', b'0', b'0',
+        ];
+        assert_eq!(
+            framer.push(&ok) + framer.push(&err[..3]) + framer.push(&err[3..]),
+            1
+        );
     }
 
     fn pg_startup(code: u32) -> Vec<u8> {

@@ -1,5 +1,6 @@
 //! The migrations go up, down and up again on every backend, create the index under its
-//! exact name, are a no-op the second time, keep microseconds, and refuse to drop markers.
+//! exact name (on PostgreSQL as a UNIQUE constraint of that name), are a no-op the second
+//! time, keep microseconds, and refuse to drop markers.
 
 use chrono::{DateTime, TimeZone, Utc};
 use inbox_tests::stmt;
@@ -8,7 +9,7 @@ use sea_orm::{
     ActiveModelTrait, ActiveValue::Set, ColumnTrait, ConnectionTrait, EntityTrait, QueryFilter,
     TransactionTrait,
 };
-use sea_orm_inbox::timestamp_value;
+use sea_orm_inbox::{timestamp_value, verify_schema};
 use sea_orm_inbox_entity::{INDEX_NAME, inbox};
 use sea_orm_inbox_migration::Migrator;
 use sea_orm_migration::MigratorTrait;
@@ -79,6 +80,23 @@ async fn up_down_up_keeps_the_exact_index(backend: Backend) {
         .expect("second up after down");
     assert_eq!(inbox_table_count(backend, &conn).await, 1);
     assert_eq!(inbox_index_count(backend, &conn).await, 1);
+    if backend.is_postgres() {
+        assert_eq!(
+            scalar_i64(
+                &conn,
+                &format!(
+                    "SELECT COUNT(*) FROM pg_constraint WHERE conname = '{INDEX_NAME}' \
+                     AND contype = 'u' AND conrelid = 'inbox'::regclass"
+                ),
+            )
+            .await,
+            1,
+            "the index is the UNIQUE constraint {INDEX_NAME} the claims' ON CONFLICT names"
+        );
+    }
+    verify_schema(&conn)
+        .await
+        .expect("the startup check passes");
 
     conn.close().await.ok();
     db.cleanup().await;

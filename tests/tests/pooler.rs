@@ -13,7 +13,7 @@ use sea_orm::{DbErr, TransactionTrait};
 use sea_orm_inbox::{
     CLAIM_TRANSACTION, Claim, ClaimToken, Inbox, InboxTransactionExt, LeaseClaim, LeaseOptions,
     MessageId, Outcome, RetentionPolicy, claim_lease, claim_lease_with_token, complete_lease,
-    list_dead_claims, list_expired_leases, purge, release_lease, spawn_purger,
+    list_dead_claims, list_expired_leases, purge, release_lease, spawn_purger, verify_schema,
 };
 use std::time::Duration;
 use uuid::Uuid;
@@ -21,6 +21,9 @@ use uuid::Uuid;
 async fn every_public_function_sends_its_statements_in_transactions(backend: Backend) {
     let db = migrated_db(backend).await;
     let conn = db.connect().await;
+
+    // The startup check reads the catalog.
+    verify_schema(&conn).await.unwrap();
 
     // One-phase claim, its pre-commit proof, its commit, and the duplicate.
     let id = Uuid::new_v4();

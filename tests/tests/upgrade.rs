@@ -1,13 +1,14 @@
 //! Issue 4, acceptance 7: a database created by the first migration, with markers in it,
-//! upgrades in place through the second migration without losing a row; the second
-//! migration goes down and up again on its own; `claim_message` keeps working throughout.
+//! upgrades in place through the later migrations without losing a row; they go down and
+//! up again on their own; `claim_message` keeps working throughout, except on PostgreSQL
+//! without the third migration, where it names that migration.
 
 use chrono::{DateTime, DurationRound, TimeDelta, Utc};
 use inbox_tests::{Backend, fresh_db, on_every_backend, scalar_i64, stmt};
 use sea_orm::{ConnectionTrait, DatabaseConnection, EntityTrait, QueryOrder, TransactionTrait};
 use sea_orm_inbox::prelude::*;
-use sea_orm_inbox::timestamp_value;
-use sea_orm_inbox_entity::{RECEIVED_AT_INDEX_NAME, inbox};
+use sea_orm_inbox::{InboxMigration, is_inbox_duplicate, timestamp_value, verify_schema};
+use sea_orm_inbox_entity::{INDEX_NAME, RECEIVED_AT_INDEX_NAME, inbox};
 use sea_orm_inbox_migration::Migrator;
 use sea_orm_migration::MigratorTrait;
 use std::time::Duration;
@@ -93,8 +94,11 @@ async fn first_migration_data_survives_the_upgrade_and_down_up(backend: Backend)
     Migrator::up(&conn, None).await.expect("upgrade in place");
     assert_eq!(
         Migrator::get_applied_migrations(&conn).await.unwrap().len(),
-        2
+        Migrator::migrations().len()
     );
+    verify_schema(&conn)
+        .await
+        .expect("the upgraded schema passes the startup check");
     assert_eq!(received_at_index_count(backend, &conn).await, 1);
     let rows = inbox::Entity::find()
         .order_by_asc(inbox::Column::Id)
@@ -126,8 +130,12 @@ async fn first_migration_data_survives_the_upgrade_and_down_up(backend: Backend)
         "a marker from before the upgrade counts as processed"
     );
 
-    // Down undoes only the second migration and keeps the rows; up again restores it.
-    Migrator::down(&conn, Some(1)).await.expect("down one step");
+    // Down undoes the third migration (PostgreSQL's constraint turns back into the plain
+    // unique index, still deduplicating) and the second, and keeps the rows; up again
+    // restores them.
+    Migrator::down(&conn, Some(2))
+        .await
+        .expect("down two steps");
     assert_eq!(
         Migrator::get_applied_migrations(&conn).await.unwrap().len(),
         1
@@ -135,10 +143,52 @@ async fn first_migration_data_survives_the_upgrade_and_down_up(backend: Backend)
     assert_eq!(received_at_index_count(backend, &conn).await, 0);
     assert_eq!(scalar_i64(&conn, "SELECT COUNT(*) FROM inbox").await, 51);
     insert_v1(&conn, Uuid::new_v4(), base, None).await;
-    assert!(claim(&conn, Uuid::new_v4()).await.is_claimed());
+    let txn = conn.begin().await.unwrap();
+    let again = txn
+        .execute_raw(stmt(
+            conn.get_database_backend(),
+            "INSERT INTO inbox (message_id, consumer, received_at) VALUES (?, 'billing', ?)",
+            vec![
+                old[0].0.into(),
+                timestamp_value(conn.get_database_backend(), base),
+            ],
+        ))
+        .await;
+    txn.rollback().await.unwrap();
+    assert!(
+        is_inbox_duplicate(&again.expect_err("the index still deduplicates")),
+        "a duplicate still violates {INDEX_NAME}"
+    );
+    if backend.is_postgres() {
+        // PostgreSQL's claim needs the third migration's constraint, and says so.
+        let txn = conn.begin_with_options(CLAIM_TRANSACTION).await.unwrap();
+        let err = txn
+            .claim_message(Uuid::new_v4(), "billing")
+            .await
+            .expect_err("no constraint");
+        txn.rollback().await.unwrap();
+        assert!(
+            matches!(
+                err,
+                InboxError::MissingMigration {
+                    migration: InboxMigration::InboxUniqueConstraint,
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+    } else {
+        assert!(claim(&conn, Uuid::new_v4()).await.is_claimed());
+    }
     Migrator::up(&conn, None).await.expect("up again");
+    verify_schema(&conn).await.expect("upgraded again");
     assert_eq!(received_at_index_count(backend, &conn).await, 1);
-    assert_eq!(inbox::Entity::find().all(&conn).await.unwrap().len(), 53);
+    assert!(claim(&conn, Uuid::new_v4()).await.is_claimed());
+    assert!(claim(&conn, old[0].0).await.is_duplicate());
+    // 51 rows, the one inserted while down, a claim after it where the claim still ran,
+    // the claim after the second upgrade.
+    let rows = if backend.is_postgres() { 53 } else { 54 };
+    assert_eq!(inbox::Entity::find().all(&conn).await.unwrap().len(), rows);
     conn.close().await.ok();
     db.cleanup().await;
 }

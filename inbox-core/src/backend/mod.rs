@@ -6,7 +6,7 @@
 //! module for a connection; everything else in the crate asks it instead of matching on
 //! the backend.
 
-use crate::{InboxError, MessageId};
+use crate::{InboxError, InboxMigration, MessageId};
 use chrono::{DateTime, Utc};
 use sea_orm::sea_query::Expr;
 use sea_orm::sqlx;
@@ -99,8 +99,9 @@ trait Dialect: Sync {
     /// embedded database has no client to lose).
     fn bound_silence(&self, silence: Duration) -> Option<String>;
 
-    /// Whether the marker INSERT ends in `RETURNING "id"`; otherwise the driver reports
-    /// the new row's auto-increment id.
+    /// Whether the marker INSERT ends in `RETURNING "id"`, and returns no row when the
+    /// marker exists (its conflict clause on the inbox index skipped it); otherwise the
+    /// driver reports the new row's auto-increment id and a duplicate raises.
     fn marker_insert_returns_id(&self) -> bool {
         false
     }
@@ -123,6 +124,33 @@ trait Dialect: Sync {
 
     /// One purge batch deleting at most `?` rows meeting `purgeable`, oldest first.
     fn purge_batch(&self, purgeable: &str) -> String;
+
+    /// A catalog read of the inbox table's columns, in order: name (text), collation (text,
+    /// NULL where it does not matter). No rows when the table does not exist.
+    fn inbox_columns_catalog(&self) -> &'static str;
+
+    /// A catalog read of the key columns of the inbox table's index named
+    /// `ix_inbox_message_id_consumer`, in key order: column name (text), unique, partial
+    /// (a WHERE clause or a column prefix), backs a UNIQUE constraint of that name (each a
+    /// bigint, 0 or 1). No rows when there is no such index.
+    fn inbox_index_catalog(&self) -> &'static str;
+
+    /// Whether the inbox index must be a constraint for the claims' conflict clause.
+    fn conflict_needs_constraint(&self) -> bool {
+        false
+    }
+
+    /// Whether a `consumer` column of `collation` compares names byte for byte.
+    fn is_exact_consumer_collation(&self, _collation: &str) -> bool {
+        true
+    }
+
+    /// The inbox migration a failed statement on the inbox table shows missing: a column
+    /// it adds, or the constraint. `None` for any other error of this driver, or one of
+    /// another driver.
+    fn missing_migration(&self, _db: &dyn DatabaseError) -> Option<InboxMigration> {
+        None
+    }
 
     /// `at` as a bind value the database stores without loss.
     fn timestamp_value(&self, at: DateTime<Utc>) -> Value {
@@ -188,6 +216,87 @@ fn dialect(backend: DbBackend) -> Result<&'static dyn Dialect, InboxError> {
             backend: format!("{other:?}"),
         }),
     }
+}
+
+/// How to read `backend`'s catalog for [`verify_schema`](crate::verify_schema), or why
+/// the inbox cannot use the backend.
+pub(crate) fn schema_catalog(backend: DbBackend) -> Result<SchemaCatalog, InboxError> {
+    let dialect = dialect(backend)?;
+    Ok(SchemaCatalog {
+        columns_sql: dialect.inbox_columns_catalog(),
+        index_sql: dialect.inbox_index_catalog(),
+        dialect,
+    })
+}
+
+/// One backend's catalog reads and rules for the startup check (see
+/// [`Dialect::inbox_columns_catalog`] and [`Dialect::inbox_index_catalog`] for the rows).
+pub(crate) struct SchemaCatalog {
+    /// The inbox table's columns.
+    pub(crate) columns_sql: &'static str,
+    /// The key columns of the inbox index.
+    pub(crate) index_sql: &'static str,
+    dialect: &'static dyn Dialect,
+}
+
+impl SchemaCatalog {
+    /// Whether the inbox index must back a constraint (PostgreSQL's conflict clause).
+    pub(crate) fn needs_constraint(&self) -> bool {
+        self.dialect.conflict_needs_constraint()
+    }
+
+    /// Whether the `consumer` column's collation compares names byte for byte.
+    pub(crate) fn is_exact_consumer_collation(&self, collation: &str) -> bool {
+        self.dialect.is_exact_consumer_collation(collation)
+    }
+}
+
+/// The inbox migration whose absence made a statement on the inbox table fail (a column it
+/// adds, or PostgreSQL's constraint), if that is why it failed.
+pub(crate) fn missing_migration(err: &DbErr) -> Option<InboxMigration> {
+    let (DbErr::Exec(RuntimeErr::SqlxError(sqlx_err))
+    | DbErr::Query(RuntimeErr::SqlxError(sqlx_err))) = err
+    else {
+        return None;
+    };
+    let sqlx::Error::Database(db) = sqlx_err.as_ref() else {
+        return None;
+    };
+    let dialects: &[&dyn Dialect] = &[
+        #[cfg(feature = "postgres")]
+        &postgres::Postgres,
+        #[cfg(feature = "mysql")]
+        &mysql::MySql,
+        #[cfg(feature = "sqlite")]
+        &sqlite::Sqlite,
+    ];
+    dialects
+        .iter()
+        .find_map(|dialect| dialect.missing_migration(db.as_ref()))
+}
+
+/// Whether `message` names `name` as a whole identifier: not inside a longer one, however
+/// the server's `lc_messages` quotes it.
+fn names_identifier(message: &str, name: &str) -> bool {
+    let is_identifier_char = |ch: char| ch.is_alphanumeric() || ch == '_' || ch == '$';
+    message.match_indices(name).any(|(at, found)| {
+        let before = message[..at].chars().next_back();
+        let after = message[at + found.len()..].chars().next();
+        !before.is_some_and(is_identifier_char)
+            && !after.is_some_and(|ch| is_identifier_char(ch) || ch == '.')
+    })
+}
+
+/// The inbox migration that adds the column `message` names, if it names one.
+fn migration_of_column_named_in(message: &str) -> Option<InboxMigration> {
+    crate::schema::MIGRATION_COLUMNS
+        .iter()
+        .find(|(_, columns)| {
+            columns
+                .iter()
+                .any(|column| names_identifier(message, column))
+        })
+        .map(|(migration, _)| *migration)
 }
 
 /// What `Inbox::process` adds to its marker: the call's token and the transaction's
@@ -278,8 +387,8 @@ pub(crate) fn claim_marker_statement(
 }
 
 /// Whether `backend`'s marker INSERT returns the new row's id (`RETURNING "id"`: run it as
-/// a query) rather than the driver reporting it (MySQL's `LAST_INSERT_ID`, SQLite's rowid:
-/// run it as a statement).
+/// a query; no row means the marker exists) rather than the driver reporting it (MySQL's
+/// `LAST_INSERT_ID`, SQLite's rowid: run it as a statement; a duplicate raises).
 pub(crate) fn marker_insert_returns_id(backend: DbBackend) -> Result<bool, InboxError> {
     Ok(dialect(backend)?.marker_insert_returns_id())
 }
@@ -711,4 +820,35 @@ fn classify_database(db: &dyn DatabaseError) -> DbErrorKind {
         .iter()
         .find_map(|classify| classify(db))
         .unwrap_or(DbErrorKind::Other)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The missing-column texts of each server (PostgreSQL's 42703 in two languages,
+    /// MySQL's 1054 column, SQLite's two forms after their prefix) lead to the migration
+    /// that adds the column; other columns to none.
+    #[test]
+    fn a_missing_column_names_its_migration() {
+        for message in [
+            "column \"claim_token\" of relation \"inbox\" does not exist",
+            "Spalte »lease_until« von Relation »inbox« existiert nicht",
+            "attempts",
+            "inbox.dead_at",
+        ] {
+            assert_eq!(
+                migration_of_column_named_in(message),
+                Some(InboxMigration::AddInboxLeases),
+                "{message}"
+            );
+        }
+        for message in [
+            "column \"claim_tokens\" of relation \"orders\" does not exist",
+            "order_attempts",
+            "",
+        ] {
+            assert_eq!(migration_of_column_named_in(message), None, "{message}");
+        }
+    }
 }

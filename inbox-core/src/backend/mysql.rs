@@ -1,7 +1,8 @@
 //! MySQL and MariaDB: `?` placeholders, `ON DUPLICATE KEY UPDATE` in place of DO NOTHING,
 //! naive UTC timestamps, and the classifier that reads error numbers and key names.
 
-use super::{DbErrorKind, Dialect};
+use super::{DbErrorKind, Dialect, migration_of_column_named_in};
+use crate::InboxMigration;
 use chrono::{DateTime, Utc};
 use sea_orm::Value;
 use sea_orm::sea_query::Expr;
@@ -70,6 +71,39 @@ impl Dialect for MySql {
     /// INSERT instead, and MariaDB runs the very statements MySQL 8 does.
     fn insert_returning(&self) -> bool {
         false
+    }
+
+    fn inbox_columns_catalog(&self) -> &'static str {
+        "SELECT CAST(column_name AS CHAR), CAST(collation_name AS CHAR) FROM information_schema.columns \
+         WHERE table_schema = DATABASE() AND table_name = 'inbox' ORDER BY ordinal_position"
+    }
+
+    /// A prefix key (`consumer(10)`) counts as partial; a functional key (MySQL 8) has no
+    /// column name.
+    fn inbox_index_catalog(&self) -> &'static str {
+        "SELECT CAST(COALESCE(column_name, '(expression)') AS CHAR), CAST(1 - non_unique AS SIGNED), \
+         CAST(sub_part IS NOT NULL AS SIGNED), CAST(1 AS SIGNED) FROM information_schema.statistics \
+         WHERE table_schema = DATABASE() AND table_name = 'inbox' \
+         AND index_name = 'ix_inbox_message_id_consumer' ORDER BY seq_in_index"
+    }
+
+    /// Binary collations end in `_bin` (`utf8mb4_bin`, `utf8mb4_nopad_bin`), or are
+    /// `binary`; the others ignore case or accents, or both.
+    fn is_exact_consumer_collation(&self, collation: &str) -> bool {
+        collation == "binary" || collation.ends_with("_bin")
+    }
+
+    /// 1054 quotes the unknown column first (`Unknown column 'claim_token' in 'field
+    /// list'`), in every language.
+    fn missing_migration(&self, db: &dyn DatabaseError) -> Option<InboxMigration> {
+        const ER_BAD_FIELD_ERROR: u16 = 1054;
+        let err = db.try_downcast_ref::<MySqlDatabaseError>()?;
+        if err.number() != ER_BAD_FIELD_ERROR {
+            return None;
+        }
+        let (_, after_open) = err.message().split_once('\'')?;
+        let (column, _) = after_open.split_once('\'')?;
+        migration_of_column_named_in(column)
     }
 
     /// MySQL/MariaDB cannot use LIMIT in an `IN (subquery)`, but its single-table DELETE

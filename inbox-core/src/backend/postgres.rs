@@ -1,7 +1,8 @@
-//! PostgreSQL: `$n` placeholders, `ON CONFLICT DO NOTHING`, and the classifier that reads
-//! SQLSTATE codes and the violated constraint's name.
+//! PostgreSQL: `$n` placeholders, `ON CONFLICT ON CONSTRAINT ... DO NOTHING`, and the
+//! classifier that reads SQLSTATE codes and the violated constraint's name.
 
-use super::{DbErrorKind, Dialect};
+use super::{DbErrorKind, Dialect, migration_of_column_named_in, names_identifier};
+use crate::InboxMigration;
 use sea_orm::sqlx::error::DatabaseError;
 use sea_orm::sqlx::postgres::PgDatabaseError;
 use sea_orm_inbox_entity::{INDEX_NAME, TABLE_NAME};
@@ -10,19 +11,25 @@ use std::time::Duration;
 pub(super) struct Postgres;
 
 impl Dialect for Postgres {
+    /// A duplicate conflicts on the inbox's constraint and returns no row instead of
+    /// raising 23505, which the server would log as an ERROR for every duplicate delivery
+    /// (and which would abort the transaction). It still waits for a transaction holding
+    /// the same marker and learns its outcome: committed, no row; rolled back, inserted.
+    /// Only that constraint is the arbiter: any other unique violation still raises.
     fn insert_marker(&self) -> &'static str {
-        r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at") VALUES ($1, $2, $3) RETURNING "id""#
+        r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at") VALUES ($1, $2, $3) ON CONFLICT ON CONSTRAINT "ix_inbox_message_id_consumer" DO NOTHING RETURNING "id""#
     }
 
     fn insert_process_marker(&self) -> &'static str {
-        r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at", "claim_token") VALUES ($1, $2, $3, $4) RETURNING "id""#
+        r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at", "claim_token") VALUES ($1, $2, $3, $4) ON CONFLICT ON CONSTRAINT "ix_inbox_message_id_consumer" DO NOTHING RETURNING "id""#
     }
 
     /// Sets `lock_timeout` with `set_config(.., true)`, i.e. `SET LOCAL`: it ends with the
     /// transaction, so it is safe behind PgBouncer's transaction pooling, and it rides on
     /// the INSERT instead of costing a round trip. The WHERE runs before the row is
     /// inserted, so the INSERT's own wait on another transaction's index entry is bounded
-    /// too. A shorter `lock_timeout` the session already has is kept.
+    /// too, and so is its wait for a transaction holding the same marker before the
+    /// conflict clause decides. A shorter `lock_timeout` the session already has is kept.
     ///
     /// The same way it sets `idle_in_transaction_session_timeout` (the server ends the
     /// session when the client sends nothing for that long inside the transaction, which
@@ -31,7 +38,7 @@ impl Dialect for Postgres {
     /// that long: the server blocked sending a reply into the partition is not idle).
     fn insert_process_marker_bounded(&self) -> Option<&'static str> {
         Some(
-            r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at", "claim_token") SELECT $1, $2, $3, $4 WHERE set_config('lock_timeout', CASE WHEN current_setting('lock_timeout') = '0' OR current_setting('lock_timeout')::interval > $5::interval THEN $5 ELSE current_setting('lock_timeout') END, true) IS NOT NULL AND set_config('idle_in_transaction_session_timeout', $6, true) IS NOT NULL AND set_config('tcp_user_timeout', $6, true) IS NOT NULL RETURNING "id""#,
+            r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at", "claim_token") SELECT $1, $2, $3, $4 WHERE set_config('lock_timeout', CASE WHEN current_setting('lock_timeout') = '0' OR current_setting('lock_timeout')::interval > $5::interval THEN $5 ELSE current_setting('lock_timeout') END, true) IS NOT NULL AND set_config('idle_in_transaction_session_timeout', $6, true) IS NOT NULL AND set_config('tcp_user_timeout', $6, true) IS NOT NULL ON CONFLICT ON CONSTRAINT "ix_inbox_message_id_consumer" DO NOTHING RETURNING "id""#,
         )
     }
 
@@ -49,8 +56,53 @@ impl Dialect for Postgres {
         true
     }
 
+    /// The inbox's constraint, by name (`ON CONFLICT ON CONSTRAINT` takes a constraint, not
+    /// a bare unique index: [`InboxUniqueConstraint`] attaches the index as one).
+    ///
+    /// [`InboxUniqueConstraint`]: crate::InboxMigration::InboxUniqueConstraint
+    fn on_inbox_conflict_do_nothing(&self) -> &'static str {
+        r#" ON CONFLICT ON CONSTRAINT "ix_inbox_message_id_consumer" DO NOTHING"#
+    }
+
     fn numbered_placeholders(&self) -> bool {
         true
+    }
+
+    /// Resolved like the claims' unqualified `inbox`: through the `search_path`.
+    fn inbox_columns_catalog(&self) -> &'static str {
+        "SELECT attname::text, NULL::text FROM pg_attribute \
+         WHERE attrelid = to_regclass('inbox') AND attnum > 0 AND NOT attisdropped ORDER BY attnum"
+    }
+
+    /// An expression key has no column (attnum 0) and reads as `(expression)`.
+    fn inbox_index_catalog(&self) -> &'static str {
+        "SELECT COALESCE(a.attname::text, '(expression)'), i.indisunique::int::int8, \
+         (i.indpred IS NOT NULL)::int::int8, \
+         EXISTS (SELECT 1 FROM pg_constraint c WHERE c.conindid = i.indexrelid \
+         AND c.contype = 'u' AND c.conname = 'ix_inbox_message_id_consumer')::int::int8 \
+         FROM pg_index i JOIN pg_class ic ON ic.oid = i.indexrelid \
+         CROSS JOIN LATERAL unnest(i.indkey::int2[]) WITH ORDINALITY AS k(attnum, ord) \
+         LEFT JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum \
+         WHERE i.indrelid = to_regclass('inbox') AND ic.relname = 'ix_inbox_message_id_consumer' \
+         ORDER BY k.ord"
+    }
+
+    fn conflict_needs_constraint(&self) -> bool {
+        true
+    }
+
+    /// 42703 names the missing column (`column "claim_token" of relation "inbox" does not
+    /// exist`); 42704 names the missing constraint of `ON CONFLICT ON CONSTRAINT`. The
+    /// quotes follow `lc_messages`, so both are found as whole identifiers.
+    fn missing_migration(&self, db: &dyn DatabaseError) -> Option<InboxMigration> {
+        let err = db.try_downcast_ref::<PgDatabaseError>()?;
+        match err.code() {
+            "42703" => migration_of_column_named_in(err.message()),
+            "42704" if names_identifier(err.message(), INDEX_NAME) => {
+                Some(InboxMigration::InboxUniqueConstraint)
+            }
+            _ => None,
+        }
     }
 
     /// PostgreSQL plans `id IN (subquery)` as a hash semi-join over a sequential scan of
@@ -88,18 +140,27 @@ pub(super) fn classify(db: &dyn DatabaseError) -> Option<DbErrorKind> {
 /// French `la relation « inbox »`), so this looks for `inbox` as a whole identifier,
 /// possibly schema-qualified (`public.inbox`), and nothing else.
 fn names_inbox_table(message: &str) -> bool {
-    let is_identifier_char = |ch: char| ch.is_alphanumeric() || ch == '_' || ch == '$';
-    message.match_indices(TABLE_NAME).any(|(at, name)| {
-        let before = message[..at].chars().next_back();
-        let after = message[at + name.len()..].chars().next();
-        !before.is_some_and(is_identifier_char)
-            && !after.is_some_and(|ch| is_identifier_char(ch) || ch == '.')
-    })
+    names_identifier(message, TABLE_NAME)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every statement that may meet an existing marker arbitrates on the inbox's
+    /// constraint, by the name the entity crate gives it, and on nothing else.
+    #[test]
+    fn every_marker_insert_arbitrates_on_the_inbox_constraint() {
+        let clause = format!(r#" ON CONFLICT ON CONSTRAINT "{INDEX_NAME}" DO NOTHING"#);
+        for sql in [
+            Postgres.insert_marker(),
+            Postgres.insert_process_marker(),
+            Postgres.insert_process_marker_bounded().unwrap_or_default(),
+            Postgres.on_inbox_conflict_do_nothing(),
+        ] {
+            assert!(sql.contains(&clause), "{sql}");
+        }
+    }
 
     /// The 42P01 texts of PostgreSQL 15's message catalogues (`relation "%s" does not
     /// exist` and its translations).

@@ -1,7 +1,8 @@
 //! SQLite: `?` placeholders, `ON CONFLICT DO NOTHING`, and the classifier that reads
 //! extended result codes and the failed constraint's column list.
 
-use super::{DbErrorKind, Dialect};
+use super::{DbErrorKind, Dialect, migration_of_column_named_in};
+use crate::InboxMigration;
 use sea_orm::sqlx::error::DatabaseError;
 use sea_orm::sqlx::sqlite::SqliteError;
 use std::time::Duration;
@@ -44,6 +45,23 @@ impl Dialect for Sqlite {
         None
     }
 
+    fn inbox_columns_catalog(&self) -> &'static str {
+        "SELECT name, NULL FROM pragma_table_info('inbox') ORDER BY cid"
+    }
+
+    /// An expression key has no column name.
+    fn inbox_index_catalog(&self) -> &'static str {
+        "SELECT COALESCE(ii.name, '(expression)'), il.\"unique\", il.partial, 1 \
+         FROM pragma_index_list('inbox') AS il \
+         JOIN pragma_index_info('ix_inbox_message_id_consumer') AS ii \
+         WHERE il.name = 'ix_inbox_message_id_consumer' ORDER BY ii.seqno"
+    }
+
+    fn missing_migration(&self, db: &dyn DatabaseError) -> Option<InboxMigration> {
+        let err = db.try_downcast_ref::<SqliteError>()?;
+        migration_of_column_named_in(missing_column(err.message())?)
+    }
+
     /// SQLite looks the ids of `id IN (subquery)` up by rowid.
     fn purge_batch(&self, purgeable: &str) -> String {
         format!(
@@ -51,6 +69,14 @@ impl Dialect for Sqlite {
              (SELECT id FROM inbox WHERE {purgeable} ORDER BY received_at LIMIT ?)"
         )
     }
+}
+
+/// SQLite's error for a column the table lacks: an INSERT's `table inbox has no column
+/// named claim_token`, a query's `no such column: claim_token`.
+fn missing_column(message: &str) -> Option<&str> {
+    message
+        .strip_prefix("table inbox has no column named ")
+        .or_else(|| message.strip_prefix("no such column: "))
 }
 
 /// Classifies a SQLite error, or returns `None` when `db` comes from another driver.

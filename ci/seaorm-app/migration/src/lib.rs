@@ -3,6 +3,7 @@ pub use sea_orm_migration::prelude::*;
 mod m20240101_000001_create_ledger;
 mod m20261130_000001_create_inbox;
 mod m20261130_000002_add_inbox_leases;
+mod m20261201_000003_inbox_unique_constraint;
 
 pub struct Migrator;
 
@@ -13,6 +14,7 @@ impl MigratorTrait for Migrator {
             Box::new(m20240101_000001_create_ledger::Migration),
             Box::new(m20261130_000001_create_inbox::Migration),
             Box::new(m20261130_000002_add_inbox_leases::Migration),
+            Box::new(m20261201_000003_inbox_unique_constraint::Migration),
         ]
     }
 }
