@@ -44,9 +44,9 @@ check_tree() {
 }
 
 check_tree postgres-only +sqlx-postgres +native-tls \
-  -sqlx-sqlite -sqlx-mysql -libsqlite3-sys -rustls
+  -sqlx-sqlite -sqlx-mysql -libsqlite3-sys -rustls -lapin -async-nats
 check_tree sqlite-only +sqlx-sqlite +libsqlite3-sys \
-  -sqlx-postgres -sqlx-mysql -rustls -native-tls -openssl-sys
+  -sqlx-postgres -sqlx-mysql -rustls -native-tls -openssl-sys -lapin -async-nats
 
 # One app at a time: built together, cargo would unify their features.
 echo "check-deps: building and running the apps"

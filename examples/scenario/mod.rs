@@ -299,7 +299,7 @@ impl Demo {
     /// published copy has been acked.
     pub fn settled(&self, copy: Publication, settlement: Settlement) {
         match settlement {
-            Settlement::Nack => {
+            Settlement::Nack(_) => {
                 self.nacks.fetch_add(1, Ordering::Relaxed);
             }
             Settlement::DeadLetter => {

@@ -204,7 +204,7 @@ async fn consume(
             let settlement = Settlement::of(&result);
             match settlement {
                 Settlement::Ack => message.ack().await?,
-                Settlement::Nack => message.ack_with(AckKind::Nak(None)).await?,
+                Settlement::Nack(_) => message.ack_with(AckKind::Nak(None)).await?,
                 // JetStream stops redelivering it and raises a MSG_TERMINATED advisory.
                 Settlement::DeadLetter => message.ack_with(AckKind::Term).await?,
             }

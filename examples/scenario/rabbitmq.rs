@@ -174,7 +174,7 @@ impl Replica {
             let settlement = Settlement::of(&result);
             match settlement {
                 Settlement::Ack => delivery.ack(BasicAckOptions::default()).await?,
-                Settlement::Nack => {
+                Settlement::Nack(_) => {
                     let requeue = BasicNackOptions {
                         requeue: true,
                         ..BasicNackOptions::default()

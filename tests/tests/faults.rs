@@ -147,7 +147,7 @@ async fn killed_without_retry_then_redelivered(backend: Backend, kill: Kill) {
         "{backend:?} {kill:?}, no retry: first delivery -> {first:?} ({runs} run, {:?})",
         started.elapsed()
     );
-    assert_eq!(Settlement::of(&first), Settlement::Nack, "{first:?}");
+    assert_eq!(Settlement::of(&first), Settlement::Nack(None), "{first:?}");
     let cause = match (&first, kill) {
         // The handler's own statement failed: the handler's error, not retried here.
         (Err(ProcessError::Handler(err)), Kill::BeforeWrite) => err,

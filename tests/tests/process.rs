@@ -75,7 +75,7 @@ async fn handler_error_rolls_back_and_is_not_retried(backend: Backend) {
         matches!(&failed, Err(ProcessError::Handler(msg)) if msg == "card declined"),
         "{failed:?}"
     );
-    assert_eq!(Settlement::of(&failed), Settlement::Nack);
+    assert_eq!(Settlement::of(&failed), Settlement::Nack(None));
     assert_eq!(
         runs.load(Ordering::SeqCst),
         1,
@@ -187,7 +187,7 @@ async fn exhausted_retries_name_the_last_transient_cause(backend: Backend) {
         }
         other => panic!("expected RetriesExhausted on {backend:?}, got {other:?}"),
     }
-    assert_eq!(Settlement::of(&result), Settlement::Nack);
+    assert_eq!(Settlement::of(&result), Settlement::Nack(None));
     let counts = inbox.metrics().snapshot();
     assert_eq!(
         (counts.transient_retries, counts.failures),
