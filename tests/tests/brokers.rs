@@ -147,3 +147,235 @@ async fn rabbitmq_replica_starved_of_deliveries_still_dies() {
     b.close().await.ok();
     db.cleanup().await;
 }
+
+/// How long the adapter tests consume: every delivery goes through the adapter,
+/// `Inbox::process` and `Settlement::for_delivery`; a redelivery would come within it.
+const SETTLE_WINDOW: Duration = Duration::from_secs(3);
+
+/// The nil UUID as a producer that never set its message id sends it.
+const NIL_ID: &str = "00000000-0000-0000-0000-000000000000";
+
+/// The id a redelivery cannot fix reaches the handler's inbox as `NilMessageId`, and the
+/// adapter rejects it to the queue's dead-letter exchange once. Before, every error was a
+/// nack with `requeue: true`: RabbitMQ redelivered it at once, thousands of times a second.
+#[tokio::test]
+#[cfg_attr(not(inbox_amqp), ignore = "set INBOX_TEST_AMQP_URL")]
+async fn rabbitmq_nil_id_is_dead_lettered_once() {
+    use futures_util::StreamExt;
+    use lapin::options::{
+        BasicConsumeOptions, BasicPublishOptions, QueueDeclareOptions, QueueDeleteOptions,
+    };
+    use lapin::types::{AMQPValue, FieldTable};
+    use lapin::{BasicProperties, Connection, ConnectionProperties};
+    use sea_orm_inbox::{Inbox, ProcessError, Settlement, rabbitmq};
+
+    let url = broker_url(Broker::RabbitMq);
+    let db = migrated_db(Backend::Sqlite).await;
+    let conn = db.connect().await;
+    let inbox = Inbox::new("adapter.nil-id").expect("valid name");
+    let properties = ConnectionProperties::default()
+        .with_executor(tokio_executor_trait::Tokio::current())
+        .with_reactor(tokio_reactor_trait::Tokio::current());
+    let amqp = Connection::connect(&url, properties)
+        .await
+        .unwrap_or_else(|e| panic!("connect to {url}: {e}"));
+    let channel = amqp.create_channel().await.expect("a channel");
+    let run = uuid::Uuid::new_v4().simple().to_string();
+    let (queue, dead) = (format!("inbox-nil-{run}"), format!("inbox-nil-{run}-dead"));
+    let expires = || {
+        let mut arguments = FieldTable::default();
+        arguments.insert("x-expires".into(), AMQPValue::LongUInt(60_000));
+        arguments
+    };
+    channel
+        .queue_declare(&dead, QueueDeclareOptions::default(), expires())
+        .await
+        .expect("declare the dead-letter queue");
+    let mut arguments = expires();
+    arguments.insert(
+        "x-dead-letter-exchange".into(),
+        AMQPValue::LongString("".into()),
+    );
+    arguments.insert(
+        "x-dead-letter-routing-key".into(),
+        AMQPValue::LongString(dead.as_str().into()),
+    );
+    channel
+        .queue_declare(&queue, QueueDeclareOptions::default(), arguments)
+        .await
+        .expect("declare the queue");
+    channel
+        .basic_publish(
+            "",
+            &queue,
+            BasicPublishOptions::default(),
+            b"credit 10",
+            BasicProperties::default().with_message_id(NIL_ID.into()),
+        )
+        .await
+        .expect("publish")
+        .await
+        .expect("published");
+
+    let mut consumer = channel
+        .basic_consume(
+            &queue,
+            "nil-id",
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("consume");
+    let mut settlements = Vec::new();
+    let _ = tokio::time::timeout(SETTLE_WINDOW, async {
+        while let Some(message) = consumer.next().await {
+            let message = message.expect("a delivery");
+            let result = match rabbitmq::delivery(&message) {
+                Ok(delivery) => {
+                    inbox
+                        .process(&conn, delivery, |_| {
+                            Box::pin(async { Ok::<_, sea_orm::DbErr>(()) })
+                        })
+                        .await
+                }
+                Err(err) => Err(ProcessError::Inbox(err)),
+            };
+            assert!(
+                matches!(
+                    result,
+                    Err(ProcessError::Inbox(sea_orm_inbox::InboxError::NilMessageId))
+                ),
+                "{result:?}"
+            );
+            let settlement = Settlement::for_delivery(&result, rabbitmq::delivery_count(&message));
+            settlements.push(settlement);
+            rabbitmq::settle(&message, settlement)
+                .await
+                .expect("settled");
+        }
+    })
+    .await;
+
+    let count = |name: &str| {
+        let channel = channel.clone();
+        let name = name.to_owned();
+        async move {
+            let passive = QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            };
+            channel
+                .queue_declare(&name, passive, FieldTable::default())
+                .await
+                .expect("the queue exists")
+                .message_count()
+        }
+    };
+    assert_eq!(
+        settlements,
+        [Settlement::DeadLetter],
+        "delivered once, never redelivered"
+    );
+    assert_eq!(count(&dead).await, 1, "in the dead-letter queue");
+    for name in [&queue, &dead] {
+        channel
+            .queue_delete(name, QueueDeleteOptions::default())
+            .await
+            .ok();
+    }
+    amqp.close(200, "test over").await.ok();
+    conn.close().await.ok();
+    db.cleanup().await;
+}
+
+/// On JetStream the same nil id is terminated once (`AckKind::Term`, with its
+/// `MSG_TERMINATED` advisory), never redelivered. Before, it was nak'ed and JetStream
+/// redelivered it at once, forever.
+#[tokio::test]
+#[cfg_attr(not(inbox_nats), ignore = "set INBOX_TEST_NATS_URL")]
+async fn jetstream_nil_id_is_terminated_once() {
+    use async_nats::jetstream::consumer::{AckPolicy, PullConsumer, pull};
+    use async_nats::jetstream::{self, stream};
+    use futures_util::StreamExt;
+    use sea_orm_inbox::{Inbox, ProcessError, Settlement};
+
+    let url = broker_url(Broker::Nats);
+    let db = migrated_db(Backend::Sqlite).await;
+    let conn = db.connect().await;
+    let inbox = Inbox::new("adapter.nil-id").expect("valid name");
+    let client = async_nats::connect(&url)
+        .await
+        .unwrap_or_else(|e| panic!("connect to {url}: {e}"));
+    let js = jetstream::new(client.clone());
+    let run = uuid::Uuid::new_v4().simple().to_string();
+    let (name, subject) = (format!("INBOX_NIL_{run}"), format!("inbox-nil.{run}"));
+    let stream = js
+        .create_stream(stream::Config {
+            name: name.clone(),
+            subjects: vec![subject.clone()],
+            max_age: Duration::from_secs(600),
+            ..stream::Config::default()
+        })
+        .await
+        .expect("create the stream");
+    let consumer: PullConsumer = stream
+        .create_consumer(pull::Config {
+            durable_name: Some("nil-id".into()),
+            ack_policy: AckPolicy::Explicit,
+            ack_wait: Duration::from_secs(1),
+            ..pull::Config::default()
+        })
+        .await
+        .expect("create the consumer");
+    let mut terminated = client
+        .subscribe(format!(
+            "$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.{name}.nil-id"
+        ))
+        .await
+        .expect("subscribe to the advisory");
+    let publish = jetstream::message::PublishMessage::build()
+        .payload("credit 10".into())
+        .message_id(NIL_ID);
+    js.send_publish(subject, publish)
+        .await
+        .expect("publish")
+        .await
+        .expect("stored");
+
+    let mut settlements = Vec::new();
+    let mut messages = consumer.messages().await.expect("messages");
+    let _ = tokio::time::timeout(SETTLE_WINDOW, async {
+        while let Some(message) = messages.next().await {
+            let message = message.expect("a delivery");
+            let result = match sea_orm_inbox::jetstream::delivery(&message) {
+                Ok(delivery) => {
+                    inbox
+                        .process(&conn, delivery, |_| {
+                            Box::pin(async { Ok::<_, sea_orm::DbErr>(()) })
+                        })
+                        .await
+                }
+                Err(err) => Err(ProcessError::Inbox(err)),
+            };
+            let settlement = Settlement::for_delivery(
+                &result,
+                sea_orm_inbox::jetstream::delivery_count(&message),
+            );
+            settlements.push(settlement);
+            sea_orm_inbox::jetstream::settle(&message, settlement)
+                .await
+                .expect("settled");
+        }
+    })
+    .await;
+    assert_eq!(
+        settlements,
+        [Settlement::DeadLetter],
+        "delivered once, never redelivered"
+    );
+    let advisory = tokio::time::timeout(Duration::from_secs(5), terminated.next()).await;
+    assert!(matches!(advisory, Ok(Some(_))), "a MSG_TERMINATED advisory");
+    js.delete_stream(&name).await.ok();
+    conn.close().await.ok();
+    db.cleanup().await;
+}
