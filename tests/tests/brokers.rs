@@ -1,4 +1,4 @@
-//! The real-broker scenarios of `examples/scenario` against the local RabbitMQ and NATS
+//! The real-broker scenarios of `tests/support/scenario` against the local RabbitMQ and NATS
 //! JetStream: publisher re-sends, a replica dying between commit and ack, first-run handler
 //! failures nacked. Each asserts one business effect per distinct message, every published
 //! copy acked, nothing left on the broker, and that the run really went through the
@@ -9,7 +9,7 @@
 //! `nats://127.0.0.1:4222`). Unset at build time: the tests are ignored with the variable to
 //! set as the reason. Set but unreachable: they fail.
 
-use inbox_examples::scenario::{Broker, Plan};
+use inbox_tests::scenario::{Broker, Plan};
 use inbox_tests::{Backend, migrated_db, on_every_backend};
 use std::time::{Duration, Instant};
 
