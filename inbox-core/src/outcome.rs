@@ -147,9 +147,8 @@ impl<E: std::error::Error + 'static> std::error::Error for ProcessError<E> {
 /// assert_eq!(Settlement::for_delivery(&nil, 1), Settlement::DeadLetter);
 /// ```
 ///
-/// Map it to the broker's verbs once, in the consumer loop (the [`rabbitmq`](crate::rabbitmq)
-/// and [`jetstream`](crate::jetstream) modules, behind the `lapin` and `async-nats` features,
-/// do it for you):
+/// Map it to the broker's verbs once, in the consumer loop (the `rabbitmq` and `jetstream`
+/// modules, behind the `lapin` and `async-nats` features, do it for you):
 ///
 /// | settlement | RabbitMQ (lapin) | JetStream (async-nats) | Kafka |
 /// | --- | --- | --- | --- |

@@ -1,4 +1,4 @@
-//! RabbitMQ through [`lapin`](::lapin) (feature `lapin`): a delivery's properties to a
+//! RabbitMQ through [`lapin`] (feature `lapin`): a delivery's properties to a
 //! [`Delivery`], a [`Settlement`] to `basic.ack`, `basic.nack` or `basic.reject`.
 //!
 //! The consumer loop, with a dead-letter exchange on the queue
