@@ -148,3 +148,71 @@ pub async fn settle(message: &AmqpDelivery, settlement: Settlement) -> Result<()
         Settlement::Nack(_) => acker.nack(requeue).await.map(drop),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ::lapin::BasicProperties;
+    use ::lapin::acker::Acker;
+    use ::lapin::types::FieldTable;
+
+    fn message(properties: BasicProperties, redelivered: bool) -> AmqpDelivery {
+        AmqpDelivery {
+            delivery_tag: 1,
+            exchange: "".into(),
+            routing_key: "orders".into(),
+            redelivered,
+            properties,
+            data: Vec::new(),
+            acker: Acker::mock(),
+        }
+    }
+
+    #[test]
+    fn the_key_and_send_time_come_from_the_producers_properties() {
+        let properties = BasicProperties::default()
+            .with_message_id("order-42".into())
+            .with_timestamp(1_767_225_600);
+        let delivery = delivery(&message(properties, false)).expect("a delivery");
+        assert_eq!(
+            delivery.message_id(),
+            MessageId::from_broker_id("order-42").expect("a key")
+        );
+        assert_eq!(
+            delivery.sent_time(),
+            DateTime::from_timestamp(1_767_225_600, 0)
+        );
+    }
+
+    #[test]
+    fn what_no_redelivery_can_fix_is_a_permanent_error() {
+        let cases = [
+            BasicProperties::default(),
+            BasicProperties::default()
+                .with_message_id("00000000-0000-0000-0000-000000000000".into()),
+            BasicProperties::default()
+                .with_message_id("order-42".into())
+                .with_timestamp(u64::MAX),
+        ];
+        for properties in cases {
+            let err = delivery(&message(properties, false)).expect_err("refused");
+            assert!(err.is_permanent(), "{err}");
+        }
+    }
+
+    #[test]
+    fn delivery_count_reads_quorum_queues_header_else_the_redelivered_flag() {
+        assert_eq!(
+            delivery_count(&message(BasicProperties::default(), false)),
+            1
+        );
+        assert_eq!(
+            delivery_count(&message(BasicProperties::default(), true)),
+            2
+        );
+        let mut headers = FieldTable::default();
+        headers.insert("x-delivery-count".into(), AMQPValue::LongLongInt(4));
+        let quorum = BasicProperties::default().with_headers(headers);
+        assert_eq!(delivery_count(&message(quorum, true)), 5);
+    }
+}
