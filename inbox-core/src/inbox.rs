@@ -454,7 +454,7 @@ impl Inbox {
         })
     }
 
-    fn record<T, E>(
+    fn record<T, E: 'static>(
         &self,
         result: &Result<Outcome<T>, ProcessError<E>>,
         attempts: u32,
@@ -479,11 +479,17 @@ impl Inbox {
                 tracing::warn!(outcome, %refusal, "delivery refused by the admission floor: dead-letter")
             }
             Ok(_) => tracing::debug!(outcome, attempts, "delivery settled: ack"),
-            Err(err) => match err.inbox_error() {
-                Some(cause) => {
+            Err(err) => match (err.inbox_error(), err.is_permanent()) {
+                (Some(cause), true) => {
+                    tracing::warn!(outcome, attempts, error = %cause, "delivery failed for good: dead-letter")
+                }
+                (Some(cause), false) => {
                     tracing::warn!(outcome, attempts, error = %cause, "delivery failed: nack")
                 }
-                None => tracing::info!(outcome, attempts, "handler failed: nack"),
+                (None, true) => {
+                    tracing::warn!(outcome, attempts, "handler failed for good: dead-letter")
+                }
+                (None, false) => tracing::info!(outcome, attempts, "handler failed: nack"),
             },
         }
     }
