@@ -46,9 +46,9 @@ check_tree() {
 }
 
 check_tree postgres-only +sqlx-postgres +native-tls \
-  -sqlx-sqlite -sqlx-mysql -libsqlite3-sys -rustls
+  -sqlx-sqlite -sqlx-mysql -libsqlite3-sys -rustls -lapin -async-nats
 check_tree sqlite-only +sqlx-sqlite +libsqlite3-sys \
-  -sqlx-postgres -sqlx-mysql -rustls -native-tls -openssl-sys
+  -sqlx-postgres -sqlx-mysql -rustls -native-tls -openssl-sys -lapin -async-nats
 # The workspace's own packages: cargo tree from its root, not from the apps' workspace.
 (
   cd ../..

@@ -1,9 +1,7 @@
-//! Shared pieces of the runnable demos: connecting to the demo database, the toy
-//! "account" the quickstart credits, and [`scenario`], the real-broker demos that the
-//! `rabbitmq` and `nats` examples run and the broker tests call.
+//! Shared pieces of the runnable demos: connecting to the demo database and the toy
+//! "account" the quickstart and the broker examples credit.
 
 pub mod metrics_demo;
-pub mod scenario;
 
 /// The README's code blocks, compiled as doctests of this crate (its dependencies include
 /// the broker clients the handler example uses).
@@ -13,7 +11,6 @@ pub struct ReadmeDoctests;
 
 use sea_orm::sea_query::{Alias, Expr, ExprTrait, Query};
 use sea_orm::{ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DbErr, Statement};
-use sea_orm_inbox_migration::{Migrator, MigratorTrait};
 use std::time::Duration;
 
 /// The database the demos use when `DATABASE_URL` is not set: a SQLite file in the
@@ -38,13 +35,6 @@ pub async fn connect_replica(url: &str) -> Result<DatabaseConnection, DbErr> {
         db.execute_unprepared("PRAGMA busy_timeout = 30000").await?;
     }
     Ok(db)
-}
-
-/// Migrates the demo database and opens two replicas' pools on it.
-pub async fn migrated_replicas(url: &str) -> Result<[DatabaseConnection; 2], DbErr> {
-    let replicas = [connect_replica(url).await?, connect_replica(url).await?];
-    Migrator::up(&replicas[0], None).await?;
-    Ok(replicas)
 }
 
 /// Creates (or empties) the demo's `demo_account` table with one account at balance 0.

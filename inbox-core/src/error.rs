@@ -354,6 +354,56 @@ impl InboxError {
         }
     }
 
+    /// Whether redelivering the message cannot help: the input is invalid (a nil message
+    /// id, a bad consumer name or key field), the configuration or the build cannot work
+    /// (a backend whose feature is off, a setting out of range), or the database says the
+    /// schema or the data is wrong ([`DbErrorKind::is_permanent`]: a missing table or
+    /// column, a unique violation of another index). [`crate::Settlement`] dead-letters
+    /// these; everything else (transient failures, a lost claim, an unknown database
+    /// error) is worth a redelivery.
+    ///
+    /// Dead-lettered messages are kept by the broker: replay them once the cause is fixed.
+    ///
+    /// ```
+    /// use sea_orm_inbox::InboxError;
+    ///
+    /// assert!(InboxError::NilMessageId.is_permanent());
+    /// assert!(!InboxError::PurgerStopped { reason: "panicked".into() }.is_permanent());
+    /// ```
+    pub fn is_permanent(&self) -> bool {
+        match self {
+            Self::EmptyConsumer
+            | Self::ConsumerNotTrimmed { .. }
+            | Self::ConsumerContainsNul { .. }
+            | Self::ConsumerTooLong { .. }
+            | Self::NilMessageId
+            | Self::EmptyKeyField { .. }
+            | Self::NegativeKafkaPosition { .. }
+            | Self::UnsupportedBackend { .. }
+            | Self::BackendNotEnabled { .. }
+            | Self::MissingTable { .. }
+            | Self::MissingMigration { .. }
+            | Self::EmptyBatch
+            | Self::BatchTooLarge { .. }
+            | Self::LeaseOutOfRange { .. }
+            | Self::ValueOutOfRange { .. }
+            | Self::ZeroMaxAttempts
+            | Self::LockTimeoutOutOfRange { .. }
+            | Self::PartitionTimeoutOutOfRange { .. }
+            | Self::InvalidRetention { .. }
+            | Self::InvalidAdmissionFloor { .. }
+            | Self::NoTokioRuntime => true,
+            Self::Database { source, .. } | Self::Query { source, .. } => {
+                classify(source).is_permanent()
+            }
+            Self::ClaimLost { .. }
+            | Self::BatchClaimLost { .. }
+            | Self::StaleLease { .. }
+            | Self::DatabaseUnresponsive { .. }
+            | Self::PurgerStopped { .. } => false,
+        }
+    }
+
     /// The underlying database error, if this error came from the database.
     pub fn db_err(&self) -> Option<&DbErr> {
         match self {
@@ -400,6 +450,9 @@ fn advice(err: &DbErr) -> &'static str {
         }
         DbErrorKind::MissingInboxTable => {
             "Add sea_orm_inbox_migration::CreateInbox to your Migrator (or run sea_orm_inbox_migration::Migrator::up)"
+        }
+        DbErrorKind::MissingColumn => {
+            "A column is missing: run every migration of your Migrator (sea_orm_inbox_migration's included), and dead-letter the message meanwhile"
         }
         DbErrorKind::InboxDuplicate => {
             "This unique violation names the inbox's index, yet no marker of this message exists: the index is a namesake on another table (MariaDB names the key, not its table; CREATE TABLE ... LIKE inbox copies the name), written by a trigger or the handler. This is not a duplicate delivery: rename that index or fix the write, and dead-letter the message meanwhile"

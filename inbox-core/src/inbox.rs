@@ -1,6 +1,7 @@
 use crate::backend::{
     CLAIM_TRANSACTION, DbErrorKind, ProcessMarker, classify, over_network, roll_back,
 };
+use crate::cause::db_cause;
 use crate::claim::{ensure_marker_held, insert_marker, marker_token};
 use crate::consumer::{validate_claim, validate_consumer};
 use crate::metrics::{Counter, InboxMetrics, facade};
@@ -10,7 +11,6 @@ use crate::{
 };
 use chrono::Utc;
 use sea_orm::{DatabaseConnection, DatabaseTransaction, DbErr, TransactionTrait};
-use std::any::Any;
 use std::fmt::Display;
 use std::future::Future;
 use std::pin::Pin;
@@ -59,7 +59,7 @@ pub type HandlerFuture<'t, T, E> = Pin<Box<dyn Future<Output = Result<T, E>> + S
 ///         .await;
 ///     match Settlement::of(&result) {
 ///         Settlement::Ack => { /* delivery.ack().await */ }
-///         Settlement::Nack => { /* delivery.nack().await */ }
+///         Settlement::Nack(_delay) => { /* delivery.nack().await, after the delay */ }
 ///         Settlement::DeadLetter => { /* delivery.reject(requeue: false).await */ }
 ///     }
 /// }
@@ -110,23 +110,10 @@ enum AttemptError<E> {
     Fatal(InboxError),
 }
 
-/// The transient [`DbErr`] behind a handler error, if there is one: the error itself is a
-/// `DbErr` (the handler used `?` on a statement), or a boxed error whose source chain
-/// holds one.
+/// The transient [`DbErr`] behind a handler error, if there is one (see
+/// [`db_cause`] for the error types looked into).
 fn transient_db_cause<E: 'static>(err: &E) -> Option<&DbErr> {
-    let any = err as &dyn Any;
-    let db_err = any.downcast_ref::<DbErr>().or_else(|| {
-        let boxed = any.downcast_ref::<Box<dyn std::error::Error + Send + Sync>>()?;
-        let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(boxed.as_ref());
-        while let Some(err) = cause {
-            if let Some(db_err) = err.downcast_ref::<DbErr>() {
-                return Some(db_err);
-            }
-            cause = err.source();
-        }
-        None
-    })?;
-    (classify(db_err) == DbErrorKind::Transient).then_some(db_err)
+    db_cause(err).filter(|db_err| classify(db_err) == DbErrorKind::Transient)
 }
 
 impl Inbox {
@@ -335,11 +322,13 @@ impl Inbox {
     /// failure (the previous attempt's writes rolled back).
     ///
     /// A handler error is not retried, except a transient database error: when the error
-    /// is a [`DbErr`] (or a `Box<dyn Error + Send + Sync>` whose source chain holds one)
-    /// that [`classify`](crate::classify) calls transient, such as a deadlock in the
-    /// handler's own UPDATE or a dropped connection, the attempt restarts in a fresh
-    /// transaction like any other transient failure. A `DbErr` wrapped in an error type of
-    /// your own is not looked into: that error is returned, and the redelivery retries it.
+    /// is a [`DbErr`], or a `Box<dyn Error + Send + Sync>`, an `anyhow::Error` (feature
+    /// `anyhow`) or an `eyre::Report` (feature `eyre`) whose source chain holds one, that
+    /// [`classify`](crate::classify) calls transient, such as a deadlock in the handler's
+    /// own UPDATE or a dropped connection, the attempt restarts in a fresh transaction like
+    /// any other transient failure. A `DbErr` inside an error type of your own is not
+    /// looked into (box it, or use one of those): that error is returned, and the
+    /// redelivery retries it.
     ///
     /// Before COMMIT, `process` proves that the transaction still holds the marker (one
     /// primary-key read): a handler that swallowed a failed statement which ended the
@@ -372,11 +361,13 @@ impl Inbox {
     /// [`InboxError::DatabaseUnresponsive`] when a step got no answer within the partition
     /// timeout, and [`InboxError::MissingMigration`] when an inbox migration has not run:
     /// call [`crate::verify_schema`] at startup to find that once),
-    /// [`ProcessError::RetriesExhausted`] when every attempt met a transient failure. All
-    /// of them mean: nack the message. If a COMMIT of the call failed and no later attempt
-    /// found out whether it landed (the last failure was the COMMIT, or a step after an
-    /// unanswered COMMIT: `DatabaseUnresponsive { commit_in_doubt: true, .. }`), the work
-    /// may have committed; the redelivery then reports `Duplicate` (see [`ProcessError`]).
+    /// [`ProcessError::RetriesExhausted`] when every attempt met a transient failure.
+    /// [`Settlement::for_delivery`](crate::Settlement::for_delivery) says what to tell the
+    /// broker: dead-letter what no retry can fix ([`ProcessError::is_permanent`]), nack the
+    /// rest with a delay. If a COMMIT of the call failed and no later attempt found out
+    /// whether it landed (the last failure was the COMMIT, or a step after an unanswered
+    /// COMMIT: `DatabaseUnresponsive { commit_in_doubt: true, .. }`), the work may have
+    /// committed; the redelivery then reports `Duplicate` (see [`ProcessError`]).
     pub async fn process<T, E, F>(
         &self,
         db: &DatabaseConnection,
@@ -660,7 +651,7 @@ impl Inbox {
         })
     }
 
-    fn record<T, E>(
+    fn record<T, E: 'static>(
         &self,
         result: &Result<Outcome<T>, ProcessError<E>>,
         attempts: u32,
@@ -685,11 +676,17 @@ impl Inbox {
                 tracing::warn!(outcome, %refusal, "delivery refused by the admission floor: dead-letter")
             }
             Ok(_) => tracing::debug!(outcome, attempts, "delivery settled: ack"),
-            Err(err) => match err.inbox_error() {
-                Some(cause) => {
+            Err(err) => match (err.inbox_error(), err.is_permanent()) {
+                (Some(cause), true) => {
+                    tracing::warn!(outcome, attempts, error = %cause, "delivery failed for good: dead-letter")
+                }
+                (Some(cause), false) => {
                     tracing::warn!(outcome, attempts, error = %cause, "delivery failed: nack")
                 }
-                None => tracing::info!(outcome, attempts, "handler failed: nack"),
+                (None, true) => {
+                    tracing::warn!(outcome, attempts, "handler failed for good: dead-letter")
+                }
+                (None, false) => tracing::info!(outcome, attempts, "handler failed: nack"),
             },
         }
     }

@@ -249,8 +249,9 @@ pub enum LeaseClaim {
     /// ack the message.
     AlreadyProcessed,
     /// Another claimant holds a live lease: do not call the side effect. Let the broker
-    /// redeliver later (nack with a delay, or leave it to the visibility timeout); a
-    /// delivery after `lease_until` takes over if the holder never completes.
+    /// redeliver later ([`Settlement::of_lease`](crate::Settlement::of_lease): a nack
+    /// delayed until `lease_until`, or leave it to the visibility timeout); a delivery
+    /// after `lease_until` takes over if the holder never completes.
     Held {
         /// Attempts made so far.
         attempts: u32,
@@ -354,7 +355,7 @@ fn dead_claim(row: &inbox::Model, dead_at: DateTime<Utc>) -> DeadClaim {
 /// constraint); [`InboxError::Database`] for other failures.
 ///
 /// ```
-/// use sea_orm_inbox::{LeaseClaim, LeaseOptions, claim_lease, complete_lease, MessageId};
+/// use sea_orm_inbox::{LeaseClaim, LeaseOptions, MessageId, Settlement, claim_lease, complete_lease};
 /// use std::time::Duration;
 ///
 /// # #[tokio::main(flavor = "current_thread")]
@@ -369,9 +370,8 @@ fn dead_claim(row: &inbox::Model, dead_at: DateTime<Utc>) -> DeadClaim {
 ///         // send_mail(idempotency_key = lease.idempotency_key()) ...
 ///         complete_lease(&db, &lease).await?; // then ack
 ///     }
-///     LeaseClaim::AlreadyProcessed | LeaseClaim::Dead(_) => {} // ack
-///     LeaseClaim::Refused(_) => {} // dead-letter: sent before the admission floor
-///     LeaseClaim::Held { .. } => {} // nack with a delay: someone is on it
+///     // Ack, dead-letter (refused), or nack until the holder's lease expires (held).
+///     other => println!("{:?}", Settlement::of_lease(&other)),
 /// }
 /// assert_eq!(claim_lease(&db, id, "mailer", &options).await?, LeaseClaim::AlreadyProcessed);
 /// # Ok(()) }

@@ -7,17 +7,22 @@ compile_error!("enable at least one of sea-orm-inbox's backend features: postgre
 mod admission;
 mod backend;
 mod batch;
+mod cause;
 mod claim;
 mod clock;
 mod consumer;
 mod error;
 mod inbox;
+#[cfg(feature = "async-nats")]
+pub mod jetstream;
 mod lease;
 mod message_id;
 mod metrics;
 mod outcome;
 mod pooler;
 pub mod prelude;
+#[cfg(feature = "lapin")]
+pub mod rabbitmq;
 mod retention;
 mod retry;
 mod schema;
@@ -34,7 +39,7 @@ pub use lease::{
 };
 pub use message_id::{MESSAGE_ID_NAMESPACE, MessageId};
 pub use metrics::{InboxMetrics, MetricsSnapshot, metric_names};
-pub use outcome::{Outcome, ProcessError, Settlement};
+pub use outcome::{NackDelay, Outcome, ProcessError, Settlement};
 #[cfg(feature = "postgres")]
 pub use pooler::for_transaction_pooler;
 pub use retention::{

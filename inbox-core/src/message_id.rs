@@ -104,11 +104,18 @@ impl MessageId {
     /// is taken byte for byte (case matters).
     ///
     /// # Errors
-    /// [`InboxError::EmptyKeyField`] when the id is empty or only white space.
+    /// [`InboxError::EmptyKeyField`] when the id is empty or only white space;
+    /// [`InboxError::NilMessageId`] when it is the nil UUID written out
+    /// (`00000000-0000-0000-0000-000000000000`), what a producer that never set its id
+    /// sends: every such message would deduplicate against every other.
     ///
     /// ```
-    /// use sea_orm_inbox::MessageId;
+    /// use sea_orm_inbox::{InboxError, MessageId};
     ///
+    /// assert!(matches!(
+    ///     MessageId::from_broker_id("00000000-0000-0000-0000-000000000000"),
+    ///     Err(InboxError::NilMessageId)
+    /// ));
     /// let a = MessageId::from_broker_id("order-42")?;
     /// assert_eq!(a, MessageId::from_broker_id("  order-42\n")?);
     /// assert_ne!(a, MessageId::from_broker_id("order-43")?);
@@ -116,6 +123,9 @@ impl MessageId {
     /// ```
     pub fn from_broker_id(broker_message_id: &str) -> Result<Self, InboxError> {
         let id = key_field("broker message id", broker_message_id)?;
+        if Uuid::try_parse(id).is_ok_and(|uuid| uuid.is_nil()) {
+            return Err(InboxError::NilMessageId);
+        }
         Ok(Self(KeyName::new("broker").field(id.as_bytes()).uuid()))
     }
 

@@ -1,5 +1,8 @@
-use crate::{InboxError, Refusal};
+use crate::cause::db_cause;
+use crate::{InboxError, LeaseClaim, Refusal, classify};
+use chrono::{DateTime, Utc};
 use std::fmt;
+use std::time::Duration;
 
 /// What [`Inbox::process`](crate::Inbox::process) did with a delivery. `Processed` and
 /// `Duplicate` mean the message is done: acknowledge it. `Refused` means dead-letter it.
@@ -47,8 +50,9 @@ impl<T> Outcome<T> {
 }
 
 /// Why [`Inbox::process`](crate::Inbox::process) did not finish a delivery. Every variant
-/// means: do not acknowledge; nack or abandon the message so the broker redelivers it (or
-/// dead-letters it after its own limit).
+/// means: do not acknowledge. [`Settlement::for_delivery`] says what instead: dead-letter
+/// what no redelivery can fix ([`is_permanent`](Self::is_permanent)), nack the rest with
+/// a delay so the broker redelivers it (or dead-letters it after its own limit).
 ///
 /// Nothing of this call committed, with one exception: when a COMMIT of the call failed
 /// (its reply lost with the connection, or unanswered in a partition, so the client cannot
@@ -125,23 +129,32 @@ impl<E: std::error::Error + 'static> std::error::Error for ProcessError<E> {
     }
 }
 
-/// What to tell the broker about a delivery: the one place that maps results to acks.
+/// What to tell the broker about a delivery, with its parameters: the one place that maps
+/// results to acks. It reads like the brokers' own verbs (async-nats' `AckKind`).
 ///
 /// ```
-/// use sea_orm_inbox::{Outcome, ProcessError, Settlement};
+/// use sea_orm_inbox::{InboxError, Outcome, ProcessError, Settlement};
+/// use std::time::Duration;
 ///
-/// let done: Result<Outcome<()>, ProcessError<String>> = Ok(Outcome::Duplicate);
+/// type Result = std::result::Result<Outcome<()>, ProcessError<String>>;
+/// let done: Result = Ok(Outcome::Duplicate);
 /// assert_eq!(Settlement::of(&done), Settlement::Ack);
-/// let failed: Result<Outcome<()>, ProcessError<String>> = Err(ProcessError::Handler("boom".into()));
-/// assert_eq!(Settlement::of(&failed), Settlement::Nack);
+/// let failed: Result = Err(ProcessError::Handler("card declined".into()));
+/// assert_eq!(Settlement::of(&failed), Settlement::Nack(None));
+/// // The third delivery of a failing message waits 4 s before the broker tries again.
+/// assert_eq!(Settlement::for_delivery(&failed, 3), Settlement::Nack(Some(Duration::from_secs(4))));
+/// // A retry cannot fix a nil message id: never redeliver it.
+/// let nil: Result = Err(ProcessError::Inbox(InboxError::NilMessageId));
+/// assert_eq!(Settlement::for_delivery(&nil, 1), Settlement::DeadLetter);
 /// ```
 ///
-/// Map it to the broker's verbs once, in the consumer loop:
+/// Map it to the broker's verbs once, in the consumer loop (the `rabbitmq` and `jetstream`
+/// modules, behind the `lapin` and `async-nats` features, do it for you):
 ///
 /// | settlement | RabbitMQ (lapin) | JetStream (async-nats) | Kafka |
 /// | --- | --- | --- | --- |
 /// | `Ack` | `basic_ack` | `ack()` | commit the offset |
-/// | `Nack` | `basic_nack`, `requeue: true` | `ack_with(AckKind::Nak(None))` | seek back, consume again |
+/// | `Nack(delay)` | wait `delay`, then `basic_nack`, `requeue: true` | `ack_with(AckKind::Nak(delay))` | pause the partition for `delay`, seek back |
 /// | `DeadLetter` | `basic_reject`, `requeue: false` (routes to the dead-letter exchange) | `ack_with(AckKind::Term)` | produce to a dead-letter topic, commit the offset |
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Settlement {
@@ -149,22 +162,267 @@ pub enum Settlement {
     /// [`Outcome::Duplicate`]). Never nack a duplicate: it would bounce to the dead-letter
     /// queue.
     Ack,
-    /// Negative-acknowledge or abandon: let the broker redeliver. Nothing committed, or
-    /// (a lost COMMIT reply on the last attempt) the redelivery will find it committed and
-    /// be a duplicate: see [`ProcessError`].
-    Nack,
-    /// Move the message to the dead-letter queue without requeueing it: running it could
-    /// do harm ([`Outcome::Refused`]). Nothing was written; a human decides.
+    /// Negative-acknowledge: let the broker redeliver, after the delay if there is one.
+    /// Nothing committed, or (a lost COMMIT reply on the last attempt) the redelivery will
+    /// find it committed and be a duplicate: see [`ProcessError`]. Also the answer to a
+    /// lease another claimant holds ([`Settlement::of_lease`]).
+    Nack(Option<Duration>),
+    /// Reject without requeueing: the dead-letter queue keeps the message and a human
+    /// decides. Either running it could do harm ([`Outcome::Refused`]), or no redelivery
+    /// can succeed ([`InboxError::is_permanent`]: a nil message id, a missing table, a
+    /// unique violation on another index...). Nothing was written; replay it from the
+    /// dead-letter queue once the cause is fixed.
     DeadLetter,
 }
 
 impl Settlement {
-    /// The settlement for the result of [`Inbox::process`](crate::Inbox::process).
-    pub fn of<T, E>(result: &Result<Outcome<T>, ProcessError<E>>) -> Self {
+    /// The settlement for the result of [`Inbox::process`](crate::Inbox::process), with
+    /// no redelivery delay: [`Settlement::Nack`]`(None)` for a failure worth a retry.
+    /// Prefer [`for_delivery`](Self::for_delivery) when the broker tells how often it
+    /// delivered the message: a failure that lasts (a database down for minutes) is then
+    /// not redelivered in a tight loop.
+    pub fn of<T, E: 'static>(result: &Result<Outcome<T>, ProcessError<E>>) -> Self {
         match result {
             Ok(Outcome::Processed(_) | Outcome::Duplicate) => Settlement::Ack,
             Ok(Outcome::Refused(_)) => Settlement::DeadLetter,
-            Err(_) => Settlement::Nack,
+            Err(err) if err.is_permanent() => Settlement::DeadLetter,
+            Err(_) => Settlement::Nack(None),
         }
+    }
+
+    /// [`of`](Self::of), with the redelivery delay of [`NackDelay::default`] for the
+    /// `delivery`-th delivery of the message (1 for the first): 1 s, 2 s, 4 s ... up to a
+    /// minute.
+    pub fn for_delivery<T, E: 'static>(
+        result: &Result<Outcome<T>, ProcessError<E>>,
+        delivery: u32,
+    ) -> Self {
+        NackDelay::default().settle(result, delivery)
+    }
+
+    /// The settlement for a [`claim_lease`](crate::claim_lease) that did not give this
+    /// delivery the side effect, or `None` when it did ([`LeaseClaim::Claimed`],
+    /// [`LeaseClaim::TakenOver`]: call the side effect, [`complete_lease`](crate::complete_lease),
+    /// then ack).
+    ///
+    /// A lease another claimant holds ([`LeaseClaim::Held`]) is nacked with a delay until
+    /// the lease expires: by then the holder has completed (the redelivery is acked as
+    /// already processed) or crashed (the redelivery takes over).
+    pub fn of_lease(claim: &LeaseClaim) -> Option<Self> {
+        Self::of_lease_at(claim, Utc::now())
+    }
+
+    fn of_lease_at(claim: &LeaseClaim, now: DateTime<Utc>) -> Option<Self> {
+        match claim {
+            LeaseClaim::Claimed(_) | LeaseClaim::TakenOver(_) => None,
+            LeaseClaim::AlreadyProcessed | LeaseClaim::Dead(_) => Some(Settlement::Ack),
+            LeaseClaim::Held { lease_until, .. } => {
+                let left = (*lease_until - now).to_std().unwrap_or(Duration::ZERO);
+                Some(Settlement::Nack(Some(left)))
+            }
+            LeaseClaim::Refused(_) => Some(Settlement::DeadLetter),
+        }
+    }
+}
+
+impl<E: 'static> ProcessError<E> {
+    /// Whether no redelivery can succeed: an [`InboxError::is_permanent`] error, or a
+    /// handler error that is (or wraps, see [`Inbox::process`](crate::Inbox::process)) a
+    /// [`DbErr`](sea_orm::DbErr) whose [kind](crate::DbErrorKind::is_permanent) is
+    /// permanent, such as a unique violation in the handler's own insert. Exhausted
+    /// retries are not: the failures were transient.
+    pub fn is_permanent(&self) -> bool {
+        match self {
+            ProcessError::Handler(err) => {
+                db_cause(err).is_some_and(|cause| classify(cause).is_permanent())
+            }
+            ProcessError::Inbox(err) => err.is_permanent(),
+            ProcessError::RetriesExhausted { .. } => false,
+        }
+    }
+}
+
+/// How long the broker should wait before redelivering a message that failed: doubling
+/// with each delivery from `first` up to `max`, so one that keeps failing (a database
+/// down for minutes) is not redelivered in a tight loop. No jitter: the broker spreads
+/// redeliveries of different messages by their own delivery times.
+///
+/// ```
+/// use sea_orm_inbox::{NackDelay, Outcome, ProcessError, Settlement};
+/// use std::time::Duration;
+///
+/// let delay = NackDelay::new(Duration::from_millis(500), Duration::from_secs(30))?;
+/// assert_eq!(delay.for_delivery(1), Duration::from_millis(500));
+/// assert_eq!(delay.for_delivery(3), Duration::from_secs(2));
+/// assert_eq!(delay.for_delivery(100), Duration::from_secs(30));
+/// let failed: Result<Outcome<()>, ProcessError<String>> = Err(ProcessError::Handler("boom".into()));
+/// assert_eq!(delay.settle(&failed, 2), Settlement::Nack(Some(Duration::from_secs(1))));
+/// # Ok::<(), sea_orm_inbox::InboxError>(())
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct NackDelay {
+    first: Duration,
+    max: Duration,
+}
+
+impl Default for NackDelay {
+    /// 1 s after the first delivery, doubling up to a minute.
+    fn default() -> Self {
+        Self {
+            first: Duration::from_secs(1),
+            max: Duration::from_secs(60),
+        }
+    }
+}
+
+impl NackDelay {
+    /// The longest delay accepted: an hour. A message that should wait longer belongs in
+    /// the dead-letter queue; and RabbitMQ closes a channel that holds a delivery unacked
+    /// longer than its `consumer_timeout` (30 minutes by default).
+    pub const MAX: Duration = Duration::from_secs(3600);
+
+    /// A delay of `first` after the first delivery, doubling per delivery up to `max`.
+    ///
+    /// # Errors
+    /// [`InboxError::ValueOutOfRange`] when `first` or `max` exceeds [`MAX`](Self::MAX),
+    /// or `first` is above `max`.
+    pub fn new(first: Duration, max: Duration) -> Result<Self, InboxError> {
+        if max > Self::MAX {
+            return Err(InboxError::ValueOutOfRange {
+                what: "the longest nack delay",
+                value: format!("{max:?}"),
+                max: format!("{:?}", Self::MAX),
+                advice: "dead-letter a message that should wait longer",
+            });
+        }
+        if first > max {
+            return Err(InboxError::ValueOutOfRange {
+                what: "the first nack delay",
+                value: format!("{first:?}"),
+                max: format!("{max:?}"),
+                advice: "choose a first delay no longer than the longest one",
+            });
+        }
+        Ok(Self { first, max })
+    }
+
+    /// The delay before redelivering after the `delivery`-th delivery failed (1 for the
+    /// first): `first * 2^(delivery - 1)`, at most `max`.
+    pub fn for_delivery(&self, delivery: u32) -> Duration {
+        let doublings = delivery.saturating_sub(1).min(31);
+        self.first.saturating_mul(1 << doublings).min(self.max)
+    }
+
+    /// [`Settlement::of`], with this delay for the `delivery`-th delivery on a nack.
+    pub fn settle<T, E: 'static>(
+        &self,
+        result: &Result<Outcome<T>, ProcessError<E>>,
+        delivery: u32,
+    ) -> Settlement {
+        match Settlement::of(result) {
+            Settlement::Nack(_) => Settlement::Nack(Some(self.for_delivery(delivery))),
+            settled => settled,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::MessageId;
+    use chrono::TimeDelta;
+    use sea_orm::{DbErr, RuntimeErr};
+
+    type Processed = Result<Outcome<()>, ProcessError<DbErr>>;
+
+    #[test]
+    fn the_delay_grows_with_the_delivery_count_up_to_its_cap() {
+        let failed: Processed = Err(ProcessError::RetriesExhausted {
+            attempts: 5,
+            source: InboxError::PurgerStopped {
+                reason: "a stand-in for a transient failure".into(),
+            },
+        });
+        let delays: Vec<_> = [0, 1, 2, 3, 6, 7, 8, u32::MAX]
+            .into_iter()
+            .map(|delivery| Settlement::for_delivery(&failed, delivery))
+            .collect();
+        let secs = |s| Settlement::Nack(Some(Duration::from_secs(s)));
+        assert_eq!(
+            delays,
+            [
+                secs(1),
+                secs(1),
+                secs(2),
+                secs(4),
+                secs(32),
+                secs(60),
+                secs(60),
+                secs(60)
+            ]
+        );
+    }
+
+    #[test]
+    fn nack_delay_refuses_what_it_cannot_honour() {
+        let hour = NackDelay::MAX;
+        assert!(NackDelay::new(Duration::ZERO, hour).is_ok());
+        for (first, max) in [
+            (Duration::from_secs(1), hour + Duration::from_nanos(1)),
+            (Duration::from_secs(2), Duration::from_secs(1)),
+        ] {
+            let err = NackDelay::new(first, max).expect_err("out of range");
+            assert!(matches!(err, InboxError::ValueOutOfRange { .. }), "{err}");
+        }
+    }
+
+    #[test]
+    fn permanent_errors_are_dead_lettered_and_never_delayed() {
+        let nil: Processed = Err(ProcessError::Inbox(InboxError::NilMessageId));
+        let not_built: Processed = Err(ProcessError::Inbox(InboxError::BackendNotEnabled {
+            backend: "SQLite",
+            feature: "sqlite",
+        }));
+        for permanent in [nil, not_built] {
+            assert_eq!(Settlement::of(&permanent), Settlement::DeadLetter);
+            assert_eq!(
+                Settlement::for_delivery(&permanent, 9),
+                Settlement::DeadLetter
+            );
+        }
+        let lost: Processed = Err(ProcessError::Inbox(InboxError::ClaimLost {
+            message_id: MessageId::from_uuid(uuid::Uuid::from_u128(7)),
+            consumer: "billing".into(),
+            source: None,
+        }));
+        assert_eq!(Settlement::of(&lost), Settlement::Nack(None));
+        let unknown: Processed = Err(ProcessError::Handler(DbErr::Exec(RuntimeErr::Internal(
+            "permission denied".into(),
+        ))));
+        assert_eq!(
+            Settlement::for_delivery(&unknown, 2),
+            Settlement::Nack(Some(Duration::from_secs(2)))
+        );
+    }
+
+    #[test]
+    fn a_held_lease_waits_until_it_expires() {
+        let now = Utc::now();
+        let held = |left: TimeDelta| LeaseClaim::Held {
+            attempts: 1,
+            lease_until: now + left,
+        };
+        assert_eq!(
+            Settlement::of_lease_at(&held(TimeDelta::seconds(30)), now),
+            Some(Settlement::Nack(Some(Duration::from_secs(30))))
+        );
+        assert_eq!(
+            Settlement::of_lease_at(&held(TimeDelta::seconds(-5)), now),
+            Some(Settlement::Nack(Some(Duration::ZERO)))
+        );
+        assert_eq!(
+            Settlement::of_lease_at(&LeaseClaim::AlreadyProcessed, now),
+            Some(Settlement::Ack)
+        );
     }
 }

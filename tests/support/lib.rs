@@ -39,6 +39,7 @@ use std::time::Duration;
 
 mod galera;
 mod proxy;
+pub mod scenario;
 mod stream;
 pub use galera::{GALERA_URLS_VAR, GaleraDb, galera_script, migrated_galera_db};
 pub use proxy::LostReplyProxy;

@@ -172,7 +172,7 @@ impl Broker {
                 state.acks += 1;
                 state.acked.insert(id);
             }
-            Settlement::Nack => {
+            Settlement::Nack(_) => {
                 state.nacks += 1;
                 state.queue.push_back(id);
             }

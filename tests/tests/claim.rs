@@ -502,7 +502,7 @@ async fn mysql_namesake_of_the_inbox_index_on_another_table_is_not_a_duplicate()
         ),
         "{processed:?}"
     );
-    assert_eq!(Settlement::of(&processed), Settlement::Nack);
+    assert_eq!(Settlement::of(&processed), Settlement::DeadLetter);
     assert_eq!(scalar_i64(&conn, "SELECT COUNT(*) FROM inbox").await, 0);
     assert_eq!(
         scalar_i64(&conn, "SELECT balance FROM account WHERE id = 1").await,

@@ -147,7 +147,7 @@ async fn killed_without_retry_then_redelivered(backend: Backend, kill: Kill) {
         "{backend:?} {kill:?}, no retry: first delivery -> {first:?} ({runs} run, {:?})",
         started.elapsed()
     );
-    assert_eq!(Settlement::of(&first), Settlement::Nack, "{first:?}");
+    assert_eq!(Settlement::of(&first), Settlement::Nack(None), "{first:?}");
     let cause = match (&first, kill) {
         // The handler's own statement failed: the handler's error, not retried here.
         (Err(ProcessError::Handler(err)), Kill::BeforeWrite) => err,
@@ -224,6 +224,60 @@ async fn killed_before_commit_then_redelivered(backend: Backend) {
     killed_without_retry_then_redelivered(backend, Kill::BeforeCommit).await;
 }
 
+/// The error types applications use: a handler returning `anyhow::Error` or
+/// `eyre::Report`, with context added to the `DbErr` of its killed statement, is retried in
+/// place like one returning `DbErr` (before, the killed connection came back as the
+/// handler's error and the message was nacked).
+macro_rules! killed_in_a_handler_of_the_applications_error_type {
+    ($name:ident, $report:ty, $wrap:path) => {
+        async fn $name(backend: Backend) {
+            let db = migrated_db(backend).await;
+            let killer = Killer::new(&db).await;
+            let conn = db.connect().await;
+            create_accounts(&conn).await;
+            let inbox = Inbox::new(CONSUMER).expect("valid name");
+            let runs = Arc::new(AtomicU32::new(0));
+            let result = inbox
+                .process(&conn, Uuid::new_v4(), |txn| {
+                    let first_run = runs.fetch_add(1, Ordering::SeqCst) == 0;
+                    let killer = Arc::clone(&killer);
+                    Box::pin(async move {
+                        let victim = Killer::connection_id(txn).await?;
+                        if first_run {
+                            killer.kill(victim).await;
+                        }
+                        $wrap(credit(txn, 1).await, "crediting account 1")?;
+                        Ok::<_, $report>(())
+                    })
+                })
+                .await;
+            assert!(
+                matches!(result, Ok(Outcome::Processed(()))),
+                "{backend:?}: {result:?}"
+            );
+            assert_eq!(
+                runs.load(Ordering::SeqCst),
+                2,
+                "retried in a fresh transaction"
+            );
+            assert_eq!(inbox.metrics().snapshot().transient_retries, 1);
+            assert_applied(&conn, 1, "after the retried delivery").await;
+            db.cleanup().await;
+        }
+    };
+}
+
+killed_in_a_handler_of_the_applications_error_type!(
+    killed_in_an_anyhow_handler_is_retried_by_process,
+    anyhow::Error,
+    anyhow::Context::context
+);
+killed_in_a_handler_of_the_applications_error_type!(
+    killed_in_an_eyre_handler_is_retried_by_process,
+    eyre::Report,
+    eyre::WrapErr::wrap_err
+);
+
 /// The commit succeeds but the ack never reaches the broker (the consumer crashed, the
 /// channel closed): the broker redelivers, to another replica, and that gets `Duplicate`,
 /// which settles as Ack without running the handler.
@@ -284,5 +338,7 @@ mod server_kills {
         killed_before_commit_then_redelivered,
         killed_before_commit_is_retried_by_process,
         killed_before_write_is_retried_by_process,
+        killed_in_an_anyhow_handler_is_retried_by_process,
+        killed_in_an_eyre_handler_is_retried_by_process,
     );
 }

@@ -5,7 +5,7 @@ use chrono::{DateTime, Utc};
 use inbox_tests::{Backend, migrated_db, on_every_backend, on_pgbouncer, scalar_i64};
 use sea_orm::{ColumnTrait, DatabaseConnection, EntityTrait, QueryFilter, TransactionTrait};
 use sea_orm_inbox::{
-    ClaimToken, InboxError, Lease, LeaseClaim, LeaseOptions, MessageId, claim_lease,
+    ClaimToken, InboxError, Lease, LeaseClaim, LeaseOptions, MessageId, Settlement, claim_lease,
     claim_lease_with_token, complete_lease, list_dead_claims, list_expired_leases, release_lease,
 };
 use sea_orm_inbox_entity::inbox;
@@ -123,8 +123,10 @@ async fn crashed_claimant_is_taken_over_and_its_late_completion_rejected(backend
         .unwrap()
         .push(lease_a.idempotency_key());
 
-    // Redelivered to B while A's lease is live: B must not call the provider.
-    match claim_lease(&b, id, CONSUMER, &options).await.unwrap() {
+    // Redelivered to B while A's lease is live: B must not call the provider, and nacks
+    // the message with a delay that ends when A's lease does.
+    let held = claim_lease(&b, id, CONSUMER, &options).await.unwrap();
+    match held {
         LeaseClaim::Held {
             attempts,
             lease_until,
@@ -132,8 +134,15 @@ async fn crashed_claimant_is_taken_over_and_its_late_completion_rejected(backend
             assert_eq!(attempts, 1);
             assert_eq!(lease_until, lease_a.lease_until());
         }
-        other => panic!("expected Held, got {other:?}"),
+        ref other => panic!("expected Held, got {other:?}"),
     }
+    let Some(Settlement::Nack(Some(delay))) = Settlement::of_lease(&held) else {
+        panic!("a held lease is nacked with a delay");
+    };
+    assert!(
+        Duration::ZERO < delay && delay <= options.lease(),
+        "{delay:?}"
+    );
 
     // After the lease expires, B takes over as attempt 2 with the same idempotency key.
     wait_past(lease_a.lease_until()).await;

@@ -51,7 +51,7 @@ async fn held_claim_ends_as_transient_within_the_lock_timeout(backend: Backend) 
         }
         other => panic!("expected RetriesExhausted after two 1 s lock waits, got {other:?}"),
     }
-    assert_eq!(Settlement::of(&result), Settlement::Nack);
+    assert_eq!(Settlement::of(&result), Settlement::Nack(None));
     // Two attempts of 1 s each; generous for a loaded machine, far below the holder's 120 s.
     assert!(
         waited < Duration::from_secs(30),

@@ -160,7 +160,7 @@ async fn process_without_retry_nacks_a_lost_reply_and_the_redelivery_is_a_duplic
         ),
         "{first:?}"
     );
-    assert_eq!(Settlement::of(&first), Settlement::Nack);
+    assert_eq!(Settlement::of(&first), Settlement::Nack(None));
     let redelivered = inbox
         .process(through_proxy, id, |txn| Box::pin(credit(txn, 5)))
         .await;

@@ -152,7 +152,7 @@ async fn a_replica_cut_off_mid_handler_releases_its_claim(backend: Backend) {
 
     let a = a.expect("A's process is still waiting on the partitioned database");
     assert!(unresponsive_during(&a, "the handler", false), "{a:?}");
-    assert_eq!(Settlement::of(&a), Settlement::Nack);
+    assert_eq!(Settlement::of(&a), Settlement::Nack(None));
     assert!(
         a_done - partitioned_at < PARTITION_TIMEOUT + SLACK,
         "A returned {:?} after the partition began",
@@ -287,7 +287,7 @@ async fn a_commit_reply_lost_in_a_partition_nacks_and_the_redelivery_is_a_duplic
 
     let a = a.expect("A's process is still waiting for its COMMIT's reply");
     assert!(unresponsive_during(&a, "BEGIN", true), "{a:?}");
-    assert_eq!(Settlement::of(&a), Settlement::Nack);
+    assert_eq!(Settlement::of(&a), Settlement::Nack(None));
     assert!(
         a_done - partitioned_at < 2 * PARTITION_TIMEOUT + SLACK,
         "A returned {:?} after the partition began",

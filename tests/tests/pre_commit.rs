@@ -98,7 +98,7 @@ async fn swallowed_failed_statement_never_acks_uncommitted_work(backend: Backend
     );
     let message = result.as_ref().err().map(ToString::to_string);
     if let Some(message) = message {
-        assert_eq!(Settlement::of(&result), Settlement::Nack);
+        assert_eq!(Settlement::of(&result), Settlement::Nack(None));
         assert!(message.contains("nack the message"), "{message}");
     }
 
@@ -271,7 +271,7 @@ async fn swallowed_deadlock(autocommit_off: bool) -> i64 {
         ),
         "{result:?}"
     );
-    assert_eq!(Settlement::of(&result), Settlement::Nack);
+    assert_eq!(Settlement::of(&result), Settlement::Nack(None));
     assert_eq!(committed(&conn).await, (0, 0), "no marker, no credit");
     let after_deadlock = scalar_i64(&conn, "SELECT COUNT(*) FROM audit").await;
 

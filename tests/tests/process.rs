@@ -9,6 +9,8 @@ use inbox_tests::{
 use sea_orm::{ConnAcquireErr, ConnectionTrait, DatabaseConnection, DbErr};
 use sea_orm_inbox::prelude::*;
 use sea_orm_inbox::{DbErrorKind, classify};
+use sea_orm_inbox_migration::Migrator;
+use sea_orm_migration::MigratorTrait;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
@@ -75,7 +77,7 @@ async fn handler_error_rolls_back_and_is_not_retried(backend: Backend) {
         matches!(&failed, Err(ProcessError::Handler(msg)) if msg == "card declined"),
         "{failed:?}"
     );
-    assert_eq!(Settlement::of(&failed), Settlement::Nack);
+    assert_eq!(Settlement::of(&failed), Settlement::Nack(None));
     assert_eq!(
         runs.load(Ordering::SeqCst),
         1,
@@ -187,7 +189,7 @@ async fn exhausted_retries_name_the_last_transient_cause(backend: Backend) {
         }
         other => panic!("expected RetriesExhausted on {backend:?}, got {other:?}"),
     }
-    assert_eq!(Settlement::of(&result), Settlement::Nack);
+    assert_eq!(Settlement::of(&result), Settlement::Nack(None));
     let counts = inbox.metrics().snapshot();
     assert_eq!(
         (counts.transient_retries, counts.failures),
@@ -283,6 +285,7 @@ async fn missing_table_is_reported_not_retried(backend: Backend) {
         ),
         "{result:?}"
     );
+    assert_eq!(Settlement::for_delivery(&result, 1), Settlement::DeadLetter);
     assert!(result.unwrap_err().to_string().contains("CreateInbox"));
     assert_eq!(inbox.metrics().snapshot().transient_retries, 0);
     conn.execute_unprepared("SELECT 1")
@@ -291,7 +294,82 @@ async fn missing_table_is_reported_not_retried(backend: Backend) {
     db.cleanup().await;
 }
 
+/// What no redelivery can fix is dead-lettered on the first delivery, with the database's
+/// own verdict: the inbox's second migration not run (a missing column), a handler writing
+/// a column that does not exist, a handler's unique violation on its own index. Before,
+/// each was nacked and redelivered at once, forever. A failure worth a retry is nacked with
+/// a delay that grows with the delivery count.
+async fn permanent_failures_are_dead_lettered_transient_ones_delayed(backend: Backend) {
+    let db = inbox_tests::fresh_db(backend).await;
+    let conn = db.connect().await;
+    Migrator::up(&conn, Some(1))
+        .await
+        .expect("CreateInbox only");
+    create_accounts(&conn).await;
+    run(&conn, "CREATE TABLE orders (number BIGINT PRIMARY KEY)").await;
+    let inbox = Inbox::new("billing.credit").expect("valid name");
+    let unmigrated = credit_once(&inbox, &conn, Uuid::new_v4()).await;
+    let kind = unmigrated
+        .as_ref()
+        .err()
+        .and_then(ProcessError::inbox_error)
+        .and_then(InboxError::db_err)
+        .map(classify);
+    assert_eq!(kind, Some(DbErrorKind::MissingColumn), "{unmigrated:?}");
+    assert_eq!(
+        Settlement::for_delivery(&unmigrated, 1),
+        Settlement::DeadLetter
+    );
+    Migrator::up(&conn, None).await.expect("the rest");
+
+    let handle = |sql: &'static str| {
+        inbox.process(&conn, Uuid::new_v4(), move |txn| {
+            Box::pin(async move { txn.execute_unprepared(sql).await.map(drop) })
+        })
+    };
+    let first = handle("INSERT INTO orders (number) VALUES (42)").await;
+    assert!(matches!(first, Ok(Outcome::Processed(()))), "{first:?}");
+    for (sql, expected) in [
+        (
+            "INSERT INTO orders (number) VALUES (42)",
+            DbErrorKind::OtherUniqueViolation,
+        ),
+        (
+            "UPDATE account SET no_such_column = 1 WHERE id = 1",
+            DbErrorKind::MissingColumn,
+        ),
+    ] {
+        let result = handle(sql).await;
+        let kind = result
+            .as_ref()
+            .err()
+            .and_then(ProcessError::handler_error)
+            .map(classify);
+        assert_eq!(kind, Some(expected), "{sql}: {result:?}");
+        assert_eq!(
+            Settlement::for_delivery(&result, 1),
+            Settlement::DeadLetter,
+            "{sql}"
+        );
+    }
+
+    let declined = inbox
+        .process(&conn, Uuid::new_v4(), |_| {
+            Box::pin(async { Err::<(), _>("card declined".to_string()) })
+        })
+        .await;
+    let delays: Vec<_> = (1..=3)
+        .map(|delivery| Settlement::for_delivery(&declined, delivery))
+        .collect();
+    let secs = |s| Settlement::Nack(Some(Duration::from_secs(s)));
+    assert_eq!(delays, [secs(1), secs(2), secs(4)]);
+    assert_eq!(scalar_i64(&conn, "SELECT COUNT(*) FROM orders").await, 1);
+    assert_eq!(scalar_i64(&conn, "SELECT COUNT(*) FROM inbox").await, 1);
+    db.cleanup().await;
+}
+
 on_every_backend!(
+    permanent_failures_are_dead_lettered_transient_ones_delayed,
     replicas_process_each_message_once,
     handler_error_rolls_back_and_is_not_retried,
     transient_lock_failures_are_retried_in_a_fresh_transaction,

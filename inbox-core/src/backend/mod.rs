@@ -742,8 +742,28 @@ pub enum DbErrorKind {
     Transient,
     /// The inbox table does not exist: the migration has not run.
     MissingInboxTable,
+    /// A statement names a column its table does not have (the inbox's when a later
+    /// migration has not run, or one of the handler's own): the schema is behind the code,
+    /// and no retry fixes that.
+    MissingColumn,
     /// Anything else.
     Other,
+}
+
+impl DbErrorKind {
+    /// Whether no retry of the message can succeed while the database stays as it is: a
+    /// unique violation of another index (or of a namesake of the inbox's), a missing
+    /// inbox table or column. Dead-letter such a message and fix the data or the schema;
+    /// a transient failure or an unknown one is worth a redelivery.
+    pub fn is_permanent(self) -> bool {
+        match self {
+            Self::OtherUniqueViolation
+            | Self::InboxDuplicate
+            | Self::MissingInboxTable
+            | Self::MissingColumn => true,
+            Self::Transient | Self::Other => false,
+        }
+    }
 }
 
 /// Classifies a SeaORM error by what it means for a message handler.

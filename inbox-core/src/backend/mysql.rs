@@ -137,6 +137,7 @@ pub(super) fn classify(db: &dyn DatabaseError) -> Option<DbErrorKind> {
     const ER_LOCK_WAIT_TIMEOUT: u16 = 1205;
     const ER_LOCK_DEADLOCK: u16 = 1213;
     const ER_NO_SUCH_TABLE: u16 = 1146;
+    const ER_BAD_FIELD_ERROR: u16 = 1054;
     const ER_SERVER_SHUTDOWN: u16 = 1053;
     const ER_CONNECTION_KILLED: u16 = 1927;
     const ER_QUERY_INTERRUPTED: u16 = 1317;
@@ -152,6 +153,7 @@ pub(super) fn classify(db: &dyn DatabaseError) -> Option<DbErrorKind> {
         ER_LOCK_WAIT_TIMEOUT | ER_LOCK_DEADLOCK => DbErrorKind::Transient,
         ER_SERVER_SHUTDOWN | ER_CONNECTION_KILLED | ER_QUERY_INTERRUPTED => DbErrorKind::Transient,
         ER_NO_SUCH_TABLE if names_inbox_table(err.message()) => DbErrorKind::MissingInboxTable,
+        ER_BAD_FIELD_ERROR => DbErrorKind::MissingColumn,
         _ => DbErrorKind::Other,
     })
 }

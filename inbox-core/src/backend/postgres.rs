@@ -131,6 +131,8 @@ pub(super) fn classify(db: &dyn DatabaseError) -> Option<DbErrorKind> {
         "57P01" | "57P02" | "57P03" => DbErrorKind::Transient,
         code if code.starts_with("08") => DbErrorKind::Transient,
         "42P01" if names_inbox_table(err.message()) => DbErrorKind::MissingInboxTable,
+        // undefined_column
+        "42703" => DbErrorKind::MissingColumn,
         _ => DbErrorKind::Other,
     })
 }

@@ -100,6 +100,14 @@ pub(super) fn classify(db: &dyn DatabaseError) -> Option<DbErrorKind> {
         // BUSY_TIMEOUT 773, LOCKED_SHAREDCACHE 262, LOCKED_VTAB 518).
         "5" | "6" | "261" | "517" | "773" | "262" | "518" => DbErrorKind::Transient,
         "1" if err.message() == "no such table: inbox" => DbErrorKind::MissingInboxTable,
+        // SQLite's messages are English only: "no such column: x" for reads and updates,
+        // "table t has no column named x" for inserts.
+        "1" if err.message().starts_with("no such column: ")
+            || (err.message().starts_with("table ")
+                && err.message().contains(" has no column named ")) =>
+        {
+            DbErrorKind::MissingColumn
+        }
         _ => DbErrorKind::Other,
     })
 }

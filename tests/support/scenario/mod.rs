@@ -1,6 +1,7 @@
-//! The broker-independent half of the real-broker demos: what gets published, the
-//! handler's business write, the bookkeeping and the final verdict. The broker halves
-//! ([`rabbitmq`], [`nats`]) only move deliveries and acks.
+//! The fault-injection harness of the real-broker tests (`tests/brokers.rs`): what gets
+//! published, the handler's business write, the bookkeeping and the final verdict. The
+//! broker halves ([`rabbitmq`], [`nats`]) only move deliveries and settle them through the
+//! library's adapters (`sea_orm_inbox::rabbitmq`, `sea_orm_inbox::jetstream`).
 //!
 //! The story both tell: a publisher sends every message once and re-sends some of them
 //! (a retry after a lost publish confirmation); two replicas, each with its own database
@@ -43,15 +44,6 @@ pub enum Broker {
 }
 
 impl Broker {
-    /// The broker URL for the examples: `AMQP_URL` or `NATS_URL`, else the local server.
-    pub fn url_from_env(self) -> String {
-        let (var, default) = match self {
-            Broker::RabbitMq => ("AMQP_URL", rabbitmq::DEFAULT_AMQP_URL),
-            Broker::Nats => ("NATS_URL", nats::DEFAULT_NATS_URL),
-        };
-        std::env::var(var).unwrap_or_else(|_| default.to_owned())
-    }
-
     /// Runs the scenario on this broker at `url`; `replicas` are the two replicas' own
     /// database pools (the first one dies). Check the result with [`Report::check`].
     pub async fn run(
@@ -65,20 +57,6 @@ impl Broker {
             Broker::Nats => nats::run(url, replicas, plan).await,
         }
     }
-}
-
-/// The whole `rabbitmq` / `nats` example: the demo database from `DATABASE_URL`, the
-/// broker from its URL variable, the default plan, the counts printed and checked.
-pub async fn demo_main(broker: Broker) -> Result<(), BoxError> {
-    let database = crate::database_url();
-    let url = broker.url_from_env();
-    let [a, b] = crate::migrated_replicas(&database).await?;
-    println!("database: {database}\nbroker:   {url}\n");
-    let report = broker.run(&url, [&a, &b], &Plan::default()).await?;
-    println!("{report}");
-    report.check()?;
-    println!("\nexactly once: every message applied once, every copy acked");
-    Ok(())
 }
 
 /// The shape of one run.
@@ -299,7 +277,7 @@ impl Demo {
     /// published copy has been acked.
     pub fn settled(&self, copy: Publication, settlement: Settlement) {
         match settlement {
-            Settlement::Nack => {
+            Settlement::Nack(_) => {
                 self.nacks.fetch_add(1, Ordering::Relaxed);
             }
             Settlement::DeadLetter => {

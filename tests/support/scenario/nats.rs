@@ -14,14 +14,11 @@
 use super::{BoxError, Demo, Fate, Plan, Publication, Report};
 use async_nats::jetstream::consumer::{PullConsumer, pull};
 use async_nats::jetstream::message::PublishMessage;
-use async_nats::jetstream::{self, AckKind, stream};
+use async_nats::jetstream::{self, stream};
 use futures_util::StreamExt;
 use sea_orm::DatabaseConnection;
-use sea_orm_inbox::Settlement;
+use sea_orm_inbox::{Settlement, jetstream as adapter};
 use std::time::Duration;
-
-/// The local server the demo uses when `NATS_URL` is not set.
-pub const DEFAULT_NATS_URL: &str = "nats://127.0.0.1:4222";
 
 /// The header that carries the message id: the dedup key of the inbox.
 pub const MESSAGE_ID_HEADER: &str = "Message-Id";
@@ -202,12 +199,7 @@ async fn consume(
                 continue;
             }
             let settlement = Settlement::of(&result);
-            match settlement {
-                Settlement::Ack => message.ack().await?,
-                Settlement::Nack => message.ack_with(AckKind::Nak(None)).await?,
-                // JetStream stops redelivering it and raises a MSG_TERMINATED advisory.
-                Settlement::DeadLetter => message.ack_with(AckKind::Term).await?,
-            }
+            adapter::settle(&message, settlement).await?;
             demo.settled(copy, settlement);
         }
     }

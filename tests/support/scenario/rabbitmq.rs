@@ -6,18 +6,15 @@
 use super::{BoxError, CRASH_WHEN_IDLE, Demo, Fate, Plan, Publication, Report};
 use futures_util::StreamExt;
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions, BasicQosOptions,
-    BasicRejectOptions, ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
+    BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions,
+    QueueDeclareOptions, QueueDeleteOptions,
 };
 use lapin::publisher_confirm::Confirmation;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, Consumer};
 use sea_orm::DatabaseConnection;
-use sea_orm_inbox::Settlement;
+use sea_orm_inbox::{Settlement, rabbitmq};
 use std::time::Duration;
-
-/// The local broker the demo uses when `AMQP_URL` is not set.
-pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 
 /// Unacked deliveries RabbitMQ hands each replica at once: more than one, so the dying
 /// replica also takes unprocessed messages down with it.
@@ -172,21 +169,7 @@ impl Replica {
                 continue;
             }
             let settlement = Settlement::of(&result);
-            match settlement {
-                Settlement::Ack => delivery.ack(BasicAckOptions::default()).await?,
-                Settlement::Nack => {
-                    let requeue = BasicNackOptions {
-                        requeue: true,
-                        ..BasicNackOptions::default()
-                    };
-                    delivery.nack(requeue).await?
-                }
-                // To the queue's dead-letter exchange, if it has one; dropped otherwise.
-                Settlement::DeadLetter => {
-                    let dead_letter = BasicRejectOptions { requeue: false };
-                    delivery.reject(dead_letter).await?
-                }
-            };
+            rabbitmq::settle(&delivery, settlement).await?;
             demo.settled(copy, settlement);
         }
         // Closing waits for the broker, so every ack sent above has been taken.

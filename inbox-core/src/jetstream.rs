@@ -1,0 +1,99 @@
+//! NATS JetStream through [`async_nats`] (feature `async-nats`): a message's `Nats-Msg-Id`
+//! header and metadata to a [`Delivery`], a [`Settlement`] to `ack`, `nak` with a delay or
+//! `term`.
+//!
+//! The consumer loop over a pull consumer with explicit acks:
+//!
+//! ```no_run
+//! use futures_util::StreamExt;
+//! use sea_orm::{ConnectionTrait, DatabaseConnection, DbErr};
+//! use sea_orm_inbox::{Inbox, ProcessError, Settlement, jetstream};
+//!
+//! # async fn consume(consumer: async_nats::jetstream::consumer::PullConsumer, db: DatabaseConnection, inbox: Inbox) -> Result<(), async_nats::Error> {
+//! let mut messages = consumer.messages().await?;
+//! while let Some(message) = messages.next().await {
+//!     let message = message?;
+//!     let result = match jetstream::delivery(&message) {
+//!         Ok(delivery) => {
+//!             inbox
+//!                 .process(&db, delivery, |txn| {
+//!                     Box::pin(async move {
+//!                         txn.execute_unprepared("UPDATE account SET balance = balance + 10").await?;
+//!                         Ok::<_, DbErr>(())
+//!                     })
+//!                 })
+//!                 .await
+//!         }
+//!         // No Nats-Msg-Id header, or a nil one: terminated below.
+//!         Err(err) => Err(ProcessError::Inbox(err)),
+//!     };
+//!     let settlement = Settlement::for_delivery(&result, jetstream::delivery_count(&message));
+//!     jetstream::settle(&message, settlement).await?;
+//! }
+//! # Ok(()) }
+//! ```
+
+use crate::{Delivery, InboxError, MessageId, Settlement};
+use async_nats::header::NATS_MESSAGE_ID;
+use async_nats::jetstream::{AckKind, Message};
+use chrono::DateTime;
+
+/// The [`Delivery`] of a JetStream message: its key from the `Nats-Msg-Id` header
+/// ([`MessageId::from_broker_id`]; the header JetStream itself deduplicates publishes by),
+/// its send time from the message metadata (the time the stream stored it, the same on
+/// every redelivery). A message without JetStream metadata (not from a consumer with
+/// acks) gets no send time.
+///
+/// # Errors
+/// [`InboxError::EmptyKeyField`] when the message has no `Nats-Msg-Id` (or an empty one),
+/// [`InboxError::NilMessageId`] when it is the nil UUID. Both are
+/// [permanent](InboxError::is_permanent): terminate the message
+/// (`Err(ProcessError::Inbox(err))` settles as [`Settlement::DeadLetter`]).
+pub fn delivery(message: &Message) -> Result<Delivery, InboxError> {
+    let id = message
+        .headers
+        .as_ref()
+        .and_then(|headers| headers.get(NATS_MESSAGE_ID))
+        .map_or("", |id| id.as_str());
+    let delivery = Delivery::new(MessageId::from_broker_id(id)?);
+    let published = message.info().ok().and_then(|info| {
+        let nanos = i64::try_from(info.published.unix_timestamp_nanos()).ok()?;
+        Some(DateTime::from_timestamp_nanos(nanos))
+    });
+    Ok(match published {
+        Some(sent_at) => delivery.sent_at(sent_at),
+        None => delivery,
+    })
+}
+
+/// How often JetStream has delivered this message, this delivery included (its metadata's
+/// `delivered`; 1 without metadata). For [`Settlement::for_delivery`].
+pub fn delivery_count(message: &Message) -> u32 {
+    message
+        .info()
+        .ok()
+        .and_then(|info| u32::try_from(info.delivered).ok())
+        .unwrap_or(1)
+        .max(1)
+}
+
+/// Tells JetStream what became of `message`:
+///
+/// | settlement | call |
+/// | --- | --- |
+/// | `Ack` | `ack()` |
+/// | `Nack(delay)` | `ack_with(AckKind::Nak(delay))`: redelivered after the delay |
+/// | `DeadLetter` | `ack_with(AckKind::Term)`: never redelivered; the server publishes a `MSG_TERMINATED` advisory, which a dead-letter stream can capture |
+///
+/// Acks are published without waiting for the server's reply: flush the client
+/// (`client.flush()`) before the process exits.
+///
+/// # Errors
+/// The client's error when the ack cannot be published.
+pub async fn settle(message: &Message, settlement: Settlement) -> Result<(), async_nats::Error> {
+    match settlement {
+        Settlement::Ack => message.ack().await,
+        Settlement::Nack(delay) => message.ack_with(AckKind::Nak(delay)).await,
+        Settlement::DeadLetter => message.ack_with(AckKind::Term).await,
+    }
+}

@@ -1,0 +1,218 @@
+//! RabbitMQ through [`lapin`] (feature `lapin`): a delivery's properties to a
+//! [`Delivery`], a [`Settlement`] to `basic.ack`, `basic.nack` or `basic.reject`.
+//!
+//! The consumer loop, with a dead-letter exchange on the queue
+//! (`x-dead-letter-exchange`) for what [`Settlement::DeadLetter`] rejects:
+//!
+//! ```no_run
+//! use futures_util::StreamExt;
+//! use sea_orm::{ConnectionTrait, DatabaseConnection, DbErr};
+//! use sea_orm_inbox::{Inbox, ProcessError, Settlement, rabbitmq};
+//!
+//! # async fn consume(mut consumer: lapin::Consumer, db: DatabaseConnection, inbox: Inbox) -> Result<(), lapin::Error> {
+//! while let Some(message) = consumer.next().await {
+//!     let message = message?;
+//!     let result = match rabbitmq::delivery(&message) {
+//!         Ok(delivery) => {
+//!             inbox
+//!                 .process(&db, delivery, |txn| {
+//!                     Box::pin(async move {
+//!                         txn.execute_unprepared("UPDATE account SET balance = balance + 10").await?;
+//!                         Ok::<_, DbErr>(())
+//!                     })
+//!                 })
+//!                 .await
+//!         }
+//!         // No message_id property, or a nil one: dead-lettered below.
+//!         Err(err) => Err(ProcessError::Inbox(err)),
+//!     };
+//!     let settlement = Settlement::for_delivery(&result, rabbitmq::delivery_count(&message));
+//!     rabbitmq::settle(&message, settlement).await?;
+//! }
+//! # Ok(()) }
+//! ```
+
+use crate::{Delivery, InboxError, MessageId, Settlement};
+use ::lapin::message::Delivery as AmqpDelivery;
+use ::lapin::options::{BasicAckOptions, BasicNackOptions, BasicRejectOptions};
+use ::lapin::types::AMQPValue;
+use chrono::DateTime;
+use std::time::Duration;
+
+/// The longest a delivery is held before a delayed nack: RabbitMQ closes the channel of a
+/// consumer that holds a delivery unacked longer than its `consumer_timeout` (30 minutes
+/// by default), which would requeue everything the channel holds.
+pub const MAX_NACK_DELAY: Duration = Duration::from_secs(600);
+
+/// The [`Delivery`] of a RabbitMQ message: its key from the `message_id` property
+/// ([`MessageId::from_broker_id`]), its send time from the `timestamp` property (seconds
+/// since the epoch) when the producer set one. Both are the producer's, so every
+/// redelivery carries the same.
+///
+/// # Errors
+/// [`InboxError::EmptyKeyField`] when the message has no `message_id` (or an empty one),
+/// [`InboxError::NilMessageId`] when it is the nil UUID, and
+/// [`InboxError::ValueOutOfRange`] for a `timestamp` no date can hold. All of them are
+/// [permanent](InboxError::is_permanent): dead-letter the message
+/// (`Err(ProcessError::Inbox(err))` settles as [`Settlement::DeadLetter`]).
+pub fn delivery(message: &AmqpDelivery) -> Result<Delivery, InboxError> {
+    let properties = &message.properties;
+    let id = properties
+        .message_id()
+        .as_ref()
+        .map_or("", |id| id.as_str());
+    let delivery = Delivery::new(MessageId::from_broker_id(id)?);
+    let Some(seconds) = *properties.timestamp() else {
+        return Ok(delivery);
+    };
+    let sent_at = i64::try_from(seconds)
+        .ok()
+        .and_then(|seconds| DateTime::from_timestamp(seconds, 0))
+        .ok_or_else(|| InboxError::ValueOutOfRange {
+            what: "the RabbitMQ timestamp property",
+            value: seconds.to_string(),
+            max: "262143-12-31".to_owned(),
+            advice: "set it to the time the message was first sent, in seconds since the epoch",
+        })?;
+    Ok(delivery.sent_at(sent_at))
+}
+
+/// How often RabbitMQ has delivered this message, this delivery included: one more than
+/// the `x-delivery-count` header of quorum queues, else 2 for a redelivery (classic queues
+/// only flag it) and 1 for a first delivery. For [`Settlement::for_delivery`].
+pub fn delivery_count(message: &AmqpDelivery) -> u32 {
+    let earlier = message
+        .properties
+        .headers()
+        .as_ref()
+        .and_then(|headers| headers.inner().get("x-delivery-count"))
+        .and_then(|count| match count {
+            AMQPValue::LongLongInt(n) => u32::try_from(*n).ok(),
+            AMQPValue::LongInt(n) => u32::try_from(*n).ok(),
+            AMQPValue::LongUInt(n) => Some(*n),
+            AMQPValue::ShortInt(n) => u32::try_from(*n).ok(),
+            AMQPValue::ShortUInt(n) => Some(u32::from(*n)),
+            _ => None,
+        });
+    match earlier {
+        Some(earlier) => earlier.saturating_add(1),
+        None if message.redelivered => 2,
+        None => 1,
+    }
+}
+
+/// Tells RabbitMQ what became of `message`:
+///
+/// | settlement | call |
+/// | --- | --- |
+/// | `Ack` | `basic.ack` |
+/// | `Nack(None)` | `basic.nack` with `requeue: true`: redelivered at once |
+/// | `Nack(Some(delay))` | the same after `delay` (at most [`MAX_NACK_DELAY`]) |
+/// | `DeadLetter` | `basic.reject` with `requeue: false`: to the queue's dead-letter exchange, or dropped when it has none |
+///
+/// RabbitMQ cannot requeue with a delay, so a delayed nack holds the message unacked for
+/// the delay (RabbitMQ redelivers nothing it holds) from a task spawned on the current
+/// tokio runtime, and this call returns at once. A held message counts against the
+/// channel's prefetch (`basic.qos`), which slows the consumer while messages keep
+/// failing. Outside a tokio runtime the nack is sent at once. If the delayed nack fails
+/// (the channel closed meanwhile), RabbitMQ has requeued the message with the channel.
+///
+/// # Errors
+/// The channel's error when the call cannot be sent (the channel or connection closed:
+/// RabbitMQ then requeues every unacked message of the channel itself).
+pub async fn settle(message: &AmqpDelivery, settlement: Settlement) -> Result<(), ::lapin::Error> {
+    let acker = &message.acker;
+    let requeue = BasicNackOptions {
+        multiple: false,
+        requeue: true,
+    };
+    match settlement {
+        Settlement::Ack => acker.ack(BasicAckOptions::default()).await.map(drop),
+        Settlement::DeadLetter => acker
+            .reject(BasicRejectOptions { requeue: false })
+            .await
+            .map(drop),
+        Settlement::Nack(Some(delay)) if !delay.is_zero() => {
+            let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+                return acker.nack(requeue).await.map(drop);
+            };
+            let acker = acker.clone();
+            runtime.spawn(async move {
+                tokio::time::sleep(delay.min(MAX_NACK_DELAY)).await;
+                if let Err(err) = acker.nack(requeue).await {
+                    tracing::warn!(error = %err, "a delayed nack failed; RabbitMQ requeues the message with its closed channel");
+                }
+            });
+            Ok(())
+        }
+        Settlement::Nack(_) => acker.nack(requeue).await.map(drop),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ::lapin::BasicProperties;
+    use ::lapin::acker::Acker;
+    use ::lapin::types::FieldTable;
+
+    fn message(properties: BasicProperties, redelivered: bool) -> AmqpDelivery {
+        AmqpDelivery {
+            delivery_tag: 1,
+            exchange: "".into(),
+            routing_key: "orders".into(),
+            redelivered,
+            properties,
+            data: Vec::new(),
+            acker: Acker::mock(),
+        }
+    }
+
+    #[test]
+    fn the_key_and_send_time_come_from_the_producers_properties() {
+        let properties = BasicProperties::default()
+            .with_message_id("order-42".into())
+            .with_timestamp(1_767_225_600);
+        let delivery = delivery(&message(properties, false)).expect("a delivery");
+        assert_eq!(
+            delivery.message_id(),
+            MessageId::from_broker_id("order-42").expect("a key")
+        );
+        assert_eq!(
+            delivery.sent_time(),
+            DateTime::from_timestamp(1_767_225_600, 0)
+        );
+    }
+
+    #[test]
+    fn what_no_redelivery_can_fix_is_a_permanent_error() {
+        let cases = [
+            BasicProperties::default(),
+            BasicProperties::default()
+                .with_message_id("00000000-0000-0000-0000-000000000000".into()),
+            BasicProperties::default()
+                .with_message_id("order-42".into())
+                .with_timestamp(u64::MAX),
+        ];
+        for properties in cases {
+            let err = delivery(&message(properties, false)).expect_err("refused");
+            assert!(err.is_permanent(), "{err}");
+        }
+    }
+
+    #[test]
+    fn delivery_count_reads_quorum_queues_header_else_the_redelivered_flag() {
+        assert_eq!(
+            delivery_count(&message(BasicProperties::default(), false)),
+            1
+        );
+        assert_eq!(
+            delivery_count(&message(BasicProperties::default(), true)),
+            2
+        );
+        let mut headers = FieldTable::default();
+        headers.insert("x-delivery-count".into(), AMQPValue::LongLongInt(4));
+        let quorum = BasicProperties::default().with_headers(headers);
+        assert_eq!(delivery_count(&message(quorum, true)), 5);
+    }
+}
