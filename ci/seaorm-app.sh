@@ -9,12 +9,15 @@
 #     written into lib.rs) must lose them, or the check proves nothing.
 #  2. `migrate up` and `migrate status` on a fresh PostgreSQL database (and MariaDB when
 #     INBOX_TEST_MYSQL_URL is set): every library migration applied, and the new ones.
-#  3. The app's consumer processes messages through `Inbox::process` on that database.
+#  3. Two processes of the app's consumer read one RabbitMQ queue through the lapin
+#     adapter into that database: 223 messages, 20 published twice, one with the
+#     non-UUID id `order-42` (twice), one with the nil UUID. Effects == distinct valid
+#     messages; the nil-id message is dead-lettered once and never redelivered.
 #  4. `generate entity --ignore-tables seaql_migrations,inbox` writes no inbox entity; the
 #     control: without the flag it does.
 #
-# Needs INBOX_TEST_POSTGRES_URL (an existing database the user may create databases from).
-# Any failed step fails the script.
+# Needs INBOX_TEST_POSTGRES_URL (an existing database the user may create databases from)
+# and INBOX_TEST_AMQP_URL (or AMQP_URL). Any failed step fails the script.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 # The library's target directory: the app's dependencies compile once with the library's.
@@ -22,6 +25,7 @@ export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$repo/target}"
 export CARGO_TERM_COLOR=never
 pg_admin=${INBOX_TEST_POSTGRES_URL:?set INBOX_TEST_POSTGRES_URL, e.g. postgres://postgres@127.0.0.1:5432/test}
 mysql_admin=${INBOX_TEST_MYSQL_URL:-}
+export AMQP_URL=${INBOX_TEST_AMQP_URL:-${AMQP_URL:?set INBOX_TEST_AMQP_URL, e.g. amqp://guest:guest@127.0.0.1:5672/%2f}}
 cli_version=2.0.4
 script_start=$SECONDS
 
@@ -49,7 +53,11 @@ step "install sea-orm-cli $cli_version if missing" install_cli
 
 work=$(mktemp -d)
 databases=()
+queues=()
+consumers=()
 cleanup() {
+  for pid in "${consumers[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+  for queue in "${queues[@]}"; do "$broker" delete "$queue" || true; done
   for db in "${databases[@]}"; do
     case $db in
       postgres:*) psql "$pg_admin" -qc "DROP DATABASE IF EXISTS ${db#postgres:} WITH (FORCE)" || true ;;
@@ -75,6 +83,8 @@ rm -rf "$app/target"
 # The copy's path dependencies point at this checkout.
 sed -i "s#path = \"../../#path = \"$repo/#" "$app/Cargo.toml"
 cd "$app"
+consumer_bin=$CARGO_TARGET_DIR/debug/seaorm-app
+broker=$CARGO_TARGET_DIR/debug/broker
 
 # The stable names of the library's migrations, as their `MigrationName` impls spell them.
 mapfile -t inbox_migrations < <(grep -ho '"m[0-9]\{8\}_[0-9]\{6\}_[a-z0-9_]*"' \
@@ -192,9 +202,107 @@ migrate_and_consume() { # label, admin URL, database kind
     grep -q "Migration '$migration'... Applied" <<<"$status" \
       || { echo "seaorm-app:   $label: $migration is not applied" >&2; return 1; }
   done
-  DATABASE_URL=$url cargo run --quiet -p seaorm-app || return 1
+  consume_from_rabbitmq "$label" "$kind" "$url" "$name" || return 1
 }
-step "PostgreSQL: migrate up, migrate status, the consumer" migrate_and_consume PostgreSQL "$pg_admin" postgres
+
+ledger_counts() { # kind, url, database: "<rows> <distinct message ids>"
+  local query="SELECT count(*), count(DISTINCT message_id) FROM ledger"
+  case $1 in
+    postgres) psql "$2" -tA -F' ' -c "$query" ;;
+    mysql) mysql_cmd -N -D "$3" -e "$query" | tr '\t' ' ' ;;
+  esac
+}
+
+nil_id=00000000-0000-0000-0000-000000000000
+# label, kind, database URL, database name: two consumer processes on one fresh queue.
+consume_from_rabbitmq() {
+  local label=$1 kind=$2 url=$3 name=$4
+  local queue="seaorm-app.$(date +%s).$$.$kind" logs=() pids=() i id
+  queues+=("$queue")
+  for i in 1 2; do
+    logs+=("$work/consumer-$kind-$i.log")
+    DATABASE_URL=$url AMQP_QUEUE=$queue "$consumer_bin" >"${logs[-1]}" 2>&1 &
+    pids+=($!)
+    consumers+=($!)
+  done
+  # Both replicas consume before the first message: the queue is theirs to share.
+  for i in $(seq 1 120); do
+    (( $(cat "${logs[@]}" | grep -c ' consuming ') == 2 )) && break
+    for pid in "${pids[@]}"; do
+      kill -0 "$pid" 2>/dev/null || { cat "${logs[@]}" >&2; echo "seaorm-app:   $label: a consumer exited at start" >&2; return 1; }
+    done
+    sleep 0.5
+  done
+  (( $(cat "${logs[@]}" | grep -c ' consuming ') == 2 )) || { echo "seaorm-app:   $label: the consumers did not start in 60 s" >&2; return 1; }
+
+  # 200 orders, every tenth published twice (a producer's retry) right after itself;
+  # `order-42`, a broker id that is no UUID, first and last; the nil UUID once.
+  local published=(order-42) valid=201
+  for i in $(seq 1 200); do
+    id=$(cat /proc/sys/kernel/random/uuid)
+    published+=("$id")
+    (( i % 10 == 0 )) && published+=("$id")
+    (( i == 100 )) && published+=("$nil_id")
+  done
+  published+=(order-42)
+  "$broker" publish "$queue" "${published[@]}" || return 1
+  say "  $label: published ${#published[@]} messages ($valid distinct valid ids, one nil) to $queue"
+
+  # Drained: every message settled once, nothing ready, the dead letter arrived. Bounded.
+  local settled=0 ready=-1 dead=-1 deadline=$((SECONDS + 120))
+  while (( SECONDS < deadline )); do
+    settled=$(cat "${logs[@]}" | grep -c ' -> ' || true)
+    read -r ready dead < <("$broker" count "$queue") || return 1
+    (( settled >= ${#published[@]} && ready == 0 && dead >= 1 )) && break
+    for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null || break 2; done
+    sleep 0.5
+  done
+  (( settled >= ${#published[@]} && ready == 0 && dead >= 1 )) || {
+    tail -n 20 "${logs[@]}" >&2
+    echo "seaorm-app:   $label: not drained in 120 s: $settled settled, $ready ready, $dead dead letters" >&2
+    return 1
+  }
+  sleep 2 # a redelivery loop would show more deliveries by now
+  for pid in "${pids[@]}"; do kill -TERM "$pid"; done
+  local status=0
+  for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+  consumers=()
+  grep -h 'stopped:' "${logs[@]}"
+  (( status == 0 )) || { cat "${logs[@]}" >&2; echo "seaorm-app:   $label: a consumer failed" >&2; return 1; }
+
+  local failed=0 rows distinct dead_letters
+  complain() { echo "seaorm-app:   $label: $*" >&2; failed=1; }
+  read -r rows distinct < <(ledger_counts "$kind" "$url" "$name")
+  say "  $label: ledger rows $rows ($distinct distinct message ids), expected $valid"
+  (( rows == valid && distinct == valid )) || complain "effects != distinct valid messages"
+  read -r ready dead < <("$broker" count "$queue")
+  (( ready == 0 )) || complain "$ready messages left in $queue"
+  dead_letters=$("$broker" dead-letters "$queue")
+  say "  $label: dead-letter queue: $(echo $dead_letters)"
+  [[ $dead_letters == "$nil_id" ]] || complain "the dead-letter queue should hold the nil-id message once"
+  local nil_deliveries deliveries=0 processed=0 dead_lettered=0 nacked=0 n
+  nil_deliveries=$(cat "${logs[@]}" | grep -c "^seaorm-app: $nil_id: .* -> DeadLetter$" || true)
+  (( nil_deliveries == 1 )) || complain "the nil-id message was delivered $nil_deliveries times"
+  for log in "${logs[@]}"; do
+    n=$(grep -o 'deliveries=[0-9]*' "$log" | cut -d= -f2)
+    (( n > 0 )) || complain "$log: this consumer got no delivery"
+    deliveries=$((deliveries + n))
+    processed=$((processed + $(grep -o 'processed=[0-9]*' "$log" | cut -d= -f2)))
+    dead_lettered=$((dead_lettered + $(grep -o 'dead_lettered=[0-9]*' "$log" | cut -d= -f2)))
+    nacked=$((nacked + $(grep -o 'nacked=[0-9]*' "$log" | cut -d= -f2)))
+  done
+  (( processed == valid )) || complain "$processed processed, expected $valid"
+  (( dead_lettered == 1 )) || complain "$dead_lettered dead-lettered, expected 1"
+  # Every redelivery answers a nack: none was redelivered otherwise.
+  (( deliveries == ${#published[@]} + nacked )) \
+    || complain "$deliveries deliveries for ${#published[@]} messages and $nacked nacks"
+  (( failed == 0 )) || { cat "${logs[@]}" >&2; return 1; }
+  "$broker" delete "$queue" || return 1
+  unset 'queues[-1]'
+}
+build_app() { cargo build --quiet --bins; }
+step "build the app's consumer and the CI's producer" build_app
+step "PostgreSQL: migrate up, migrate status, two consumers on RabbitMQ" migrate_and_consume PostgreSQL "$pg_admin" postgres
 pg_url=$db_url
 
 # --- 4. generate entity ---------------------------------------------------------------
@@ -213,7 +321,7 @@ entities_skip_the_inbox() {
 step "sea-orm-cli generate entity writes no inbox entity with --ignore-tables" entities_skip_the_inbox
 
 if [[ -n $mysql_admin ]]; then
-  step "MariaDB: migrate up, migrate status, the consumer" migrate_and_consume MariaDB "$mysql_admin" mysql
+  step "MariaDB: migrate up, migrate status, two consumers on RabbitMQ" migrate_and_consume MariaDB "$mysql_admin" mysql
 else
   say "MariaDB: skipped, INBOX_TEST_MYSQL_URL is not set"
 fi

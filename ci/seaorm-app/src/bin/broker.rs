@@ -1,0 +1,118 @@
+//! The CI's side of RabbitMQ for ci/seaorm-app.sh, not part of the pattern: a producer
+//! and a few looks at the queues of `api::Topology`.
+//!
+//! ```text
+//! broker publish <queue> <message_id>...   # one message per id, in order
+//! broker count <queue>                     # "<ready in queue> <ready in dead-letter queue>"
+//! broker dead-letters <queue>              # the message_id of each dead letter (takes them)
+//! broker delete <queue>                    # the queue, its dead-letter queue and exchange
+//! ```
+
+use api::{Topology, amqp_url, connect_amqp};
+use lapin::options::{
+    BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions,
+    ExchangeDeleteOptions, QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::FieldTable;
+use lapin::{BasicProperties, Channel};
+use std::process::ExitCode;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match run(&args).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("broker: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: &[String]) -> Result<(), BoxError> {
+    let [command, queue, ids @ ..] = args else {
+        return Err(
+            "usage: broker publish|count|dead-letters|delete <queue> [message_id...]".into(),
+        );
+    };
+    let topology = Topology::named(queue);
+    let amqp = connect_amqp(&amqp_url()).await?;
+    let channel = amqp.create_channel().await?;
+    match command.as_str() {
+        "publish" => publish(&channel, &topology, ids).await?,
+        "count" => {
+            let ready = count(&channel, &topology.queue).await?;
+            let dead = count(&channel, &topology.dead_letter_queue).await?;
+            println!("{ready} {dead}");
+        }
+        "dead-letters" => {
+            let get = BasicGetOptions { no_ack: false };
+            while let Some(message) = channel.basic_get(&topology.dead_letter_queue, get).await? {
+                let id = message.delivery.properties.message_id().as_ref();
+                println!("{}", id.map_or("(none)", |id| id.as_str()));
+                message.delivery.ack(BasicAckOptions::default()).await?;
+            }
+        }
+        "delete" => {
+            for queue in [&topology.queue, &topology.dead_letter_queue] {
+                channel
+                    .queue_delete(queue, QueueDeleteOptions::default())
+                    .await?;
+            }
+            channel
+                .exchange_delete(
+                    &topology.dead_letter_exchange,
+                    ExchangeDeleteOptions::default(),
+                )
+                .await?;
+        }
+        other => return Err(format!("unknown command {other}").into()),
+    }
+    amqp.close(200, "done").await?;
+    Ok(())
+}
+
+/// Publishes one persistent message per id, each confirmed by the broker, with the
+/// `message_id` and `timestamp` properties the adapter reads.
+async fn publish(channel: &Channel, topology: &Topology, ids: &[String]) -> Result<(), BoxError> {
+    topology.declare(channel).await?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
+    let sent = SystemTime::now().duration_since(UNIX_EPOCH)?.as_secs();
+    for id in ids {
+        let properties = BasicProperties::default()
+            .with_message_id(id.as_str().into())
+            .with_timestamp(sent)
+            .with_delivery_mode(2);
+        let confirm = channel
+            .basic_publish(
+                "",
+                &topology.queue,
+                BasicPublishOptions::default(),
+                id.as_bytes(),
+                properties,
+            )
+            .await?
+            .await?;
+        if !confirm.is_ack() {
+            return Err(format!("RabbitMQ did not confirm message {id}").into());
+        }
+    }
+    Ok(())
+}
+
+/// The messages ready in `queue` (not those a consumer holds unacked).
+async fn count(channel: &Channel, queue: &str) -> Result<u32, BoxError> {
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    let queue = channel
+        .queue_declare(queue, passive, FieldTable::default())
+        .await?;
+    Ok(queue.message_count())
+}
