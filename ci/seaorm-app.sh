@@ -227,13 +227,13 @@ consume_from_rabbitmq() {
   done
   # Both replicas consume before the first message: the queue is theirs to share.
   for i in $(seq 1 120); do
-    (( $(cat "${logs[@]}" | grep -c ' consuming ') == 2 )) && break
+    (( $(cat "${logs[@]}" | grep -c ' consuming$') == 2 )) && break
     for pid in "${pids[@]}"; do
       kill -0 "$pid" 2>/dev/null || { cat "${logs[@]}" >&2; echo "seaorm-app:   $label: a consumer exited at start" >&2; return 1; }
     done
     sleep 0.5
   done
-  (( $(cat "${logs[@]}" | grep -c ' consuming ') == 2 )) || { echo "seaorm-app:   $label: the consumers did not start in 60 s" >&2; return 1; }
+  (( $(cat "${logs[@]}" | grep -c ' consuming$') == 2 )) || { echo "seaorm-app:   $label: the consumers did not start in 60 s" >&2; return 1; }
 
   # 200 orders, every tenth published twice (a producer's retry) right after itself;
   # `order-42`, a broker id that is no UUID, first and last; the nil UUID once.
@@ -280,6 +280,10 @@ consume_from_rabbitmq() {
   dead_letters=$("$broker" dead-letters "$queue")
   say "  $label: dead-letter queue: $(echo $dead_letters)"
   [[ $dead_letters == "$nil_id" ]] || complain "the dead-letter queue should hold the nil-id message once"
+  local order_42
+  order_42=$(cat "${logs[@]}" | grep -o '^seaorm-app: order-42: [A-Za-z]*' | sort | uniq -c | tr -s ' ' | tr '\n' ',')
+  [[ $order_42 == " 1 seaorm-app: order-42: Duplicate, 1 seaorm-app: order-42: Processed," ]] \
+    || complain "order-42, published twice, should be processed once and a duplicate once: $order_42"
   local nil_deliveries deliveries=0 processed=0 dead_lettered=0 nacked=0 n
   nil_deliveries=$(cat "${logs[@]}" | grep -c "^seaorm-app: $nil_id: .* -> DeadLetter$" || true)
   (( nil_deliveries == 1 )) || complain "the nil-id message was delivered $nil_deliveries times"

@@ -186,7 +186,6 @@ async fn run() -> Result<Counts, BoxError> {
             FieldTable::default(),
         )
         .await?;
-    println!("seaorm-app: {tag} consuming {}", topology.queue);
 
     let counts = consume(&db, &inbox, consumer).await?;
     // Closing the channel requeues what this replica held unsettled (a delayed nack).
@@ -202,6 +201,7 @@ async fn consume(
     mut consumer: lapin::Consumer,
 ) -> Result<Counts, BoxError> {
     let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    println!("seaorm-app: {} consuming", consumer.tag());
     let mut counts = Counts::default();
     loop {
         let message = tokio::select! {
@@ -215,8 +215,11 @@ async fn consume(
         let result = match rabbitmq::delivery(&message) {
             Ok(delivery) => {
                 let message_id = delivery.message_id().as_uuid();
+                let amount = 10; // a real handler parses it from `message.data`
                 inbox
-                    .process(db, delivery, |txn| Box::pin(credit(txn, message_id, 10)))
+                    .process(db, delivery, |txn| {
+                        Box::pin(credit(txn, message_id, amount))
+                    })
                     .await
             }
             // No message_id, or a nil one: no redelivery can fix it.
