@@ -11,6 +11,7 @@ mod claim;
 mod clock;
 mod consumer;
 mod error;
+pub mod guide;
 mod inbox;
 mod lease;
 mod message_id;
@@ -20,6 +21,13 @@ mod pooler;
 pub mod prelude;
 mod retention;
 mod retry;
+
+/// The workspace README's code blocks, compiled as doctests (`cargo test -p sea-orm-inbox
+/// --doc`). Only under `cfg(doctest)`: the README lies outside the package, so a normal or
+/// packaged build must not read it.
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+pub struct WorkspaceReadme;
 
 pub use admission::{AdmissionFloor, Delivery, Refusal};
 pub use backend::{CLAIM_TRANSACTION, DbErrorKind, classify, is_inbox_duplicate, timestamp_value};
