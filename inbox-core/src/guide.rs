@@ -20,6 +20,7 @@ macro_rules! chapter_links {
          [postgres-failover]: crate::guide::postgres_failover\n\
          [pgbouncer]: crate::guide::pgbouncer\n\
          [galera]: crate::guide::galera\n\
+         [partitions]: crate::guide::partitions\n\
          [backend-notes]: crate::guide::backend_notes\n\
          [observability]: crate::guide::observability\n\
          [tests]: crate::guide::tests\n\
@@ -55,6 +56,10 @@ pub mod admission_floor {}
 #[doc = chapter_links!()]
 #[doc = include_str!("../docs/guide/fault-tolerance.md")]
 pub mod fault_tolerance {}
+
+#[doc = chapter_links!()]
+#[doc = include_str!("../docs/guide/partitions.md")]
+pub mod partitions {}
 
 #[doc = chapter_links!()]
 #[doc = include_str!("../docs/guide/postgres-failover.md")]
