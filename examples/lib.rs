@@ -3,12 +3,6 @@
 
 pub mod metrics_demo;
 
-/// The README's code blocks, compiled as doctests of this crate (its dependencies include
-/// the broker clients the handler example uses).
-#[cfg(doctest)]
-#[doc = include_str!("../README.md")]
-pub struct ReadmeDoctests;
-
 use sea_orm::sea_query::{Alias, Expr, ExprTrait, Query};
 use sea_orm::{ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DbErr, Statement};
 use std::time::Duration;

@@ -447,7 +447,9 @@ impl Inbox {
     async fn before_retry(&self, attempt: u32, cause: &(dyn Display + Sync)) {
         self.metrics.count(Counter::TransientRetry);
         facade::transient_retry(&self.consumer);
-        tracing::debug!(attempt, error = %cause, "transient database failure; retrying in a fresh transaction");
+        // INFO, not DEBUG: a retry is the first sign of contention or a failing server,
+        // and operators filter at INFO.
+        tracing::info!(attempt, error = %cause, "transient database failure; retrying in a fresh transaction");
         tokio::time::sleep(self.retry.delay_before(attempt + 1)).await;
     }
 

@@ -12,6 +12,7 @@ mod claim;
 mod clock;
 mod consumer;
 mod error;
+pub mod guide;
 mod inbox;
 #[cfg(feature = "async-nats")]
 pub mod jetstream;
@@ -26,6 +27,13 @@ pub mod rabbitmq;
 mod retention;
 mod retry;
 mod schema;
+
+/// The workspace README's code blocks, compiled as doctests (`cargo test -p sea-orm-inbox
+/// --doc`). Only under `cfg(doctest)`: the README lies outside the package, so a normal or
+/// packaged build must not read it.
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+pub struct WorkspaceReadme;
 
 pub use admission::{AdmissionFloor, Delivery, Refusal};
 pub use backend::{CLAIM_TRANSACTION, DbErrorKind, classify, is_inbox_duplicate, timestamp_value};

@@ -29,6 +29,8 @@ struct Captured {
     fields: BTreeMap<String, String>,
     /// Events: the fields of the enclosing `inbox.process` span, as they were then.
     span_fields: BTreeMap<String, String>,
+    /// Events: their level (the guide's tracing table promises each one).
+    level: Option<tracing::Level>,
 }
 
 impl Captured {
@@ -109,6 +111,7 @@ where
         let mut captured = Captured {
             name: event.metadata().name().to_owned(),
             span_fields,
+            level: Some(*event.metadata().level()),
             ..Captured::default()
         };
         event.record(&mut captured);
@@ -137,6 +140,7 @@ fn captured_for(consumer: &str) -> (Vec<Captured>, Vec<Captured>) {
             name: "inbox.process".into(),
             fields: e.span_fields.clone(),
             span_fields: BTreeMap::new(),
+            level: None,
         })
         .collect();
     (spans, events)
@@ -241,19 +245,20 @@ async fn spans_and_counters_describe_a_scripted_run(backend: Backend) {
         spans[4]
     );
 
-    let settled: Vec<&str> = events
+    use tracing::Level;
+    let settled: Vec<(&str, Option<Level>)> = events
         .iter()
-        .filter_map(|e| e.fields.get("message").map(String::as_str))
-        .filter(|m| !m.starts_with("transient"))
+        .filter_map(|e| Some((e.fields.get("message")?.as_str(), e.level)))
+        .filter(|(m, _)| !m.starts_with("transient"))
         .collect();
     assert_eq!(
         settled,
         [
-            "delivery settled: ack",
-            "delivery settled: ack",
-            "handler failed: nack",
-            "delivery settled: ack",
-            "delivery settled: ack",
+            ("delivery settled: ack", Some(Level::DEBUG)),
+            ("delivery settled: ack", Some(Level::DEBUG)),
+            ("handler failed: nack", Some(Level::INFO)),
+            ("delivery settled: ack", Some(Level::DEBUG)),
+            ("delivery settled: ack", Some(Level::DEBUG)),
         ],
         "{events:#?}"
     );
@@ -271,6 +276,7 @@ async fn spans_and_counters_describe_a_scripted_run(backend: Backend) {
         "{retry_events:#?}"
     );
     for event in &retry_events {
+        assert_eq!(event.level, Some(Level::INFO), "{event:?}");
         assert_eq!(event.span_fields.get("message_id"), Some(&c.to_string()));
         assert!(event.fields.contains_key("error"), "{event:?}");
     }
