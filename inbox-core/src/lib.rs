@@ -26,6 +26,7 @@ pub mod rabbitmq;
 mod retention;
 mod retry;
 mod schema;
+mod silence;
 
 pub use admission::{AdmissionFloor, Delivery, Refusal};
 pub use backend::{CLAIM_TRANSACTION, DbErrorKind, classify, is_inbox_duplicate, timestamp_value};
