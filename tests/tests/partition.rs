@@ -7,6 +7,10 @@
 //! abandoned transaction within the same bound (its work rolled back, the claim released),
 //! so a redelivery on another replica is processed; the effect exists exactly once.
 //!
+//! The calls not about one message (a purge and a background purger, the lease listings,
+//! the schema check) return within their partition timeout too, with an error that says
+//! "retry later"; a purger keeps its schedule.
+//!
 //! PostgreSQL and MariaDB only: SQLite is embedded, with no network to lose.
 
 use inbox_tests::{
@@ -625,8 +629,13 @@ async fn sqlite_has_no_network_to_bound() {
 fn partition_timeout_is_refused_outside_its_range() {
     let inbox = Inbox::new(CONSUMER).expect("valid name");
     let lease = LeaseOptions::new(Duration::from_secs(30)).expect("valid lease");
+    let retention = RetentionPolicy::with_window(Duration::from_secs(3_600)).expect("valid");
     assert_eq!(inbox.partition_timeout(), Inbox::DEFAULT_PARTITION_TIMEOUT);
     assert_eq!(lease.partition_timeout(), Inbox::DEFAULT_PARTITION_TIMEOUT);
+    assert_eq!(
+        retention.partition_timeout(),
+        Inbox::DEFAULT_PARTITION_TIMEOUT
+    );
     for accepted in [Inbox::MIN_PARTITION_TIMEOUT, Inbox::MAX_PARTITION_TIMEOUT] {
         let set = inbox.clone().with_partition_timeout(accepted);
         assert_eq!(
@@ -636,6 +645,11 @@ fn partition_timeout_is_refused_outside_its_range() {
         let set = lease.with_partition_timeout(accepted);
         assert_eq!(
             set.map(|lease| lease.partition_timeout()).ok(),
+            Some(accepted)
+        );
+        let set = retention.with_partition_timeout(accepted);
+        assert_eq!(
+            set.map(|retention| retention.partition_timeout()).ok(),
             Some(accepted)
         );
     }
@@ -656,6 +670,10 @@ fn partition_timeout_is_refused_outside_its_range() {
         );
         assert!(matches!(
             lease.with_partition_timeout(timeout),
+            Err(InboxError::PartitionTimeoutOutOfRange { .. })
+        ));
+        assert!(matches!(
+            retention.with_partition_timeout(timeout),
             Err(InboxError::PartitionTimeoutOutOfRange { .. })
         ));
     }
