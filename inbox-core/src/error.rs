@@ -300,7 +300,7 @@ pub enum InboxError {
     /// up on the connection (it is not reused); what finished before stays done. Retry
     /// later: a background [`Purger`](crate::Purger) tries again at its next run.
     #[error(
-        "{operation} got no answer from the database within {waited:?} (a network partition or a hung database): retry later; what completed before it stays done, and the server ends any transaction it left open"
+        "{operation} got no answer from the database within {waited:?} (a network partition or a hung database): retry later; what completed before it stays done"
     )]
     DatabaseSilent {
         /// What went unanswered, e.g. `deleting a purge batch`.
