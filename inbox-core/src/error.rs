@@ -294,6 +294,21 @@ pub enum InboxError {
         commit_in_doubt: bool,
     },
 
+    /// A database operation not about one message (a purge statement, a listing) got no
+    /// answer within its partition timeout: the network to the database went silent (a
+    /// partition that drops packets without a reset) or the server hangs. The library gave
+    /// up on the connection (it is not reused); what finished before stays done. Retry
+    /// later: a background [`Purger`](crate::Purger) tries again at its next run.
+    #[error(
+        "{operation} got no answer from the database within {waited:?} (a network partition or a hung database): retry later; what completed before it stays done"
+    )]
+    DatabaseSilent {
+        /// What went unanswered, e.g. `deleting a purge batch`.
+        operation: &'static str,
+        /// How long the library waited.
+        waited: Duration,
+    },
+
     /// A retention setting that cannot work.
     #[error("invalid retention policy: {reason}")]
     InvalidRetention {
@@ -400,6 +415,7 @@ impl InboxError {
             | Self::BatchClaimLost { .. }
             | Self::StaleLease { .. }
             | Self::DatabaseUnresponsive { .. }
+            | Self::DatabaseSilent { .. }
             | Self::PurgerStopped { .. } => false,
         }
     }
@@ -431,6 +447,7 @@ impl InboxError {
             | Self::LockTimeoutOutOfRange { .. }
             | Self::PartitionTimeoutOutOfRange { .. }
             | Self::DatabaseUnresponsive { .. }
+            | Self::DatabaseSilent { .. }
             | Self::InvalidRetention { .. }
             | Self::InvalidAdmissionFloor { .. }
             | Self::NoTokioRuntime
@@ -542,6 +559,14 @@ mod tests {
                 }
                 .to_string(),
                 "nack the message",
+            ),
+            (
+                InboxError::DatabaseSilent {
+                    operation: "deleting a purge batch",
+                    waited: Duration::from_secs(20),
+                }
+                .to_string(),
+                "retry later",
             ),
             (
                 InboxError::PartitionTimeoutOutOfRange {

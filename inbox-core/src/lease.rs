@@ -11,6 +11,7 @@ use crate::clock::truncate_to_micros;
 use crate::consumer::{validate_claim, validate_consumer};
 use crate::inbox::checked_partition_timeout;
 use crate::pooler::in_own_transaction;
+use crate::silence::answered_within;
 use crate::{Delivery, Inbox, InboxError, MessageId, Refusal};
 use chrono::{DateTime, TimeDelta, Utc};
 use sea_orm::sea_query::ExprTrait;
@@ -763,7 +764,9 @@ pub struct ExpiredLease {
 /// ([`InboxError::EmptyConsumer`], [`InboxError::ConsumerNotTrimmed`],
 /// [`InboxError::ConsumerContainsNul`], [`InboxError::ConsumerTooLong`]);
 /// [`InboxError::ValueOutOfRange`] for a `limit` above `i64::MAX`;
-/// [`InboxError::Query`] when the database fails.
+/// [`InboxError::Query`] when the database fails; [`InboxError::DatabaseSilent`] when it
+/// leaves the read unanswered for [`Inbox::DEFAULT_PARTITION_TIMEOUT`] (a network
+/// partition or a hung server, not on SQLite): poll again later.
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")]
@@ -847,7 +850,8 @@ pub async fn list_dead_claims(
 }
 
 /// Rows matching `condition` (and `consumer`, if given), ordered by `order` then id;
-/// a failure is reported as `operation`. The input is checked before any SQL runs.
+/// a failure is reported as `operation`. The input is checked before any SQL runs, and
+/// the read waits at most [`Inbox::DEFAULT_PARTITION_TIMEOUT`] for the database.
 async fn list_rows(
     db: &DatabaseConnection,
     condition: sea_orm::sea_query::Expr,
@@ -873,8 +877,9 @@ async fn list_rows(
         .order_by_asc(order)
         .order_by_asc(inbox::Column::Id)
         .limit(limit);
-    in_own_transaction(db, async |txn| query.all(txn).await)
-        .await
+    let read = in_own_transaction(db, async |txn| query.all(txn).await);
+    answered_within(db, Inbox::DEFAULT_PARTITION_TIMEOUT, operation, read)
+        .await?
         .map_err(|source| InboxError::Query { operation, source })
 }
 

@@ -27,6 +27,7 @@ pub mod rabbitmq;
 mod retention;
 mod retry;
 mod schema;
+mod silence;
 
 /// The workspace README's code blocks, compiled as doctests (`cargo test -p sea-orm-inbox
 /// --doc`). Only under `cfg(doctest)`: the README lies outside the package, so a normal or

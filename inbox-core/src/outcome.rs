@@ -396,6 +396,15 @@ mod tests {
             source: None,
         }));
         assert_eq!(Settlement::of(&lost), Settlement::Nack(None));
+        let silent: Processed = Err(ProcessError::Inbox(InboxError::DatabaseSilent {
+            operation: "listing expired leases",
+            waited: Duration::from_secs(20),
+        }));
+        assert_eq!(Settlement::of(&silent), Settlement::Nack(None));
+        assert_eq!(
+            Settlement::for_delivery(&silent, 1),
+            Settlement::Nack(Some(Duration::from_secs(1)))
+        );
         let unknown: Processed = Err(ProcessError::Handler(DbErr::Exec(RuntimeErr::Internal(
             "permission denied".into(),
         ))));

@@ -1,14 +1,16 @@
 //! How long markers must be kept, and a purge that deletes older ones in bounded batches.
 
-use crate::InboxError;
 use crate::backend::{
     latest_received_at_or_before_sql, newest_received_at_sql, oldest_received_at_sql,
     purge_batch_sql, timestamp_value,
 };
 use crate::claim::now_micros;
 use crate::clock::truncate_to_micros;
+use crate::inbox::checked_partition_timeout;
 use crate::metrics::facade;
 use crate::pooler::in_own_transaction;
+use crate::silence::answered_within;
+use crate::{Inbox, InboxError};
 use chrono::{DateTime, TimeDelta, Utc};
 use sea_orm::{ConnectionTrait, DatabaseConnection, Statement, Value};
 use std::time::{Duration, Instant};
@@ -104,6 +106,7 @@ pub struct RetentionPolicy {
     downtime_gap: Duration,
     batch_size: u32,
     pacing: PurgePacing,
+    partition_timeout: Duration,
 }
 
 impl RetentionPolicy {
@@ -174,6 +177,7 @@ impl RetentionPolicy {
             downtime_gap,
             batch_size: Self::DEFAULT_BATCH_SIZE,
             pacing: PurgePacing::default(),
+            partition_timeout: Inbox::DEFAULT_PARTITION_TIMEOUT,
         })
     }
 
@@ -234,6 +238,46 @@ impl RetentionPolicy {
     /// How the purge spaces its batches.
     pub fn pacing(&self) -> PurgePacing {
         self.pacing
+    }
+
+    /// Bounds how long the purge waits for each of its statements (a DELETE batch, with
+    /// its own transaction, or one timestamp read of the cutoff's walk) when the database
+    /// stops answering (default [`Inbox::DEFAULT_PARTITION_TIMEOUT`]). A partition that
+    /// drops packets without a reset would otherwise keep a [`purge`] (and a
+    /// [`Purger`]'s run) waiting for as long as the kernel keeps the socket, hours by
+    /// default. Past the bound the purge fails with [`InboxError::DatabaseSilent`]: the
+    /// batches before it stay deleted, and a [`Purger`] counts the failure and tries
+    /// again at its next run. Not applied on SQLite, which has no network to go silent.
+    /// Choose it well above the slowest batch (see [`PurgePacing`]).
+    ///
+    /// ```
+    /// use sea_orm_inbox::{InboxError, RetentionPolicy};
+    /// use std::time::Duration;
+    ///
+    /// let policy = RetentionPolicy::with_window(Duration::from_secs(7 * 86_400))?
+    ///     .with_partition_timeout(Duration::from_secs(10))?;
+    /// assert_eq!(policy.partition_timeout(), Duration::from_secs(10));
+    /// assert!(matches!(
+    ///     policy.with_partition_timeout(Duration::ZERO),
+    ///     Err(InboxError::PartitionTimeoutOutOfRange { .. })
+    /// ));
+    /// # Ok::<(), InboxError>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`InboxError::PartitionTimeoutOutOfRange`] outside
+    /// [`Inbox::MIN_PARTITION_TIMEOUT`]..=[`Inbox::MAX_PARTITION_TIMEOUT`].
+    pub fn with_partition_timeout(self, timeout: Duration) -> Result<Self, InboxError> {
+        Ok(Self {
+            partition_timeout: checked_partition_timeout(timeout)?,
+            ..self
+        })
+    }
+
+    /// The bound on each purge statement against a silent database (see
+    /// [`with_partition_timeout`](Self::with_partition_timeout)).
+    pub fn partition_timeout(&self) -> Duration {
+        self.partition_timeout
     }
 
     /// How long markers are kept, in receiving time.
@@ -593,8 +637,14 @@ pub struct PurgeReport {
 /// or not). The cutoff follows the downtime rule of [`RetentionPolicy`] and is computed
 /// once, before the first batch, from at most 64 timestamps read off the index.
 ///
+/// Each statement waits at most the policy's
+/// [partition timeout](RetentionPolicy::with_partition_timeout) for the database to
+/// answer (not on SQLite).
+///
 /// # Errors
-/// [`InboxError::Query`] when a statement fails; batches before it stay deleted.
+/// [`InboxError::Query`] when a statement fails; [`InboxError::DatabaseSilent`] when one
+/// goes unanswered past the partition timeout (retry later). Batches before it stay
+/// deleted.
 ///
 /// ```
 /// use sea_orm_inbox::{RetentionPolicy, purge};
@@ -676,9 +726,11 @@ async fn purge_until(
                 Value::from(i64::try_from(batch).unwrap_or(i64::MAX)),
             ],
         );
-        let deleted = in_own_transaction(db, async |txn| txn.execute_raw(statement).await)
-            .await
-            .map_err(failed("deleting a purge batch"))?
+        let operation = "deleting a purge batch";
+        let delete = in_own_transaction(db, async |txn| txn.execute_raw(statement).await);
+        let deleted = answered_within(db, policy.partition_timeout, operation, delete)
+            .await?
+            .map_err(failed(operation))?
             .rows_affected();
         let took = started.elapsed();
         report.deleting += took;
@@ -709,7 +761,8 @@ async fn receiving_time_cutoff(
     policy: &RetentionPolicy,
 ) -> Result<Option<DateTime<Utc>>, InboxError> {
     let backend = db.get_database_backend();
-    let Some(newest) = read_timestamp(db, newest_received_at_sql(backend)?, None).await? else {
+    let read = |sql, at| read_timestamp(db, policy.partition_timeout, sql, at);
+    let Some(newest) = read(newest_received_at_sql(backend)?, None).await? else {
         return Ok(None);
     };
     let probe_sql = latest_received_at_or_before_sql(backend)?;
@@ -718,10 +771,10 @@ async fn receiving_time_cutoff(
         match next {
             WalkStep::Cutoff(cutoff) => return Ok(Some(cutoff)),
             WalkStep::Exhausted => return Ok(None),
-            WalkStep::Probe(at) => match read_timestamp(db, probe_sql.clone(), Some(at)).await? {
+            WalkStep::Probe(at) => match read(probe_sql.clone(), Some(at)).await? {
                 Some(earlier) => next = walk.advance(earlier),
                 None => {
-                    let oldest = read_timestamp(db, oldest_received_at_sql(backend)?, None).await?;
+                    let oldest = read(oldest_received_at_sql(backend)?, None).await?;
                     return Ok(oldest.and_then(|oldest| walk.finish(oldest)));
                 }
             },
@@ -729,21 +782,22 @@ async fn receiving_time_cutoff(
     }
 }
 
-/// Reads the one timestamp a `SELECT MAX(received_at) ...` returns, binding `at` if given.
+/// Reads the one timestamp a `SELECT MAX(received_at) ...` returns, binding `at` if given,
+/// waiting at most `partition_timeout` for the database to answer.
 async fn read_timestamp(
     db: &DatabaseConnection,
+    partition_timeout: Duration,
     sql: String,
     at: Option<DateTime<Utc>>,
 ) -> Result<Option<DateTime<Utc>>, InboxError> {
     let backend = db.get_database_backend();
     let values = at.map(|at| timestamp_value(backend, at)).into_iter();
-    let failed = |source| InboxError::Query {
-        operation: "reading received_at for the retention cutoff",
-        source,
-    };
+    let operation = "reading received_at for the retention cutoff";
+    let failed = |source| InboxError::Query { operation, source };
     let read = Statement::from_sql_and_values(backend, sql, values);
-    let row = in_own_transaction(db, async |txn| txn.query_one_raw(read).await)
-        .await
+    let read = in_own_transaction(db, async |txn| txn.query_one_raw(read).await);
+    let row = answered_within(db, partition_timeout, operation, read)
+        .await?
         .map_err(failed)?;
     match row {
         Some(row) => row
@@ -796,7 +850,10 @@ impl Purger {
 }
 
 /// Spawns a tokio task that runs [`purge`] now and then every `every`, until
-/// [`Purger::shutdown`]. A failed purge is counted and retried at the next tick.
+/// [`Purger::shutdown`]. A failed purge is counted and retried at the next tick, one the
+/// database left unanswered past the policy's
+/// [partition timeout](RetentionPolicy::with_partition_timeout) too
+/// ([`InboxError::DatabaseSilent`] in [`PurgerSummary::last_error`]).
 ///
 /// # Errors
 /// [`InboxError::InvalidRetention`] for a zero interval; [`InboxError::NoTokioRuntime`]

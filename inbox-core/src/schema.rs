@@ -4,13 +4,15 @@
 //! redelivery loop then hammers it; [`verify_schema`] finds the gap once, at boot, and
 //! names the migration (or cargo feature) to add.
 
-use crate::InboxError;
 use crate::backend::{self, SchemaCatalog};
+use crate::silence::answered_within;
+use crate::{Inbox, InboxError};
 use sea_orm::{
     ConnectionTrait, DatabaseConnection, DbErr, QueryResult, Statement, TransactionTrait,
 };
 use sea_orm_inbox_entity::INDEX_NAME;
 use std::fmt;
+use std::time::Duration;
 
 /// One of the migrations of `sea-orm-inbox-migration`, by the type you add to your
 /// `Migrator` and the stable name SeaORM records for it.
@@ -70,7 +72,8 @@ impl fmt::Display for InboxMigration {
 
 /// What [`verify_schema`] found missing or wrong. Each message says what to add or change;
 /// none of them goes away by retrying, so stop the application (or keep it from
-/// consuming) until it is fixed.
+/// consuming) until it is fixed. The exceptions are about reaching the database, not
+/// the schema: [`Catalog`](Self::Catalog) and [`DatabaseSilent`](Self::DatabaseSilent).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum SchemaError {
@@ -139,6 +142,18 @@ pub enum SchemaError {
         collation: String,
     },
 
+    /// The database did not answer the catalog read within
+    /// [`Inbox::DEFAULT_PARTITION_TIMEOUT`](crate::Inbox::DEFAULT_PARTITION_TIMEOUT): the
+    /// network to it went silent (a partition that drops packets without a reset) or the
+    /// server hangs. Unlike the other variants, retrying can help.
+    #[error(
+        "verifying the inbox schema got no answer from the database within {waited:?} (a network partition or a hung database): check the network to the database and verify again"
+    )]
+    DatabaseSilent {
+        /// How long the check waited.
+        waited: Duration,
+    },
+
     /// Reading the database's catalog failed.
     #[error(
         "reading the database catalog to verify the inbox schema failed: {source}. Check the connection and that the user may read the catalog, then verify again"
@@ -162,6 +177,8 @@ pub enum SchemaError {
 /// [`InboxUniqueConstraint`](InboxMigration::InboxUniqueConstraint) makes it; on
 /// MySQL/MariaDB, that `consumer` has a binary collation. It reads the catalog only, in a
 /// transaction of its own (so it works behind a transaction pooler), and writes nothing.
+/// It waits at most [`Inbox::DEFAULT_PARTITION_TIMEOUT`] for the database to answer (not
+/// on SQLite), so a boot behind a network partition fails instead of hanging.
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")]
@@ -182,7 +199,8 @@ pub enum SchemaError {
 ///
 /// # Errors
 /// A [`SchemaError`] naming the migration, index, collation or feature to add or fix, or
-/// [`SchemaError::Catalog`] when the catalog could not be read.
+/// [`SchemaError::Catalog`] when the catalog could not be read, or
+/// [`SchemaError::DatabaseSilent`] when the database did not answer (retry).
 pub async fn verify_schema(db: &DatabaseConnection) -> Result<(), SchemaError> {
     let catalog = backend::schema_catalog(db.get_database_backend()).map_err(|err| match err {
         InboxError::BackendNotEnabled { backend, feature } => {
@@ -193,9 +211,13 @@ pub async fn verify_schema(db: &DatabaseConnection) -> Result<(), SchemaError> {
             source: DbErr::Custom(other.to_string()),
         },
     })?;
-    let (columns, index) = read_catalog(db, &catalog)
-        .await
-        .map_err(|source| SchemaError::Catalog { source })?;
+    let waited = Inbox::DEFAULT_PARTITION_TIMEOUT;
+    let (columns, index) =
+        answered_within(db, waited, "the schema check", read_catalog(db, &catalog))
+            .await
+            // The bound's only error: the database stayed silent.
+            .map_err(|_| SchemaError::DatabaseSilent { waited })?
+            .map_err(|source| SchemaError::Catalog { source })?;
     check_columns(&columns)?;
     check_index(&index, catalog.needs_constraint())?;
     let consumer = columns.iter().find(|column| column.name == "consumer");

@@ -7,16 +7,21 @@
 //! abandoned transaction within the same bound (its work rolled back, the claim released),
 //! so a redelivery on another replica is processed; the effect exists exactly once.
 //!
+//! The calls not about one message (a purge and a background purger, the lease listings,
+//! the schema check) return within their partition timeout too, with an error that says
+//! "retry later"; a purger keeps its schedule.
+//!
 //! PostgreSQL and MariaDB only: SQLite is embedded, with no network to lose.
 
 use inbox_tests::{
     Backend, LostReplyProxy, TestDb, create_accounts, credit, credit_once, migrated_db,
-    on_server_backends, scalar_i64,
+    on_server_backends, scalar_i64, stmt,
 };
-use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend, DbErr, Statement};
+use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend, DbErr, Statement, TransactionTrait};
 use sea_orm_inbox::{
-    Inbox, InboxError, LeaseClaim, LeaseOptions, Outcome, ProcessError, Settlement, claim_lease,
-    complete_lease,
+    Inbox, InboxError, LeaseClaim, LeaseOptions, Outcome, ProcessError, RetentionPolicy,
+    SchemaError, Settlement, claim_lease, complete_lease, list_dead_claims, list_expired_leases,
+    purge, spawn_purger, timestamp_value, verify_schema,
 };
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -420,6 +425,175 @@ async fn a_lease_holder_cut_off_while_completing_is_taken_over_and_fenced(backen
     fixture.cleanup().await;
 }
 
+/// A retention policy of one second of receiving time, bounded by the tests' partition
+/// timeout.
+fn short_retention() -> RetentionPolicy {
+    RetentionPolicy::with_window(Duration::from_secs(1))
+        .and_then(|policy| policy.with_partition_timeout(PARTITION_TIMEOUT))
+        .expect("a valid retention policy")
+}
+
+/// Inserts 31 completed one-phase markers received 100 ms apart, the newest now: the
+/// oldest two seconds of them are past a one-second window.
+async fn insert_steady_markers(conn: &DatabaseConnection) {
+    let backend = conn.get_database_backend();
+    let newest = chrono::Utc::now();
+    let txn = conn.begin().await.expect("begin the inserts");
+    for step in 0..=30 {
+        let received_at = newest - chrono::TimeDelta::milliseconds(100 * step);
+        txn.execute_raw(stmt(
+            backend,
+            "INSERT INTO inbox (message_id, consumer, received_at, processed_at) VALUES (?, ?, ?, ?)",
+            vec![
+                Uuid::new_v4().into(),
+                CONSUMER.into(),
+                timestamp_value(backend, received_at),
+                timestamp_value(backend, received_at),
+            ],
+        ))
+        .await
+        .expect("insert a marker");
+    }
+    txn.commit().await.expect("commit the inserts");
+}
+
+/// Whether `result` is the "retry later" of a database that stayed silent for `waited`.
+fn silent_for<T>(result: &Result<T, InboxError>, waited: Duration) -> bool {
+    matches!(result, Err(InboxError::DatabaseSilent { waited: seen, .. }) if *seen == waited)
+}
+
+/// A purge whose database goes silent (its first statement reaches the server, the reply
+/// is lost in a partition) returns within its policy's partition timeout, saying "retry
+/// later", instead of waiting as long as the kernel keeps the socket.
+async fn a_purge_cut_off_returns_within_its_partition_timeout(backend: Backend) {
+    let fixture = Fixture::new(backend).await;
+    insert_steady_markers(&fixture.direct).await;
+    fixture.proxy.partition_at_next_execute();
+    let started = Instant::now();
+    let result = timeout(GIVE_UP, purge(&fixture.through_proxy, &short_retention())).await;
+    let took = started.elapsed();
+    fixture.proxy.expect_reply_dropped();
+    eprintln!("{backend:?}: {result:?} after {took:?}");
+
+    let result = result.expect("the purge is still waiting on the partitioned database");
+    assert!(silent_for(&result, PARTITION_TIMEOUT), "{result:?}");
+    assert!(
+        took < PARTITION_TIMEOUT + SLACK,
+        "the purge returned {took:?} after the partition began"
+    );
+    assert!(result.is_err_and(|err| !err.is_permanent()));
+    assert_eq!(fixture.markers().await, 31, "nothing deleted");
+    fixture.cleanup().await;
+}
+
+/// A background purger whose database goes silent in the middle of a run counts each
+/// timed-out run as a failure and keeps its schedule (each run ends within the partition
+/// timeout, so the next one starts); once the network is back, a purger purges through
+/// the same pool.
+async fn a_purger_cut_off_fails_its_runs_and_keeps_its_schedule(backend: Backend) {
+    let fixture = Fixture::new(backend).await;
+    insert_steady_markers(&fixture.direct).await;
+    fixture.proxy.partition_at_next_execute();
+    let every = Duration::from_millis(500);
+    let purger =
+        spawn_purger(fixture.through_proxy.clone(), short_retention(), every).expect("a purger");
+    tokio::time::sleep(2 * PARTITION_TIMEOUT + PARTITION_TIMEOUT / 2).await;
+    // Stops after the run in progress, which ends within the partition timeout.
+    let summary = timeout(GIVE_UP, purger.shutdown()).await;
+    fixture.proxy.expect_reply_dropped();
+    eprintln!("{backend:?}: {summary:?}");
+
+    let summary = summary
+        .expect("the purger's run is still waiting on the partitioned database")
+        .expect("the purger stops cleanly");
+    assert!(summary.runs >= 2, "a run after the first: {summary:?}");
+    assert_eq!(summary.failures, summary.runs, "{summary:?}");
+    assert!(
+        matches!(
+            summary.last_error,
+            Some(InboxError::DatabaseSilent { waited, .. }) if waited == PARTITION_TIMEOUT
+        ),
+        "{summary:?}"
+    );
+    assert_eq!(
+        fixture.markers().await,
+        31,
+        "nothing deleted in the partition"
+    );
+
+    fixture.proxy.heal();
+    let purger =
+        spawn_purger(fixture.through_proxy.clone(), short_retention(), every).expect("a purger");
+    let purged = timeout(GIVE_UP, async {
+        while fixture.markers().await == 31 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    let summary = purger.shutdown().await.expect("the purger stops cleanly");
+    purged.expect("no purge after the partition healed");
+    assert!(summary.rows > 0, "{summary:?}");
+    fixture.cleanup().await;
+}
+
+/// The listings a sweeper polls return within the default partition timeout when the
+/// database goes silent in the middle of one (the other meets the partition at once).
+async fn listings_cut_off_return_within_the_default_partition_timeout(backend: Backend) {
+    let fixture = Fixture::new(backend).await;
+    fixture.proxy.partition_at_next_execute();
+    let started = Instant::now();
+    let (expired, dead) = tokio::join!(
+        timeout(
+            GIVE_UP,
+            list_expired_leases(&fixture.through_proxy, None, 10)
+        ),
+        timeout(
+            GIVE_UP,
+            list_dead_claims(&fixture.through_proxy, Some(CONSUMER), 10)
+        ),
+    );
+    let took = started.elapsed();
+    fixture.proxy.expect_reply_dropped();
+    eprintln!("{backend:?}: {expired:?}, {dead:?} after {took:?}");
+
+    let expired = expired.expect("listing expired leases is still waiting");
+    let dead = dead.expect("listing dead claims is still waiting");
+    assert!(
+        silent_for(&expired, Inbox::DEFAULT_PARTITION_TIMEOUT),
+        "{expired:?}"
+    );
+    assert!(
+        silent_for(&dead, Inbox::DEFAULT_PARTITION_TIMEOUT),
+        "{dead:?}"
+    );
+    assert!(took < Inbox::DEFAULT_PARTITION_TIMEOUT + SLACK, "{took:?}");
+    fixture.cleanup().await;
+}
+
+/// The startup check returns within the default partition timeout when the database
+/// goes silent in the middle of its catalog read, with the schema error that retrying
+/// can cure.
+async fn verify_schema_cut_off_returns_within_the_default_partition_timeout(backend: Backend) {
+    let fixture = Fixture::new(backend).await;
+    fixture.proxy.partition_at_next_execute();
+    let started = Instant::now();
+    let result = timeout(GIVE_UP, verify_schema(&fixture.through_proxy)).await;
+    let took = started.elapsed();
+    fixture.proxy.expect_reply_dropped();
+    eprintln!("{backend:?}: {result:?} after {took:?}");
+
+    let result = result.expect("verify_schema is still waiting on the partitioned database");
+    assert!(
+        matches!(
+            result,
+            Err(SchemaError::DatabaseSilent { waited }) if waited == Inbox::DEFAULT_PARTITION_TIMEOUT
+        ),
+        "{result:?}"
+    );
+    assert!(took < Inbox::DEFAULT_PARTITION_TIMEOUT + SLACK, "{took:?}");
+    fixture.cleanup().await;
+}
+
 /// SQLite is embedded: no network can go silent, so the partition timeout bounds nothing
 /// there; a handler slower than it still commits (its waits end in the busy timeout).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -455,8 +629,13 @@ async fn sqlite_has_no_network_to_bound() {
 fn partition_timeout_is_refused_outside_its_range() {
     let inbox = Inbox::new(CONSUMER).expect("valid name");
     let lease = LeaseOptions::new(Duration::from_secs(30)).expect("valid lease");
+    let retention = RetentionPolicy::with_window(Duration::from_secs(3_600)).expect("valid");
     assert_eq!(inbox.partition_timeout(), Inbox::DEFAULT_PARTITION_TIMEOUT);
     assert_eq!(lease.partition_timeout(), Inbox::DEFAULT_PARTITION_TIMEOUT);
+    assert_eq!(
+        retention.partition_timeout(),
+        Inbox::DEFAULT_PARTITION_TIMEOUT
+    );
     for accepted in [Inbox::MIN_PARTITION_TIMEOUT, Inbox::MAX_PARTITION_TIMEOUT] {
         let set = inbox.clone().with_partition_timeout(accepted);
         assert_eq!(
@@ -466,6 +645,11 @@ fn partition_timeout_is_refused_outside_its_range() {
         let set = lease.with_partition_timeout(accepted);
         assert_eq!(
             set.map(|lease| lease.partition_timeout()).ok(),
+            Some(accepted)
+        );
+        let set = retention.with_partition_timeout(accepted);
+        assert_eq!(
+            set.map(|retention| retention.partition_timeout()).ok(),
             Some(accepted)
         );
     }
@@ -488,6 +672,10 @@ fn partition_timeout_is_refused_outside_its_range() {
             lease.with_partition_timeout(timeout),
             Err(InboxError::PartitionTimeoutOutOfRange { .. })
         ));
+        assert!(matches!(
+            retention.with_partition_timeout(timeout),
+            Err(InboxError::PartitionTimeoutOutOfRange { .. })
+        ));
     }
 }
 
@@ -497,4 +685,8 @@ on_server_backends!(
     a_commit_reply_lost_in_a_partition_nacks_and_the_redelivery_is_a_duplicate,
     a_commit_cut_off_by_a_partition_that_heals_settles_as_processed,
     a_lease_holder_cut_off_while_completing_is_taken_over_and_fenced,
+    a_purge_cut_off_returns_within_its_partition_timeout,
+    a_purger_cut_off_fails_its_runs_and_keeps_its_schedule,
+    listings_cut_off_return_within_the_default_partition_timeout,
+    verify_schema_cut_off_returns_within_the_default_partition_timeout,
 );
