@@ -1,8 +1,8 @@
 //! Claiming many messages for one consumer in one statement (Kafka-style batches).
 
 use crate::backend::{
-    BatchClaimSql, batch_claim_sql, batch_marker_held_sql, roll_back, timestamp_value,
-    transaction_ended,
+    BatchClaimSql, batch_claim_sql, batch_marker_held_sql, roll_back, silently_ended,
+    timestamp_value, transaction_ended,
 };
 use crate::claim::now_micros;
 use crate::consumer::validate_consumer;
@@ -269,11 +269,25 @@ pub(crate) async fn insert_batch<C: ConnectionTrait>(
         .map(BatchRow::read)
         .collect::<Result<Vec<_>, _>>()
         .map_err(fail)?;
-    let claim = sort_out(ids, consumer, tag, &rows, read).map_err(|problem| {
-        fail(DbErr::Custom(format!(
-            "{problem}: a batch row conflicted on a unique key other than {INDEX_NAME}, so the message was not claimed. Roll back; a unique index on the inbox table besides the inbox's own must go"
-        )))
-    })?;
+    let claim = match sort_out(ids, consumer, tag, &rows, read) {
+        Ok(claim) => claim,
+        // A row missing from the read-back: either another unique key took it, or the
+        // server ended the transaction between the INSERT and the read, which then ran on
+        // its own and saw none of the INSERT's rows (a Galera brute-force abort).
+        Err(problem) => {
+            return Err(match silently_ended(conn).await {
+                Ok(true) => InboxError::BatchClaimLost {
+                    consumer: consumer.to_owned(),
+                    claimed: 0,
+                    source: None,
+                },
+                Ok(false) => fail(DbErr::Custom(format!(
+                    "{problem}: a batch row conflicted on a unique key other than {INDEX_NAME}, so the message was not claimed. Roll back; a unique index on the inbox table besides the inbox's own must go"
+                ))),
+                Err(err) => fail(err),
+            });
+        }
+    };
     Ok(BatchClaim { refused, ..claim })
 }
 

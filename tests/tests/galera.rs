@@ -310,6 +310,13 @@ async fn claim_apply_commit(db: &DatabaseConnection, ids: &[Uuid], replica: usiz
         let txn = db.begin_with_options(CLAIM_TRANSACTION).await.unwrap();
         let batch = match txn.claim_batch(ids.iter().copied(), BATCH_CONSUMER).await {
             Ok(batch) => batch,
+            // A brute-force abort between the batch's INSERT and its read-back ends the
+            // transaction without failing the read, which then runs on its own: the claim
+            // reports the lost batch, and the pump re-runs the whole transaction.
+            Err(InboxError::BatchClaimLost { .. }) => {
+                txn.rollback().await.ok();
+                continue;
+            }
             Err(err) if is_transient(&err) => {
                 txn.rollback().await.ok();
                 continue;

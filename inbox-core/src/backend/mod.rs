@@ -171,6 +171,14 @@ trait Dialect: Sync {
         None
     }
 
+    /// A read answering 1 when the server has already ended the session's transaction
+    /// while the statements after the end ran on their own (autocommit), 0 otherwise:
+    /// asked only after a batch's read-back missed one of its rows, the one symptom of that
+    /// end. `None` where no server ends a transaction without an error on the statement.
+    fn silently_ended_probe(&self) -> Option<&'static str> {
+        None
+    }
+
     /// A statement that fails while a transaction is open and succeeds (opening one) only
     /// when the database already ended it: for a COMMIT that no marker proof precedes,
     /// where COMMIT outside a transaction fails and leaves sqlx counting the connection as
@@ -418,6 +426,26 @@ pub(crate) async fn roll_back(txn: DatabaseTransaction) {
     if let Err(error) = txn.rollback().await {
         tracing::warn!(%error, "rollback failed; the pool closes the connection if it is broken");
     }
+}
+
+/// Whether the server already ended `txn` without failing the statement that followed
+/// (Galera's brute-force abort between two statements: the next one runs on its own,
+/// in autocommit). Asked only after a batch's read-back missed a row; `false` without a
+/// round trip where the backend has no such end.
+pub(crate) async fn silently_ended<C: ConnectionTrait>(txn: &C) -> Result<bool, DbErr> {
+    let Some(probe) = dialect(txn.get_database_backend())
+        .ok()
+        .and_then(|dialect| dialect.silently_ended_probe())
+    else {
+        return Ok(false);
+    };
+    let row = txn
+        .query_one_raw(Statement::from_string(txn.get_database_backend(), probe))
+        .await?;
+    Ok(row
+        .map(|row| row.try_get_by_index::<i64>(0))
+        .transpose()?
+        .is_some_and(|ended| ended == 1))
 }
 
 /// Whether the database already ended `txn` although sqlx still counts it open, asked

@@ -61,6 +61,13 @@ impl Dialect for MySql {
     /// check already holds on that entry: claimers that met the same marker never wait for
     /// each other. (MySQL 8 qualifies the key, `'inbox.ix_...'`, so the read only repeats
     /// what the classifier knows; one index probe, only after a duplicate.)
+    /// MariaDB's `@@in_transaction` (10.3+) is 0 once a Galera brute-force abort ended the
+    /// transaction and the statements after it ran in autocommit. MySQL 8 skips the
+    /// executable comment and reads 0: without Galera it ends no transaction silently.
+    fn silently_ended_probe(&self) -> Option<&'static str> {
+        Some("SELECT CAST(/*M!100300 1 - @@in_transaction + */ 0 AS SIGNED)")
+    }
+
     fn confirm_inbox_duplicate(&self) -> Option<&'static str> {
         Some("SELECT 1 FROM `inbox` WHERE `message_id` = ? AND `consumer` = ? LOCK IN SHARE MODE")
     }
