@@ -339,7 +339,7 @@ pub trait InboxTransactionExt: sealed::Sealed {
     /// serialization failure (40001, which [`crate::classify`] calls transient) instead:
     /// retry in a new transaction, which sees the marker and gets `Duplicate`. If another open transaction holds the same claim,
     /// this call waits until it ends: committed means `Duplicate`, rolled back means
-    /// `Claimed`. The wait is bounded by the backend's own lock timeout only (PostgreSQL:
+    /// `Claimed`. The wait is bounded by the backend's own lock timeout (PostgreSQL:
     /// `lock_timeout`, unbounded by default, so consider `SET LOCAL lock_timeout` first;
     /// MySQL/MariaDB: `innodb_lock_wait_timeout`, 50 s by default; SQLite: the busy
     /// timeout); [`crate::Inbox::process`] bounds it for you.
@@ -350,9 +350,9 @@ pub trait InboxTransactionExt: sealed::Sealed {
     /// [`InboxError::DatabaseUnresponsive`]: drop the transaction and nack. So the lock
     /// wait above also ends there. On PostgreSQL the INSERT also sets
     /// `idle_in_transaction_session_timeout` and `tcp_user_timeout` to that bound for this
-    /// transaction (a shorter setting is kept): the server ends the transaction of a
-    /// client cut off by a partition, releasing the marker, instead of holding it for
-    /// hours. The transaction must therefore not sit idle longer than that between
+    /// transaction (a shorter `idle_in_transaction_session_timeout` is kept): the server
+    /// ends the transaction of a client cut off by a partition, releasing the marker,
+    /// instead of holding it for hours. The transaction must therefore not sit idle longer than that between
     /// statements; `SET LOCAL idle_in_transaction_session_timeout` after the claim to allow
     /// more. MySQL/MariaDB get no such bound from the claim: the session statement it takes
     /// would cost a round trip per claim and outlive the transaction on the pooled

@@ -15,7 +15,7 @@
 
 use inbox_tests::{
     Backend, LostReplyProxy, TestDb, create_accounts, credit, credit_once, migrated_db,
-    on_server_backends, scalar_i64, stmt,
+    on_server_backends, run, scalar_i64, stmt,
 };
 use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend, DbErr, Statement, TransactionTrait};
 use sea_orm_inbox::{
@@ -707,6 +707,52 @@ async fn a_batch_commit_reply_lost_returns_in_doubt_and_the_redelivery_finds_it_
     assert_eq!(fixture.balance().await, 2, "the batch committed once");
     assert_eq!(fixture.markers().await, 2);
     fixture.cleanup().await;
+}
+
+/// A setting of the connection, as text.
+async fn setting(conn: &impl ConnectionTrait, name: &str) -> String {
+    let sql = format!("SELECT current_setting('{name}')");
+    let row = conn
+        .query_one_raw(Statement::from_string(conn.get_database_backend(), sql))
+        .await
+        .expect("read the setting")
+        .expect("a row");
+    row.try_get_by_index(0).expect("a text setting")
+}
+
+/// On PostgreSQL `claim_message`'s INSERT asks the server to end the caller's transaction
+/// after the default partition timeout of client silence, for that transaction only, and
+/// keeps a shorter bound the caller set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[cfg_attr(not(inbox_postgres), ignore = "set INBOX_TEST_POSTGRES_URL")]
+async fn a_claim_on_the_callers_transaction_bounds_its_silence_on_the_server() {
+    let db = migrated_db(Backend::Postgres).await;
+    let conn = db.connect_with(1).await;
+    let txn = conn.begin().await.expect("begin");
+    let claim = txn.claim_message(Uuid::new_v4(), CONSUMER).await;
+    assert!(matches!(claim, Ok(Claim::Claimed(_))), "{claim:?}");
+    assert_eq!(
+        setting(&txn, "idle_in_transaction_session_timeout").await,
+        "20s"
+    );
+    assert_eq!(setting(&txn, "tcp_user_timeout").await, "20000");
+    txn.rollback().await.expect("roll back");
+    assert_eq!(
+        setting(&conn, "idle_in_transaction_session_timeout").await,
+        "0"
+    );
+
+    let txn = conn.begin().await.expect("begin");
+    run(&txn, "SET LOCAL idle_in_transaction_session_timeout = '5s'").await;
+    let claim = txn.claim_message(Uuid::new_v4(), CONSUMER).await;
+    assert!(matches!(claim, Ok(Claim::Claimed(_))), "{claim:?}");
+    assert_eq!(
+        setting(&txn, "idle_in_transaction_session_timeout").await,
+        "5s"
+    );
+    txn.rollback().await.expect("roll back");
+    conn.close().await.ok();
+    db.cleanup().await;
 }
 
 /// SQLite is embedded: no network can go silent, so the partition timeout bounds nothing

@@ -23,11 +23,13 @@ impl Dialect for Postgres {
     /// Sets `idle_in_transaction_session_timeout` and `tcp_user_timeout` for the caller's
     /// transaction as [`insert_process_marker_bounded`](Dialect::insert_process_marker_bounded)
     /// does (`set_config(.., true)`, riding on the INSERT), keeping a shorter non-zero
-    /// setting the transaction already has. The conflict clause and RETURNING are
+    /// `idle_in_transaction_session_timeout` the transaction already has (`tcp_user_timeout`
+    /// reads back as bare milliseconds, which `::interval` would take for seconds, so it is
+    /// set as `process` sets it). The conflict clause and RETURNING are
     /// `insert_marker`'s: a duplicate still returns no row.
     fn insert_marker_bounded(&self) -> Option<&'static str> {
         Some(
-            r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at") SELECT $1, $2, $3 WHERE set_config('idle_in_transaction_session_timeout', CASE WHEN current_setting('idle_in_transaction_session_timeout') = '0' OR current_setting('idle_in_transaction_session_timeout')::interval > $4::interval THEN $4 ELSE current_setting('idle_in_transaction_session_timeout') END, true) IS NOT NULL AND set_config('tcp_user_timeout', CASE WHEN current_setting('tcp_user_timeout') = '0' OR current_setting('tcp_user_timeout')::interval > $4::interval THEN $4 ELSE current_setting('tcp_user_timeout') END, true) IS NOT NULL ON CONFLICT ON CONSTRAINT "ix_inbox_message_id_consumer" DO NOTHING RETURNING "id""#,
+            r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at") SELECT $1, $2, $3 WHERE set_config('idle_in_transaction_session_timeout', CASE WHEN current_setting('idle_in_transaction_session_timeout') = '0' OR current_setting('idle_in_transaction_session_timeout')::interval > $4::interval THEN $4 ELSE current_setting('idle_in_transaction_session_timeout') END, true) IS NOT NULL AND set_config('tcp_user_timeout', $4, true) IS NOT NULL ON CONFLICT ON CONSTRAINT "ix_inbox_message_id_consumer" DO NOTHING RETURNING "id""#,
         )
     }
 
