@@ -9,7 +9,9 @@
 //!
 //! The calls not about one message (a purge and a background purger, the lease listings,
 //! the schema check) return within their partition timeout too, with an error that says
-//! "retry later"; a purger keeps its schedule.
+//! "retry later"; a purger keeps its schedule. So do the claims on a caller's own
+//! transaction (`claim_message`, `ClaimedMessage::commit`, `BatchClaim::commit`), within
+//! the default partition timeout, a COMMIT among them reported as in doubt.
 //!
 //! PostgreSQL and MariaDB only: SQLite is embedded, with no network to lose.
 
