@@ -6,6 +6,7 @@ use crate::backend::{
 };
 use crate::claim::now_micros;
 use crate::consumer::validate_consumer;
+use crate::silence::answered_on;
 use crate::{Delivery, InboxError, MessageId, Refusal};
 use chrono::{DateTime, Utc};
 use sea_orm::{ConnectionTrait, DatabaseTransaction, DbErr, QueryResult, Statement, Value};
@@ -78,7 +79,15 @@ impl BatchClaim {
     /// one, `commit` then first asks whether the transaction is still open (a `BEGIN` that
     /// fails inside one); elsewhere it is a plain COMMIT.
     ///
+    /// Each statement waits at most
+    /// [`Inbox::DEFAULT_PARTITION_TIMEOUT`](crate::Inbox::DEFAULT_PARTITION_TIMEOUT) for
+    /// the database (PostgreSQL, MySQL/MariaDB; no option changes it).
+    ///
     /// # Errors
+    /// [`InboxError::DatabaseSilent`] when the database went silent: nack the batch. After
+    /// the COMMIT (operation `the batch's COMMIT, in doubt...`) the batch may have
+    /// committed, its reply lost: the redelivery's claim tells, its committed ids coming
+    /// back in `already_claimed`.
     /// [`InboxError::BatchClaimLost`] (rolled back; nothing of the batch committed) when
     /// the marker is missing or the check itself fails, or on SQLite when the database
     /// already ended the transaction of a batch that claimed nothing; [`InboxError::Database`] when
@@ -110,10 +119,15 @@ impl BatchClaim {
             .or(self.already_claimed.first())
             .copied()
             .unwrap_or_else(|| MessageId::from_uuid(Uuid::nil()));
+        let backend = txn.get_database_backend();
+        // An unanswered check returns at once: a ROLLBACK the silent database would not
+        // answer either is not awaited, dropping the transaction gives its connection up.
+        let check = "the batch's claim check";
         let (lost, inserted) = match self.inserted {
             Some((marker, inserted)) => {
-                let sql = batch_marker_held_sql(txn.get_database_backend())?;
-                let lost = match self.marker_count(&txn, sql, marker).await {
+                let sql = batch_marker_held_sql(backend)?;
+                let count = self.marker_count(&txn, sql, marker);
+                let lost = match answered_on(backend, check, count).await? {
                     Ok(1) => None,
                     Ok(_) => Some(None),
                     Err(err) => Some(Some(err)),
@@ -122,7 +136,7 @@ impl BatchClaim {
             }
             // No marker to read; where a COMMIT outside a transaction fails and would strand
             // the connection inside sqlx's count (SQLite), ask whether it is still open.
-            None => match transaction_ended(&txn).await {
+            None => match answered_on(backend, check, transaction_ended(&txn)).await? {
                 Ok(false) => (None, 0),
                 Ok(true) => (Some(None), 0),
                 Err(err) => (Some(Some(err)), 0),
@@ -136,8 +150,8 @@ impl BatchClaim {
                 source,
             });
         }
-        txn.commit()
-            .await
+        answered_on(backend, IN_DOUBT_COMMIT, txn.commit())
+            .await?
             .map_err(|err| InboxError::from_claim(err, named, &self.consumer))
     }
 
@@ -159,6 +173,9 @@ impl BatchClaim {
             .try_get_by_index(0)
     }
 }
+
+/// The operation of a batch's COMMIT that went unanswered: it may have committed.
+const IN_DOUBT_COMMIT: &str = "the batch's COMMIT, in doubt (the batch may have committed: its redelivery's claim tells, committed ids come back already_claimed),";
 
 /// Checks the input and returns the distinct ids in ascending order: every replica then
 /// inserts, and so locks index entries, in the same order, which rules out the deadlock

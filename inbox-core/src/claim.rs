@@ -5,10 +5,12 @@ use crate::backend::{
 };
 use crate::batch::{BatchClaim, admit_batch, insert_batch};
 use crate::consumer::validate_claim;
-use crate::{Delivery, InboxError, MessageId, Refusal};
+use crate::silence::{answered_on, within};
+use crate::{Delivery, Inbox, InboxError, MessageId, Refusal};
 use chrono::Utc;
 use sea_orm::{
-    ColumnTrait, ConnectionTrait, DatabaseTransaction, DbErr, EntityTrait, QueryFilter, QuerySelect,
+    ColumnTrait, ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, EntityTrait, QueryFilter,
+    QuerySelect,
 };
 use sea_orm_inbox_entity::inbox;
 use std::future::Future;
@@ -169,26 +171,90 @@ impl ClaimedMessage {
     /// aborted it after a failed statement; InnoDB rolled it back on a deadlock): roll
     /// back and nack. [`InboxError::Database`] when the check itself failed (a lost
     /// connection: transient, nack).
+    ///
+    /// It waits at most [`Inbox::DEFAULT_PARTITION_TIMEOUT`](crate::Inbox::DEFAULT_PARTITION_TIMEOUT)
+    /// for the database (PostgreSQL, MySQL/MariaDB), then fails with
+    /// [`InboxError::DatabaseUnresponsive`] (step `the claim check`): drop the transaction
+    /// and nack.
     pub async fn ensure_held(&self, txn: &DatabaseTransaction) -> Result<(), InboxError> {
-        ensure_marker_held(txn, self).await
+        let check = ensure_marker_held(txn, self);
+        self.bounded(txn.get_database_backend(), "the claim check", false, check)
+            .await?
     }
 
     /// Proves that `txn` still holds this marker, then commits it.
     ///
+    /// Each of the two statements waits at most
+    /// [`Inbox::DEFAULT_PARTITION_TIMEOUT`](crate::Inbox::DEFAULT_PARTITION_TIMEOUT) for
+    /// the database (PostgreSQL, MySQL/MariaDB; there is no option to change it), so a
+    /// network partition cannot hang the caller.
+    ///
     /// # Errors
     /// [`InboxError::ClaimLost`] (the transaction is rolled back; nothing was committed) or
     /// [`InboxError::Database`] (the check or the COMMIT failed): nack the message.
+    /// [`InboxError::DatabaseUnresponsive`] when the database went silent: nack. With
+    /// `commit_in_doubt` (step `COMMIT`) the COMMIT may have committed, its reply lost: the
+    /// redelivery's claim tells, [`Claim::Duplicate`] if it did.
     pub async fn commit(self, txn: DatabaseTransaction) -> Result<(), InboxError> {
+        let backend = txn.get_database_backend();
         if let Err(err) = self.ensure_held(&txn).await {
-            roll_back(txn).await;
+            // An unanswered check leaves a ROLLBACK the silent database would not answer
+            // either: dropping the transaction gives its connection up instead.
+            if !matches!(err, InboxError::DatabaseUnresponsive { .. }) {
+                roll_back(txn).await;
+            }
             return Err(err);
         }
-        txn.commit().await.map_err(|source| InboxError::Database {
-            message_id: self.message_id,
-            consumer: self.consumer,
-            source,
-        })
+        self.bounded(backend, "COMMIT", true, txn.commit())
+            .await?
+            .map_err(|source| InboxError::Database {
+                message_id: self.message_id,
+                consumer: self.consumer,
+                source,
+            })
     }
+
+    /// Awaits `future`, a statement of this claim's transaction, within the default
+    /// partition timeout.
+    async fn bounded<F: Future>(
+        &self,
+        backend: DbBackend,
+        step: &'static str,
+        commit_in_doubt: bool,
+        future: F,
+    ) -> Result<F::Output, InboxError> {
+        unresponsive_within(
+            backend,
+            self.message_id,
+            &self.consumer,
+            step,
+            commit_in_doubt,
+            future,
+        )
+        .await
+    }
+}
+
+/// Awaits `future`, a statement of a claim of `message_id` for `consumer` in a caller's
+/// transaction, at most [`Inbox::DEFAULT_PARTITION_TIMEOUT`], and reports
+/// [`InboxError::DatabaseUnresponsive`] for `step` past it.
+async fn unresponsive_within<F: Future>(
+    backend: DbBackend,
+    message_id: MessageId,
+    consumer: &str,
+    step: &'static str,
+    commit_in_doubt: bool,
+    future: F,
+) -> Result<F::Output, InboxError> {
+    within(backend, Inbox::DEFAULT_PARTITION_TIMEOUT, future)
+        .await
+        .map_err(|waited| InboxError::DatabaseUnresponsive {
+            message_id,
+            consumer: consumer.to_owned(),
+            step,
+            waited,
+            commit_in_doubt,
+        })
 }
 
 mod sealed {
@@ -273,14 +339,26 @@ pub trait InboxTransactionExt: sealed::Sealed {
     /// serialization failure (40001, which [`crate::classify`] calls transient) instead:
     /// retry in a new transaction, which sees the marker and gets `Duplicate`. If another open transaction holds the same claim,
     /// this call waits until it ends: committed means `Duplicate`, rolled back means
-    /// `Claimed`. The wait is bounded by the backend's own lock timeout only (PostgreSQL:
+    /// `Claimed`. The wait is bounded by the backend's own lock timeout (PostgreSQL:
     /// `lock_timeout`, unbounded by default, so consider `SET LOCAL lock_timeout` first;
     /// MySQL/MariaDB: `innodb_lock_wait_timeout`, 50 s by default; SQLite: the busy
-    /// timeout); [`crate::Inbox::process`] bounds it for you. Nor does it bound a silent
-    /// network: `process` also makes the server end a claim transaction whose client
-    /// vanished ([`crate::Inbox::with_partition_timeout`]); in a transaction of your own,
-    /// set `idle_in_transaction_session_timeout` (PostgreSQL, `SET LOCAL`) or
-    /// `idle_transaction_timeout` (MariaDB) before claiming.
+    /// timeout); [`crate::Inbox::process`] bounds it for you.
+    ///
+    /// A silent network (a partition that drops packets) is bounded: the call waits at
+    /// most [`Inbox::DEFAULT_PARTITION_TIMEOUT`] for the database (PostgreSQL,
+    /// MySQL/MariaDB; no option changes it), then fails with
+    /// [`InboxError::DatabaseUnresponsive`]: drop the transaction and nack. So the lock
+    /// wait above also ends there. On PostgreSQL the INSERT also sets
+    /// `idle_in_transaction_session_timeout` and `tcp_user_timeout` to that bound for this
+    /// transaction (a shorter `idle_in_transaction_session_timeout` is kept): the server
+    /// ends the transaction of a client cut off by a partition, releasing the marker,
+    /// instead of holding it for hours. The transaction must therefore not sit idle longer than that between
+    /// statements; `SET LOCAL idle_in_transaction_session_timeout` after the claim to allow
+    /// more. MySQL/MariaDB get no such bound from the claim: the session statement it takes
+    /// would cost a round trip per claim and outlive the transaction on the pooled
+    /// connection; set `idle_transaction_timeout` (MariaDB) and `net_write_timeout` on the
+    /// pool's connections instead (e.g. `SET SESSION idle_transaction_timeout = 20,
+    /// net_write_timeout = 20` in an after-connect hook).
     ///
     /// Commit through [`ClaimedMessage::commit`]: it proves the transaction still holds
     /// the marker before COMMIT.
@@ -301,6 +379,8 @@ pub trait InboxTransactionExt: sealed::Sealed {
     /// - [`InboxError::MissingMigration`] when a later inbox migration has not run (on
     ///   PostgreSQL: [`InboxUniqueConstraint`](crate::InboxMigration::InboxUniqueConstraint));
     ///   [`crate::verify_schema`] finds it at startup;
+    /// - [`InboxError::DatabaseUnresponsive`] (step `the claim`) when the database did not
+    ///   answer within [`Inbox::DEFAULT_PARTITION_TIMEOUT`];
     /// - [`InboxError::Database`] for every other failure, including a unique violation on
     ///   any other index, with the original [`DbErr`].
     fn claim_message(
@@ -337,6 +417,13 @@ pub trait InboxTransactionExt: sealed::Sealed {
     /// statement that fails while processing the batch aborts the transaction on
     /// PostgreSQL (its COMMIT then silently rolls back) and a deadlock rolls it back on
     /// InnoDB. Return such errors and nack the batch; never commit after swallowing one.
+    ///
+    /// The statement waits at most [`Inbox::DEFAULT_PARTITION_TIMEOUT`] for the database
+    /// (PostgreSQL, MySQL/MariaDB; no option changes it), then fails with
+    /// [`InboxError::DatabaseSilent`]: drop the transaction and nack the batch. It gets no
+    /// server-side bound: set `idle_in_transaction_session_timeout` (PostgreSQL, `SET
+    /// LOCAL` before claiming) or `idle_transaction_timeout` (MariaDB, per pool) so the
+    /// server ends the transaction of a replica cut off by a partition.
     ///
     /// # Errors
     /// Before any SQL: [`InboxError::EmptyBatch`], [`InboxError::BatchTooLarge`] (more than
@@ -396,7 +483,13 @@ impl InboxTransactionExt for DatabaseTransaction {
         let admitted = delivery.admit(None, Utc::now());
         async move {
             match admitted {
-                Ok(()) => insert_marker(self, delivery.message_id(), consumer, None).await,
+                Ok(()) => {
+                    let claim = insert_marker(self, delivery.message_id(), consumer, None);
+                    let backend = self.get_database_backend();
+                    let message_id = delivery.message_id();
+                    unresponsive_within(backend, message_id, consumer, "the claim", false, claim)
+                        .await?
+                }
                 Err(refusal) => {
                     // Bad input is still reported first, as for an admitted delivery.
                     validate_claim(delivery.message_id(), consumer)?;
@@ -418,7 +511,9 @@ impl InboxTransactionExt for DatabaseTransaction {
         // Collected before the future, which must not hold a possibly non-Send iterator.
         let deliveries = message_ids.into_iter().map(Into::into).collect();
         let admitted = admit_batch(deliveries, consumer, Utc::now());
-        insert_batch(self, admitted, consumer)
+        let claim = insert_batch(self, admitted, consumer);
+        let backend = self.get_database_backend();
+        async move { answered_on(backend, "the batch claim", claim).await? }
     }
 }
 

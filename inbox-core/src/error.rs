@@ -275,9 +275,13 @@ pub enum InboxError {
     /// database stopped answering (the network dropped the flow, or the server hangs), or
     /// the handler ran longer than the bound. The library gave up on the connection (it is
     /// not reused), and the server ends the abandoned transaction after the same timeout,
-    /// releasing the claim.
+    /// releasing the claim. For a claim on your own transaction (`txn.claim_message`,
+    /// `ClaimedMessage::commit`), drop the transaction; the bound is
+    /// [`Inbox::DEFAULT_PARTITION_TIMEOUT`](crate::Inbox::DEFAULT_PARTITION_TIMEOUT), and
+    /// on MySQL/MariaDB the server ends the transaction only if the pool sets
+    /// `idle_transaction_timeout`.
     #[error(
-        "{step} got no answer within {waited:?} for message {message_id} of consumer {consumer:?} (a network partition or a hung database; for the handler, also work slower than the partition timeout): nack the message; the server ends the abandoned transaction after the partition timeout, so a redelivery can claim it{}",
+        "{step} got no answer within {waited:?} for message {message_id} of consumer {consumer:?} (a network partition or a hung database; for the handler, also work slower than the partition timeout): nack the message; the server ends the abandoned transaction after the partition timeout (on MySQL/MariaDB, for a claim on your own transaction, only if the pool sets idle_transaction_timeout), so a redelivery can claim it{}",
         if *commit_in_doubt { ". A COMMIT of this call went unanswered and may have landed: then the redelivery finds the work done" } else { "" }
     )]
     DatabaseUnresponsive {

@@ -1,9 +1,10 @@
 //! The client-side bound on a database that stops answering, for the calls that are not
-//! about one message (a purge, a listing, the schema check).
+//! about one message (a purge, a listing, the schema check), and for the claims on a
+//! caller's transaction.
 
-use crate::InboxError;
 use crate::backend::over_network;
-use sea_orm::DatabaseConnection;
+use crate::{Inbox, InboxError};
+use sea_orm::{DatabaseConnection, DbBackend};
 use std::future::Future;
 use std::time::Duration;
 
@@ -18,17 +19,38 @@ pub(crate) async fn answered_within<F: Future>(
     operation: &'static str,
     future: F,
 ) -> Result<F::Output, InboxError> {
-    if !over_network(db.get_database_backend()) {
+    within(db.get_database_backend(), timeout, future)
+        .await
+        .map_err(|waited| InboxError::DatabaseSilent { operation, waited })
+}
+
+/// [`answered_within`] with [`Inbox::DEFAULT_PARTITION_TIMEOUT`], for a call on a
+/// connection of `backend` that has no option to change it (a batch claim on the caller's
+/// transaction).
+pub(crate) async fn answered_on<F: Future>(
+    backend: DbBackend,
+    operation: &'static str,
+    future: F,
+) -> Result<F::Output, InboxError> {
+    within(backend, Inbox::DEFAULT_PARTITION_TIMEOUT, future)
+        .await
+        .map_err(|waited| InboxError::DatabaseSilent { operation, waited })
+}
+
+/// [`answered_within`] for a call whose error names more than the operation (a claim's
+/// message): `Err` carries how long it waited, for the caller to build its error.
+pub(crate) async fn within<F: Future>(
+    backend: DbBackend,
+    timeout: Duration,
+    future: F,
+) -> Result<F::Output, Duration> {
+    if !over_network(backend) {
         return Ok(future.await);
     }
     tokio::time::timeout(timeout, future)
         .await
-        .map_err(|_| InboxError::DatabaseSilent {
-            operation,
-            waited: timeout,
-        })
+        .map_err(|_| timeout)
 }
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -9,19 +9,21 @@
 //!
 //! The calls not about one message (a purge and a background purger, the lease listings,
 //! the schema check) return within their partition timeout too, with an error that says
-//! "retry later"; a purger keeps its schedule.
+//! "retry later"; a purger keeps its schedule. So do the claims on a caller's own
+//! transaction (`claim_message`, `ClaimedMessage::commit`, `BatchClaim::commit`), within
+//! the default partition timeout, a COMMIT among them reported as in doubt.
 //!
 //! PostgreSQL and MariaDB only: SQLite is embedded, with no network to lose.
 
 use inbox_tests::{
     Backend, LostReplyProxy, TestDb, create_accounts, credit, credit_once, migrated_db,
-    on_server_backends, scalar_i64, stmt,
+    on_server_backends, run, scalar_i64, stmt,
 };
 use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend, DbErr, Statement, TransactionTrait};
 use sea_orm_inbox::{
-    Inbox, InboxError, LeaseClaim, LeaseOptions, Outcome, ProcessError, RetentionPolicy,
-    SchemaError, Settlement, claim_lease, complete_lease, list_dead_claims, list_expired_leases,
-    purge, spawn_purger, timestamp_value, verify_schema,
+    Claim, Inbox, InboxError, InboxTransactionExt, LeaseClaim, LeaseOptions, Outcome, ProcessError,
+    RetentionPolicy, SchemaError, Settlement, claim_lease, complete_lease, list_dead_claims,
+    list_expired_leases, purge, spawn_purger, timestamp_value, verify_schema,
 };
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -594,6 +596,167 @@ async fn verify_schema_cut_off_returns_within_the_default_partition_timeout(back
     fixture.cleanup().await;
 }
 
+/// Whether `result` is the nack of a claim on the caller's transaction whose database
+/// stayed silent for the default partition timeout during `step`.
+fn claim_unresponsive<T>(result: &Result<T, InboxError>, step: &str, in_doubt: bool) -> bool {
+    matches!(
+        result,
+        Err(InboxError::DatabaseUnresponsive { step: seen, waited, commit_in_doubt, .. })
+            if *seen == step && *waited == Inbox::DEFAULT_PARTITION_TIMEOUT && *commit_in_doubt == in_doubt
+    )
+}
+
+/// Replica A's `claim_message` on its own transaction is cut off mid-statement (the
+/// INSERT reached the server, its reply is lost): the call returns within the default
+/// partition timeout. On PostgreSQL the INSERT also bounded the transaction on the
+/// server, which ends it, so B's redelivery claims the message.
+async fn a_claim_on_the_callers_transaction_cut_off_returns_within_the_bound(backend: Backend) {
+    let fixture = Fixture::new(backend).await;
+    let id = Uuid::new_v4();
+    let txn = fixture.through_proxy.begin().await.expect("A begins");
+    fixture.proxy.partition_at_next_execute();
+    let started = Instant::now();
+    let a = timeout(GIVE_UP, txn.claim_message(id, CONSUMER)).await;
+    let took = started.elapsed();
+    fixture.proxy.expect_reply_dropped();
+    eprintln!("{backend:?}: A {a:?} after {took:?}");
+    drop(txn);
+
+    let a = a.expect("A's claim is still waiting on the partitioned database");
+    assert!(claim_unresponsive(&a, "the claim", false), "{a:?}");
+    assert!(took < Inbox::DEFAULT_PARTITION_TIMEOUT + SLACK, "{took:?}");
+    if backend == Backend::Postgres {
+        let txn = fixture.direct.begin().await.expect("B begins");
+        let b = timeout(GIVE_UP, txn.claim_message(id, CONSUMER)).await;
+        let b = b.expect("B's claim waits on A's abandoned marker");
+        let Ok(Claim::Claimed(claimed)) = b else {
+            panic!("B's redelivery is not claimed: {b:?}");
+        };
+        claimed.commit(txn).await.expect("B commits");
+        assert_eq!(fixture.markers().await, 1);
+    }
+    fixture.cleanup().await;
+}
+
+/// A's `ClaimedMessage::commit` reaches the server, which commits; the reply is lost in
+/// the partition. The call returns within the default partition timeout, saying the
+/// COMMIT is in doubt; B's redelivery is the duplicate, the credit applied once.
+async fn a_claimed_commit_reply_lost_returns_in_doubt_and_the_redelivery_is_a_duplicate(
+    backend: Backend,
+) {
+    let fixture = Fixture::new(backend).await;
+    let id = Uuid::new_v4();
+    let txn = fixture.through_proxy.begin().await.expect("A begins");
+    let Ok(Claim::Claimed(claimed)) = txn.claim_message(id, CONSUMER).await else {
+        panic!("A claims");
+    };
+    credit(&txn, 1).await.expect("A credits");
+    fixture.proxy.partition_at_commit();
+    let started = Instant::now();
+    let a = timeout(GIVE_UP, claimed.commit(txn)).await;
+    let took = started.elapsed();
+    fixture.proxy.expect_reply_dropped();
+    eprintln!("{backend:?}: A {a:?} after {took:?}");
+
+    let a = a.expect("A's COMMIT is still waiting for its reply");
+    assert!(claim_unresponsive(&a, "COMMIT", true), "{a:?}");
+    assert!(took < Inbox::DEFAULT_PARTITION_TIMEOUT + SLACK, "{took:?}");
+    let txn = fixture.direct.begin().await.expect("B begins");
+    let b = timeout(GIVE_UP, txn.claim_message(id, CONSUMER)).await;
+    assert!(matches!(b, Ok(Ok(Claim::Duplicate))), "{b:?}");
+    drop(txn);
+    assert_eq!(fixture.balance().await, 1, "the credit committed once");
+    assert_eq!(fixture.markers().await, 1);
+    fixture.cleanup().await;
+}
+
+/// The same for a batch: A's `BatchClaim::commit` loses its COMMIT's reply, returns
+/// within the default partition timeout with an in-doubt "retry later", and B's
+/// redelivery of the batch finds every id already claimed.
+async fn a_batch_commit_reply_lost_returns_in_doubt_and_the_redelivery_finds_it_claimed(
+    backend: Backend,
+) {
+    let fixture = Fixture::new(backend).await;
+    let ids = [Uuid::new_v4(), Uuid::new_v4()];
+    let txn = fixture.through_proxy.begin().await.expect("A begins");
+    let batch = txn.claim_batch(ids, CONSUMER).await.expect("A claims");
+    assert_eq!(batch.claimed.len(), 2);
+    credit(&txn, 2).await.expect("A credits");
+    fixture.proxy.partition_at_commit();
+    let started = Instant::now();
+    let a = timeout(GIVE_UP, batch.commit(txn)).await;
+    let took = started.elapsed();
+    fixture.proxy.expect_reply_dropped();
+    eprintln!("{backend:?}: A {a:?} after {took:?}");
+
+    let a = a.expect("A's COMMIT is still waiting for its reply");
+    assert!(
+        matches!(&a, Err(InboxError::DatabaseSilent { operation, waited })
+            if operation.contains("in doubt") && *waited == Inbox::DEFAULT_PARTITION_TIMEOUT),
+        "{a:?}"
+    );
+    assert!(took < Inbox::DEFAULT_PARTITION_TIMEOUT + SLACK, "{took:?}");
+    let txn = fixture.direct.begin().await.expect("B begins");
+    let b = timeout(GIVE_UP, txn.claim_batch(ids, CONSUMER))
+        .await
+        .expect("B's claim hung")
+        .expect("B claims");
+    assert!(
+        b.claimed.is_empty() && b.already_claimed.len() == 2,
+        "{b:?}"
+    );
+    drop(txn);
+    assert_eq!(fixture.balance().await, 2, "the batch committed once");
+    assert_eq!(fixture.markers().await, 2);
+    fixture.cleanup().await;
+}
+
+/// A setting of the connection, as text.
+async fn setting(conn: &impl ConnectionTrait, name: &str) -> String {
+    let sql = format!("SELECT current_setting('{name}')");
+    let row = conn
+        .query_one_raw(Statement::from_string(conn.get_database_backend(), sql))
+        .await
+        .expect("read the setting")
+        .expect("a row");
+    row.try_get_by_index(0).expect("a text setting")
+}
+
+/// On PostgreSQL `claim_message`'s INSERT asks the server to end the caller's transaction
+/// after the default partition timeout of client silence, for that transaction only, and
+/// keeps a shorter bound the caller set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[cfg_attr(not(inbox_postgres), ignore = "set INBOX_TEST_POSTGRES_URL")]
+async fn a_claim_on_the_callers_transaction_bounds_its_silence_on_the_server() {
+    let db = migrated_db(Backend::Postgres).await;
+    let conn = db.connect_with(1).await;
+    let txn = conn.begin().await.expect("begin");
+    let claim = txn.claim_message(Uuid::new_v4(), CONSUMER).await;
+    assert!(matches!(claim, Ok(Claim::Claimed(_))), "{claim:?}");
+    assert_eq!(
+        setting(&txn, "idle_in_transaction_session_timeout").await,
+        "20s"
+    );
+    assert_eq!(setting(&txn, "tcp_user_timeout").await, "20000");
+    txn.rollback().await.expect("roll back");
+    assert_eq!(
+        setting(&conn, "idle_in_transaction_session_timeout").await,
+        "0"
+    );
+
+    let txn = conn.begin().await.expect("begin");
+    run(&txn, "SET LOCAL idle_in_transaction_session_timeout = '5s'").await;
+    let claim = txn.claim_message(Uuid::new_v4(), CONSUMER).await;
+    assert!(matches!(claim, Ok(Claim::Claimed(_))), "{claim:?}");
+    assert_eq!(
+        setting(&txn, "idle_in_transaction_session_timeout").await,
+        "5s"
+    );
+    txn.rollback().await.expect("roll back");
+    conn.close().await.ok();
+    db.cleanup().await;
+}
+
 /// SQLite is embedded: no network can go silent, so the partition timeout bounds nothing
 /// there; a handler slower than it still commits (its waits end in the busy timeout).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -689,4 +852,7 @@ on_server_backends!(
     a_purger_cut_off_fails_its_runs_and_keeps_its_schedule,
     listings_cut_off_return_within_the_default_partition_timeout,
     verify_schema_cut_off_returns_within_the_default_partition_timeout,
+    a_claim_on_the_callers_transaction_cut_off_returns_within_the_bound,
+    a_claimed_commit_reply_lost_returns_in_doubt_and_the_redelivery_is_a_duplicate,
+    a_batch_commit_reply_lost_returns_in_doubt_and_the_redelivery_finds_it_claimed,
 );

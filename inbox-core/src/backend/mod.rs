@@ -6,7 +6,7 @@
 //! module for a connection; everything else in the crate asks it instead of matching on
 //! the backend.
 
-use crate::{InboxError, InboxMigration, MessageId};
+use crate::{Inbox, InboxError, InboxMigration, MessageId};
 use chrono::{DateTime, Utc};
 use sea_orm::sea_query::Expr;
 use sea_orm::sqlx;
@@ -76,6 +76,16 @@ trait Dialect: Sync {
     /// the silence bound as text (`"5000ms"`). `None`: the database's own setting bounds
     /// the lock wait, and [`bound_silence`](Self::bound_silence) runs before the INSERT.
     fn insert_process_marker_bounded(&self) -> Option<&'static str> {
+        None
+    }
+
+    /// [`insert_marker`](Self::insert_marker) that also makes the server end the caller's
+    /// transaction once its client goes silent, where the INSERT can set that for one
+    /// transaction without an extra round trip. Binds: those of `insert_marker`, then the
+    /// silence bound as text (`"20000ms"`). `None`: the caller's transaction gets no
+    /// server-side bound from the claim (a session setting would outlive it on the pooled
+    /// connection).
+    fn insert_marker_bounded(&self) -> Option<&'static str> {
         None
     }
 
@@ -359,8 +369,9 @@ pub(crate) fn silence_statement(
     Ok(dialect(backend)?.bound_silence(silence))
 }
 
-/// The marker INSERT for one claim, with its bind values: `claim_message`'s plain marker,
-/// or with `process`, `Inbox::process`'s marker carrying its token and lock-wait bound.
+/// The marker INSERT for one claim, with its bind values: `claim_message`'s plain marker
+/// (with the server-side silence bound of [`Inbox::DEFAULT_PARTITION_TIMEOUT`] where the
+/// INSERT can carry it), or with `process`, `Inbox::process`'s marker carrying its token and lock-wait bound.
 pub(crate) fn claim_marker_statement(
     backend: DbBackend,
     message_id: MessageId,
@@ -376,11 +387,14 @@ pub(crate) fn claim_marker_statement(
         dialect.timestamp_value(received_at),
     ]);
     let Some(process) = process else {
-        return Ok(Statement::from_sql_and_values(
-            backend,
-            dialect.insert_marker(),
-            values,
-        ));
+        let sql = match dialect.insert_marker_bounded() {
+            Some(sql) => {
+                values.push(Value::from(millis_text(Inbox::DEFAULT_PARTITION_TIMEOUT)));
+                sql
+            }
+            None => dialect.insert_marker(),
+        };
+        return Ok(Statement::from_sql_and_values(backend, sql, values));
     };
     values.push(Value::from(process.token));
     let sql = match dialect.insert_process_marker_bounded() {

@@ -20,6 +20,19 @@ impl Dialect for Postgres {
         r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at") VALUES ($1, $2, $3) ON CONFLICT ON CONSTRAINT "ix_inbox_message_id_consumer" DO NOTHING RETURNING "id""#
     }
 
+    /// Sets `idle_in_transaction_session_timeout` and `tcp_user_timeout` for the caller's
+    /// transaction as [`insert_process_marker_bounded`](Dialect::insert_process_marker_bounded)
+    /// does (`set_config(.., true)`, riding on the INSERT), keeping a shorter non-zero
+    /// `idle_in_transaction_session_timeout` the transaction already has (`tcp_user_timeout`
+    /// reads back as bare milliseconds, which `::interval` would take for seconds, so it is
+    /// set as `process` sets it). The conflict clause and RETURNING are
+    /// `insert_marker`'s: a duplicate still returns no row.
+    fn insert_marker_bounded(&self) -> Option<&'static str> {
+        Some(
+            r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at") SELECT $1, $2, $3 WHERE set_config('idle_in_transaction_session_timeout', CASE WHEN current_setting('idle_in_transaction_session_timeout') = '0' OR current_setting('idle_in_transaction_session_timeout')::interval > $4::interval THEN $4 ELSE current_setting('idle_in_transaction_session_timeout') END, true) IS NOT NULL AND set_config('tcp_user_timeout', $4, true) IS NOT NULL ON CONFLICT ON CONSTRAINT "ix_inbox_message_id_consumer" DO NOTHING RETURNING "id""#,
+        )
+    }
+
     fn insert_process_marker(&self) -> &'static str {
         r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at", "claim_token") VALUES ($1, $2, $3, $4) ON CONFLICT ON CONSTRAINT "ix_inbox_message_id_consumer" DO NOTHING RETURNING "id""#
     }
@@ -156,6 +169,7 @@ mod tests {
         let clause = format!(r#" ON CONFLICT ON CONSTRAINT "{INDEX_NAME}" DO NOTHING"#);
         for sql in [
             Postgres.insert_marker(),
+            Postgres.insert_marker_bounded().unwrap_or_default(),
             Postgres.insert_process_marker(),
             Postgres.insert_process_marker_bounded().unwrap_or_default(),
             Postgres.on_inbox_conflict_do_nothing(),
