@@ -11,8 +11,8 @@
 //! of its own ([`in_own_transaction`]), and [`for_transaction_pooler`] turns off the
 //! statement cache, whose names would outlive the transaction that created them.
 
-#[cfg(feature = "postgres")]
 use crate::backend::roll_back;
+#[cfg(feature = "postgres")]
 use sea_orm::ConnectOptions;
 use sea_orm::{DatabaseConnection, DatabaseTransaction, DbErr, TransactionTrait};
 
