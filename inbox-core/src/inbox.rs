@@ -1,11 +1,10 @@
-use crate::backend::{
-    CLAIM_TRANSACTION, DbErrorKind, ProcessMarker, classify, over_network, roll_back,
-};
+use crate::backend::{CLAIM_TRANSACTION, DbErrorKind, ProcessMarker, classify, roll_back};
 use crate::cause::db_cause;
 use crate::claim::{ensure_marker_held, insert_marker, marker_token};
 use crate::consumer::{validate_claim, validate_consumer};
 use crate::metrics::{Counter, InboxMetrics, facade};
 use crate::pooler::in_own_transaction;
+use crate::silence::{bound_for, within_bound};
 use crate::{
     AdmissionFloor, Claim, Delivery, InboxError, MessageId, Outcome, ProcessError, RetryPolicy,
 };
@@ -565,7 +564,7 @@ impl Inbox {
     /// The bound on each step of an attempt on `db`: the partition timeout, or none where
     /// no network can go silent (SQLite, whose waits its busy timeout bounds).
     fn step_bound(&self, db: &DatabaseConnection) -> Option<Duration> {
-        over_network(db.get_database_backend()).then_some(self.partition_timeout)
+        bound_for(db.get_database_backend(), self.partition_timeout)
     }
 
     /// Waits for one step of an attempt at most `bound`. Past it the step's future is
@@ -578,15 +577,12 @@ impl Inbox {
         step: &'static str,
         future: F,
     ) -> Result<F::Output, AttemptError<E>> {
-        let Some(bound) = bound else {
-            return Ok(future.await);
-        };
-        tokio::time::timeout(bound, future).await.map_err(|_| {
+        within_bound(bound, future).await.map_err(|waited| {
             AttemptError::Fatal(InboxError::DatabaseUnresponsive {
                 message_id,
                 consumer: self.consumer.to_string(),
                 step,
-                waited: bound,
+                waited,
                 commit_in_doubt: false,
             })
         })

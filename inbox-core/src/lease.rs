@@ -3,15 +3,15 @@
 
 use crate::backend::{
     CLAIM_TRANSACTION, DbErrorKind, classify, complete_lease_sql, consumer_is, insert_lease_sql,
-    over_network, park_lease_sql, release_lease_sql, roll_back, silence_statement,
-    take_over_lease_sql, timestamp_value,
+    park_lease_sql, release_lease_sql, roll_back, silence_statement, take_over_lease_sql,
+    timestamp_value,
 };
 use crate::claim::now_micros;
 use crate::clock::truncate_to_micros;
 use crate::consumer::{validate_claim, validate_consumer};
 use crate::inbox::checked_partition_timeout;
 use crate::pooler::in_own_transaction;
-use crate::silence::answered_within;
+use crate::silence::{answered_within, bound_for, within_bound};
 use crate::{Delivery, Inbox, InboxError, MessageId, Refusal};
 use chrono::{DateTime, TimeDelta, Utc};
 use sea_orm::sea_query::ExprTrait;
@@ -289,19 +289,16 @@ where
     let mut tries = 0;
     loop {
         tries += 1;
-        let result = match bound {
-            Some(bound) => tokio::time::timeout(bound, attempt()).await.map_err(|_| {
-                InboxError::DatabaseUnresponsive {
-                    message_id,
-                    consumer: consumer.to_owned(),
-                    step,
-                    waited: bound,
-                    // The bound covers the whole short transaction, COMMIT included.
-                    commit_in_doubt: true,
-                }
-            })?,
-            None => attempt().await,
-        };
+        let result = within_bound(bound, attempt()).await.map_err(|waited| {
+            InboxError::DatabaseUnresponsive {
+                message_id,
+                consumer: consumer.to_owned(),
+                step,
+                waited,
+                // The bound covers the whole short transaction, COMMIT included.
+                commit_in_doubt: true,
+            }
+        })?;
         match result {
             Ok(value) => return Ok(value),
             Err(err) if classify(&err) == DbErrorKind::Transient && tries < TRANSIENT_RETRIES => {
@@ -470,7 +467,7 @@ pub async fn claim_lease_with_token(
         silence: silence_statement(backend, options.partition_timeout)?,
     };
     let bound = (
-        over_network(backend).then_some(options.partition_timeout),
+        bound_for(backend, options.partition_timeout),
         "the lease claim",
     );
     retry_transient(message_id, consumer, bound, || {
@@ -692,7 +689,7 @@ async fn compare_and_set(
     let backend = db.get_database_backend();
     let silence = silence_statement(backend, lease.partition_timeout)?;
     let bound = (
-        over_network(backend).then_some(lease.partition_timeout),
+        bound_for(backend, lease.partition_timeout),
         "the lease update",
     );
     let updated = retry_transient(lease.message_id, &lease.consumer, bound, || async {

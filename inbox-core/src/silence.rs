@@ -37,6 +37,24 @@ pub(crate) async fn answered_on<F: Future>(
         .map_err(|waited| InboxError::DatabaseSilent { operation, waited })
 }
 
+/// The bound on one call to `backend`: `timeout` over a network, none for an embedded
+/// database, whose waits its busy timeout already ends.
+pub(crate) fn bound_for(backend: DbBackend, timeout: Duration) -> Option<Duration> {
+    over_network(backend).then_some(timeout)
+}
+
+/// Waits for `future` at most `bound` (without one, as long as it takes); past it the
+/// future is dropped and the error is the bound waited.
+pub(crate) async fn within_bound<F: Future>(
+    bound: Option<Duration>,
+    future: F,
+) -> Result<F::Output, Duration> {
+    match bound {
+        Some(bound) => tokio::time::timeout(bound, future).await.map_err(|_| bound),
+        None => Ok(future.await),
+    }
+}
+
 /// [`answered_within`] for a call whose error names more than the operation (a claim's
 /// message): `Err` carries how long it waited, for the caller to build its error.
 pub(crate) async fn within<F: Future>(
@@ -44,12 +62,7 @@ pub(crate) async fn within<F: Future>(
     timeout: Duration,
     future: F,
 ) -> Result<F::Output, Duration> {
-    if !over_network(backend) {
-        return Ok(future.await);
-    }
-    tokio::time::timeout(timeout, future)
-        .await
-        .map_err(|_| timeout)
+    within_bound(bound_for(backend, timeout), future).await
 }
 #[cfg(test)]
 mod tests {
