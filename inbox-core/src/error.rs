@@ -224,6 +224,21 @@ pub enum InboxError {
         source: Option<DbErr>,
     },
 
+    /// Before COMMIT, the claim's transaction no longer held its marker although every
+    /// statement in it had succeeded: the database ended it on its own (a Galera
+    /// brute-force abort by a conflicting write certified on another node, between two
+    /// statements). `Inbox::process` retries such an attempt in a fresh transaction; this
+    /// error comes back only when the attempts ran out. Nothing of the claim was committed.
+    #[error(
+        "the transaction claiming message {message_id} for consumer {consumer:?} was ended by the database before COMMIT although none of its statements failed (on Galera: a conflicting write certified on another node aborted it). Nothing of the claim was committed: nack the message so the broker redelivers it"
+    )]
+    EndedByDatabase {
+        /// The message whose claim was lost.
+        message_id: MessageId,
+        /// The consumer that claimed it.
+        consumer: String,
+    },
+
     /// Before COMMIT, a batch claim's transaction no longer held the markers the batch
     /// claimed: the database had already ended the transaction (MySQL/MariaDB roll it back
     /// on a deadlock or a Galera certification conflict, and run later statements outside
@@ -416,6 +431,7 @@ impl InboxError {
                 classify(source).is_permanent()
             }
             Self::ClaimLost { .. }
+            | Self::EndedByDatabase { .. }
             | Self::BatchClaimLost { .. }
             | Self::StaleLease { .. }
             | Self::DatabaseUnresponsive { .. }
@@ -448,6 +464,7 @@ impl InboxError {
             | Self::ValueOutOfRange { .. }
             | Self::ZeroMaxAttempts
             | Self::StaleLease { .. }
+            | Self::EndedByDatabase { .. }
             | Self::LockTimeoutOutOfRange { .. }
             | Self::PartitionTimeoutOutOfRange { .. }
             | Self::DatabaseUnresponsive { .. }

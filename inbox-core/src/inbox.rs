@@ -1,15 +1,18 @@
-use crate::backend::{CLAIM_TRANSACTION, DbErrorKind, ProcessMarker, classify, roll_back};
+use crate::backend::{
+    CLAIM_TRANSACTION, DbErrorKind, ProcessMarker, classify, ends_transactions_silently, roll_back,
+};
 use crate::cause::db_cause;
 use crate::claim::{ensure_marker_held, insert_marker, marker_token};
 use crate::consumer::{validate_claim, validate_consumer};
 use crate::metrics::{Counter, InboxMetrics, facade};
+use crate::observed::{ObservedTransaction, Verdict};
 use crate::pooler::in_own_transaction;
 use crate::silence::{bound_for, within_bound};
 use crate::{
     AdmissionFloor, Claim, Delivery, InboxError, MessageId, Outcome, ProcessError, RetryPolicy,
 };
 use chrono::Utc;
-use sea_orm::{DatabaseConnection, DatabaseTransaction, DbErr, TransactionTrait};
+use sea_orm::{ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbErr, TransactionTrait};
 use std::fmt::Display;
 use std::future::Future;
 use std::pin::Pin;
@@ -107,6 +110,16 @@ enum AttemptError<E> {
     },
     Transient(InboxError),
     Fatal(InboxError),
+}
+
+/// Why an attempt proves its marker before COMMIT.
+#[derive(Clone, Copy)]
+enum Proof {
+    /// A handler statement failed and the transaction went on, or one ran that the
+    /// observed transaction cannot see through.
+    AfterHandlerFailure,
+    /// Every statement succeeded, but the server can end a transaction silently.
+    AgainstSilentEnd,
 }
 
 /// The transient [`DbErr`] behind a handler error, if there is one (see
@@ -374,7 +387,7 @@ impl Inbox {
         mut handler: F,
     ) -> Result<Outcome<T>, ProcessError<E>>
     where
-        F: for<'t> FnMut(&'t DatabaseTransaction) -> HandlerFuture<'t, T, E> + Send,
+        F: for<'t> FnMut(&'t ObservedTransaction) -> HandlerFuture<'t, T, E> + Send,
         T: Send,
         E: Send + 'static,
     {
@@ -460,7 +473,7 @@ impl Inbox {
         handler: &mut F,
     ) -> Result<Outcome<T>, AttemptError<E>>
     where
-        F: for<'t> FnMut(&'t DatabaseTransaction) -> HandlerFuture<'t, T, E> + Send,
+        F: for<'t> FnMut(&'t ObservedTransaction) -> HandlerFuture<'t, T, E> + Send,
         E: 'static,
     {
         let bound = self.step_bound(db);
@@ -514,33 +527,67 @@ impl Inbox {
                 return Err(sort_inbox_error(err));
             }
         };
+        let observed = ObservedTransaction::new(txn);
         let value = match self
-            .bounded(bound, message_id, "the handler", handler(&txn))
+            .bounded(bound, message_id, "the handler", handler(&observed))
             .await?
         {
             Ok(value) => value,
             Err(err) => {
-                self.roll_back(bound, message_id, txn).await;
-                return Err(match transient_db_cause(&err).map(ToString::to_string) {
+                let verdict = observed.verdict();
+                self.roll_back(bound, message_id, observed.into_inner())
+                    .await;
+                // A statement the database ended the transaction on is the cause, even when
+                // the handler returned the refusal of a later one.
+                let transient = match &verdict {
+                    Verdict::Ended(ending) if classify(ending) == DbErrorKind::Transient => {
+                        Some(ending)
+                    }
+                    _ => transient_db_cause(&err),
+                };
+                return Err(match transient.map(ToString::to_string) {
                     Some(cause) => AttemptError::HandlerTransient { err, cause },
                     None => AttemptError::Handler(err),
                 });
             }
         };
-        // The handler may have swallowed a failed statement that ended the transaction
-        // (PostgreSQL would then answer COMMIT with ROLLBACK and no error): never report
-        // Processed unless the marker is still there to commit with the work.
-        let held = self
-            .bounded(
-                bound,
-                message_id,
-                "the pre-commit check",
-                ensure_marker_held(&txn, &claimed),
-            )
-            .await?;
-        if let Err(err) = held {
-            self.roll_back(bound, message_id, txn).await;
-            return Err(sort_inbox_error(err));
+        let verdict = observed.verdict();
+        let txn = observed.into_inner();
+        let proof = match verdict {
+            Verdict::Ended(ending) => {
+                self.roll_back(bound, message_id, txn).await;
+                return Err(self.ended_attempt(message_id, ending));
+            }
+            // Every statement succeeded in the transaction: it holds the marker, unless the
+            // server can end a transaction without failing a statement.
+            Verdict::Clean if ends_transactions_silently(txn.get_database_backend()) => {
+                Some(Proof::AgainstSilentEnd)
+            }
+            Verdict::Clean => None,
+            Verdict::ProofNeeded => Some(Proof::AfterHandlerFailure),
+        };
+        if let Some(proof) = proof {
+            let held = self
+                .bounded(
+                    bound,
+                    message_id,
+                    "the pre-commit check",
+                    ensure_marker_held(&txn, &claimed),
+                )
+                .await?;
+            if let Err(err) = held {
+                self.roll_back(bound, message_id, txn).await;
+                return Err(match (proof, err) {
+                    // No statement failed: the database ended the transaction on its own.
+                    (Proof::AgainstSilentEnd, InboxError::ClaimLost { source: None, .. }) => {
+                        AttemptError::Transient(InboxError::EndedByDatabase {
+                            message_id,
+                            consumer: self.consumer.to_string(),
+                        })
+                    }
+                    (_, err) => sort_inbox_error(err),
+                });
+            }
         }
         let committed = self
             .bounded(bound, message_id, "COMMIT", txn.commit())
@@ -638,6 +685,21 @@ impl Inbox {
                 call.in_doubt = Some(value);
                 Err(self.database_failure(message_id, err))
             }
+        }
+    }
+
+    /// The attempt whose handler returned `Ok` after a statement on which the database
+    /// ended the transaction: retried when that failure was transient (a deadlock, a lost
+    /// connection), `ClaimLost` (the handler went on after it) otherwise. Never committed.
+    fn ended_attempt<E>(&self, message_id: MessageId, ending: DbErr) -> AttemptError<E> {
+        let lost = InboxError::ClaimLost {
+            message_id,
+            consumer: self.consumer.to_string(),
+            source: Some(ending),
+        };
+        match lost.db_err().map(classify) {
+            Some(DbErrorKind::Transient) => AttemptError::Transient(lost),
+            _ => AttemptError::Fatal(lost),
         }
     }
 

@@ -19,6 +19,7 @@ pub mod jetstream;
 mod lease;
 mod message_id;
 mod metrics;
+mod observed;
 mod outcome;
 mod pooler;
 pub mod prelude;
@@ -48,6 +49,9 @@ pub use lease::{
 };
 pub use message_id::{MESSAGE_ID_NAMESPACE, MessageId};
 pub use metrics::{InboxMetrics, MetricsSnapshot, metric_names};
+#[cfg(feature = "stream")]
+pub use observed::ObservedStream;
+pub use observed::ObservedTransaction;
 pub use outcome::{NackDelay, Outcome, ProcessError, Settlement};
 #[cfg(feature = "postgres")]
 pub use pooler::for_transaction_pooler;

@@ -3,6 +3,6 @@
 pub use crate::{
     AdmissionFloor, BatchClaim, CLAIM_TRANSACTION, Claim, ClaimToken, ClaimedMessage, Delivery,
     Inbox, InboxError, InboxTransactionExt, Lease, LeaseClaim, LeaseOptions, MessageId, NackDelay,
-    Outcome, ProcessError, Refusal, RetryPolicy, Settlement, claim_lease, claim_lease_with_token,
-    complete_lease, is_inbox_duplicate, release_lease,
+    ObservedTransaction, Outcome, ProcessError, Refusal, RetryPolicy, Settlement, claim_lease,
+    claim_lease_with_token, complete_lease, is_inbox_duplicate, release_lease,
 };

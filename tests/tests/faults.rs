@@ -8,7 +8,7 @@
 use inbox_tests::{
     Backend, TestDb, create_accounts, credit, migrated_db, on_every_backend, scalar_i64,
 };
-use sea_orm::{ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbErr};
+use sea_orm::{ConnectionTrait, DatabaseConnection, DbErr};
 use sea_orm_inbox::prelude::*;
 use sea_orm_inbox::{DbErrorKind, classify};
 use std::sync::Arc;
@@ -36,7 +36,7 @@ impl Killer {
     }
 
     /// The server's id of the connection `txn` runs on.
-    async fn connection_id(txn: &DatabaseTransaction) -> Result<i64, DbErr> {
+    async fn connection_id(txn: &impl ConnectionTrait) -> Result<i64, DbErr> {
         let sql = match txn.get_database_backend() {
             sea_orm::DbBackend::Postgres => "SELECT pg_backend_pid()::bigint",
             _ => "SELECT CAST(CONNECTION_ID() AS SIGNED)",

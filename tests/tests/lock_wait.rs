@@ -12,7 +12,7 @@ use inbox_tests::{
     Backend, create_accounts, credit_once, hold_claim_then_roll_back, impatient_replica,
     migrated_db, on_pgbouncer, run, scalar_i64, stmt,
 };
-use sea_orm::{ConnectionTrait, DatabaseTransaction, DbErr, Statement, TransactionTrait};
+use sea_orm::{ConnectionTrait, DbErr, Statement, TransactionTrait};
 use sea_orm_inbox::prelude::*;
 use sea_orm_inbox::{DbErrorKind, classify};
 use std::time::{Duration, Instant};
@@ -195,7 +195,7 @@ async fn mysql_lock_wait_timeout_rolls_back_the_statement_only() {
 }
 
 /// Adds 1 to account `id` through `txn`.
-async fn credit_account(txn: &DatabaseTransaction, id: i64) -> Result<(), DbErr> {
+async fn credit_account(txn: &impl ConnectionTrait, id: i64) -> Result<(), DbErr> {
     txn.execute_raw(stmt(
         txn.get_database_backend(),
         "UPDATE account SET balance = balance + 1 WHERE id = ?",

@@ -262,8 +262,7 @@ async fn process_once(
         .await
 }
 
-async fn run_effect(txn: &sea_orm::DatabaseTransaction, id: uuid::Uuid) -> Result<(), DbErr> {
-    use sea_orm::ConnectionTrait;
+async fn run_effect(txn: &impl sea_orm::ConnectionTrait, id: uuid::Uuid) -> Result<(), DbErr> {
     txn.execute_raw(inbox_tests::stmt(
         txn.get_database_backend(),
         "INSERT INTO effect (message_id, replica) VALUES (?, 0)",

@@ -1,8 +1,9 @@
 //! `Inbox::process` never acks work that did not commit: a handler that swallows a failed
 //! statement which ended its transaction (PostgreSQL aborts it on any error; InnoDB rolls
-//! it back on a deadlock) and returns `Ok` gets `InboxError::ClaimLost` (nack), nothing is
-//! committed, and the redelivery processes the message once. `ClaimedMessage::commit` gives
-//! callers of `claim_message` the same proof.
+//! it back on a deadlock) gets every later statement refused, and returning `Ok` anyway
+//! gets `InboxError::ClaimLost` (nack), without a COMMIT. Nothing is committed, and the
+//! redelivery processes the message once. `ClaimedMessage::commit` gives callers of
+//! `claim_message` the proof before COMMIT.
 
 use inbox_tests::{
     Backend, TestDb, create_accounts, credit, credit_once, migrated_db, on_every_backend, run,
@@ -50,7 +51,8 @@ async fn committed(conn: &DatabaseConnection) -> (i64, i64) {
 
 /// The handler credits, then writes an audit row that violates the audit table's primary
 /// key, ignores the error and returns `Ok`. PostgreSQL aborted the transaction: `process`
-/// must say so instead of `Processed`. MySQL/MariaDB and SQLite undo only the failed
+/// must say so instead of `Processed`, naming the swallowed failure (it saw it; no check
+/// query needed). MySQL/MariaDB and SQLite undo only the failed
 /// statement, so the credit and the marker commit together there: `Processed` is the
 /// truth. Either way: `Ok` if and only if the marker and the credit committed.
 async fn swallowed_failed_statement_never_acks_uncommitted_work(backend: Backend) {
@@ -77,10 +79,14 @@ async fn swallowed_failed_statement_never_acks_uncommitted_work(backend: Backend
     match (&result, backend) {
         (Err(ProcessError::Inbox(InboxError::ClaimLost { source, .. })), Backend::Postgres) => {
             assert_eq!(after, (0, 0), "nothing committed");
-            let check = source
+            let swallowed = source
                 .as_ref()
-                .expect("the check met the aborted transaction");
-            assert_eq!(sql_state(check).as_deref(), Some("25P02"), "{check}");
+                .expect("the failure that ended the transaction");
+            assert_eq!(
+                sql_state(swallowed).as_deref(),
+                Some("23505"),
+                "{swallowed}"
+            );
         }
         (Ok(Outcome::Processed(())), Backend::MySql | Backend::Sqlite) => {
             assert_eq!(after, (1, 1), "marker and credit committed together");
@@ -161,19 +167,20 @@ on_every_backend!(
 /// MariaDB: the handler's UPDATE meets a real deadlock (1213) with another connection,
 /// InnoDB rolls the handler's transaction back (marker included) and the handler swallows
 /// the error and writes on. `process` must not report `Processed`; nothing of the claim
-/// stays; the redelivery applies the credit once.
+/// stays, not even the write after the deadlock, which the observed transaction refuses
+/// instead of letting it run on its own in autocommit (before it, that write committed);
+/// the redelivery applies the credit once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[cfg_attr(not(inbox_mysql), ignore = "set INBOX_TEST_MYSQL_URL")]
 async fn mysql_swallowed_deadlock_is_not_processed() {
     let after_deadlock = swallowed_deadlock(false).await;
     assert_eq!(
-        after_deadlock, 1,
-        "with autocommit on, the write after the deadlock committed on its own: the check cannot undo it"
+        after_deadlock, 0,
+        "with autocommit on, the write after the deadlock was refused, never committed on its own"
     );
 }
 
-/// The same on a handler pool whose connections run with `autocommit = 0`: the write after
-/// the deadlock starts a new transaction, which the rollback after the failed check undoes.
+/// The same on a handler pool whose connections run with `autocommit = 0`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[cfg_attr(not(inbox_mysql), ignore = "set INBOX_TEST_MYSQL_URL")]
 async fn mysql_swallowed_deadlock_with_autocommit_off_leaves_nothing() {
@@ -258,19 +265,32 @@ async fn swallowed_deadlock(autocommit_off: bool) -> i64 {
                     .expect("other task")
                     .expect("the other transaction got its lock");
                 // The handler swallows the deadlock and writes on.
-                txn.execute_unprepared("INSERT INTO audit (ref) VALUES (2)")
-                    .await?;
+                let refused = txn
+                    .execute_unprepared("INSERT INTO audit (ref) VALUES (2)")
+                    .await
+                    .expect_err("a write after the end is refused");
+                assert!(
+                    refused.to_string().contains("1213") && refused.to_string().contains("refuses"),
+                    "{refused}"
+                );
                 Ok::<_, DbErr>(())
             })
         })
         .await;
-    assert!(
-        matches!(
-            &result,
-            Err(ProcessError::Inbox(InboxError::ClaimLost { .. }))
+    // The deadlock is transient: `process` would retry the attempt; without retries the
+    // handler's `Ok` after it is the claim lost to the deadlock. Never COMMITted.
+    match &result {
+        Err(ProcessError::RetriesExhausted {
+            source: InboxError::ClaimLost { source, .. },
+            ..
+        }) => assert!(
+            source
+                .as_ref()
+                .is_some_and(|err| err.to_string().contains("1213")),
+            "{source:?}"
         ),
-        "{result:?}"
-    );
+        other => panic!("{other:?}"),
+    }
     assert_eq!(Settlement::of(&result), Settlement::Nack(None));
     assert_eq!(committed(&conn).await, (0, 0), "no marker, no credit");
     let after_deadlock = scalar_i64(&conn, "SELECT COUNT(*) FROM audit").await;

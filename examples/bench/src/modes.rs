@@ -280,7 +280,11 @@ impl Worker {
     }
 
     /// The business write on this worker's account.
-    pub(crate) async fn credit(&self, txn: &DatabaseTransaction, amount: i64) -> Result<(), DbErr> {
+    pub(crate) async fn credit(
+        &self,
+        txn: &impl ConnectionTrait,
+        amount: i64,
+    ) -> Result<(), DbErr> {
         credit(txn, self.sql, self.account, amount).await
     }
 
@@ -373,7 +377,7 @@ impl Worker {
     /// The ON CONFLICT marker; whether it inserted a row.
     async fn insert_on_conflict(
         &self,
-        txn: &DatabaseTransaction,
+        txn: &impl ConnectionTrait,
         id: Uuid,
     ) -> Result<bool, BoxError> {
         let result = txn
@@ -535,7 +539,7 @@ impl Worker {
 
 /// The business write of every mode: credit `account` by `amount` through `txn`.
 pub(crate) async fn credit(
-    txn: &DatabaseTransaction,
+    txn: &impl ConnectionTrait,
     sql: &Sql,
     account: i64,
     amount: i64,

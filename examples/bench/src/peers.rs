@@ -87,7 +87,7 @@ impl Worker {
     /// holds the write lock already).
     async fn lock_marker(
         &self,
-        txn: &DatabaseTransaction,
+        txn: &impl ConnectionTrait,
         id: Uuid,
     ) -> Result<Option<LockedMarker>, DbErr> {
         let row = txn
@@ -231,7 +231,7 @@ impl Worker {
     /// The business write, then the marker: the end of every optimistic protocol.
     async fn credit_then_mark(
         &self,
-        txn: &DatabaseTransaction,
+        txn: &impl ConnectionTrait,
         id: Uuid,
     ) -> Result<Handled, DbErr> {
         self.credit(txn, 1).await?;

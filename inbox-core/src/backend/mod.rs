@@ -181,6 +181,17 @@ trait Dialect: Sync {
         None
     }
 
+    /// What a failed statement (`err`, a database's error) did to its transaction, seen
+    /// `savepoint_depth` savepoints deep.
+    fn after_failure(&self, err: &DbErr, savepoint_depth: u32) -> AfterFailure;
+
+    /// Whether the server can end a transaction without failing any statement (Galera's
+    /// brute-force abort between two statements), so that a transaction whose statements
+    /// all succeeded must still prove its marker before COMMIT.
+    fn ends_transactions_silently(&self) -> bool {
+        false
+    }
+
     /// A read answering 1 when the server has already ended the session's transaction
     /// while the statements after the end ran on their own (autocommit), 0 otherwise:
     /// asked only after a batch's read-back missed one of its rows, the one symptom of that
@@ -440,6 +451,35 @@ pub(crate) async fn roll_back(txn: DatabaseTransaction) {
     if let Err(error) = txn.rollback().await {
         tracing::warn!(%error, "rollback failed; the pool closes the connection if it is broken");
     }
+}
+
+/// What a failed statement did to the transaction it ran in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum AfterFailure {
+    /// The database ended the transaction: nothing later may run in it.
+    Ended,
+    /// Only the statement (or the savepoint around it) failed; the transaction goes on.
+    WentOn,
+    /// The error does not tell: ask with [`transaction_ended`].
+    Ask,
+}
+
+/// What the failed statement `err` did to its transaction on `backend`, `savepoint_depth`
+/// savepoints deep. A failure the driver reports without a database error (a lost
+/// connection, a protocol error) ends it: nothing more can be known or sent.
+pub(crate) fn after_failure(backend: DbBackend, err: &DbErr, savepoint_depth: u32) -> AfterFailure {
+    if database_error(err).is_none() {
+        return AfterFailure::Ended;
+    }
+    dialect(backend).map_or(AfterFailure::Ended, |dialect| {
+        dialect.after_failure(err, savepoint_depth)
+    })
+}
+
+/// Whether a transaction on `backend` whose statements all succeeded must still prove its
+/// marker before COMMIT (see [`Dialect::ends_transactions_silently`]).
+pub(crate) fn ends_transactions_silently(backend: DbBackend) -> bool {
+    dialect(backend).is_ok_and(|dialect| dialect.ends_transactions_silently())
 }
 
 /// Whether the server already ended `txn` without failing the statement that followed

@@ -1,9 +1,10 @@
 //! MySQL and MariaDB: `?` placeholders, `ON DUPLICATE KEY UPDATE` in place of DO NOTHING,
 //! naive UTC timestamps, and the classifier that reads error numbers and key names.
 
-use super::{DbErrorKind, Dialect, migration_of_column_named_in};
+use super::{AfterFailure, DbErrorKind, Dialect, migration_of_column_named_in};
 use crate::InboxMigration;
 use chrono::{DateTime, Utc};
+use sea_orm::DbErr;
 use sea_orm::Value;
 use sea_orm::sea_query::Expr;
 use sea_orm::sqlx::error::DatabaseError;
@@ -14,6 +15,25 @@ use std::time::Duration;
 pub(super) struct MySql;
 
 impl Dialect for MySql {
+    /// InnoDB rolls the whole transaction back on a deadlock (1213, also Galera's
+    /// certification failure and brute-force abort) and on a lost connection; after a lock
+    /// wait timeout (1205) only with `innodb_rollback_on_timeout`, which the client cannot
+    /// see, so every transient failure counts as an end. Any other error rolls back only
+    /// its statement, inside a savepoint or not.
+    fn after_failure(&self, err: &DbErr, _savepoint_depth: u32) -> AfterFailure {
+        if super::classify(err) == DbErrorKind::Transient {
+            AfterFailure::Ended
+        } else {
+            AfterFailure::WentOn
+        }
+    }
+
+    /// A Galera brute-force abort can end the transaction between two statements without
+    /// failing the next one, which then runs on its own.
+    fn ends_transactions_silently(&self) -> bool {
+        true
+    }
+
     fn insert_marker(&self) -> &'static str {
         "INSERT INTO `inbox` (`message_id`, `consumer`, `received_at`) VALUES (?, ?, ?)"
     }

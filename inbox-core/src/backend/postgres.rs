@@ -1,8 +1,9 @@
 //! PostgreSQL: `$n` placeholders, `ON CONFLICT ON CONSTRAINT ... DO NOTHING`, and the
 //! classifier that reads SQLSTATE codes and the violated constraint's name.
 
-use super::{DbErrorKind, Dialect, migration_of_column_named_in, names_identifier};
+use super::{AfterFailure, DbErrorKind, Dialect, migration_of_column_named_in, names_identifier};
 use crate::InboxMigration;
+use sea_orm::DbErr;
 use sea_orm::sqlx::error::DatabaseError;
 use sea_orm::sqlx::postgres::PgDatabaseError;
 use sea_orm_inbox_entity::{INDEX_NAME, TABLE_NAME};
@@ -11,6 +12,17 @@ use std::time::Duration;
 pub(super) struct Postgres;
 
 impl Dialect for Postgres {
+    /// PostgreSQL aborts the whole transaction on any error outside a savepoint (every
+    /// later statement fails with 25P02, and COMMIT answers ROLLBACK); inside one, only the
+    /// savepoint, which the handler may roll back to.
+    fn after_failure(&self, _err: &DbErr, savepoint_depth: u32) -> AfterFailure {
+        if savepoint_depth == 0 {
+            AfterFailure::Ended
+        } else {
+            AfterFailure::WentOn
+        }
+    }
+
     /// A duplicate conflicts on the inbox's constraint and returns no row instead of
     /// raising 23505, which the server would log as an ERROR for every duplicate delivery
     /// (and which would abort the transaction). It still waits for a transaction holding

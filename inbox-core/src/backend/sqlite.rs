@@ -1,8 +1,9 @@
 //! SQLite: `?` placeholders, `ON CONFLICT DO NOTHING`, and the classifier that reads
 //! extended result codes and the failed constraint's column list.
 
-use super::{DbErrorKind, Dialect, migration_of_column_named_in};
+use super::{AfterFailure, DbErrorKind, Dialect, migration_of_column_named_in};
 use crate::InboxMigration;
+use sea_orm::DbErr;
 use sea_orm::sqlx::error::DatabaseError;
 use sea_orm::sqlx::sqlite::SqliteError;
 use std::time::Duration;
@@ -10,6 +11,13 @@ use std::time::Duration;
 pub(super) struct Sqlite;
 
 impl Dialect for Sqlite {
+    /// SQLite rolls back only the failed statement, except where it ends the whole
+    /// transaction (a trigger's `RAISE(ROLLBACK)`, SQLITE_FULL, IOERR, NOMEM), which the
+    /// error code alone does not tell apart: ask.
+    fn after_failure(&self, _err: &DbErr, _savepoint_depth: u32) -> AfterFailure {
+        AfterFailure::Ask
+    }
+
     fn insert_marker(&self) -> &'static str {
         r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at") VALUES (?, ?, ?)"#
     }

@@ -15,7 +15,7 @@ pub mod nats;
 pub mod rabbitmq;
 
 use sea_orm::sea_query::{Alias, Expr, ExprTrait, Query};
-use sea_orm::{ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbErr};
+use sea_orm::{ConnectionTrait, DatabaseConnection, DbErr};
 use sea_orm_inbox::prelude::*;
 use std::collections::HashSet;
 use std::fmt;
@@ -481,7 +481,7 @@ impl fmt::Display for Report {
 /// The business write: one ledger row per message, through the transaction. `fail` makes
 /// it fail instead, to exercise the nack path.
 async fn record(
-    txn: &DatabaseTransaction,
+    txn: &impl ConnectionTrait,
     run_id: String,
     id: Uuid,
     fail: bool,

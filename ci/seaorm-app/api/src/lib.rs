@@ -16,7 +16,7 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
 use sea_orm::{
-    ActiveModelTrait, ActiveValue::Set, Database, DatabaseConnection, DatabaseTransaction, DbErr,
+    ActiveModelTrait, ActiveValue::Set, ConnectionTrait, Database, DatabaseConnection, DbErr,
 };
 use sea_orm_inbox::{Inbox, Outcome, ProcessError, Settlement, rabbitmq};
 use std::process::ExitCode;
@@ -246,7 +246,7 @@ async fn consume(
 }
 
 /// The business write, through the inbox's transaction only.
-async fn credit(txn: &DatabaseTransaction, message_id: Uuid, amount: i64) -> Result<(), DbErr> {
+async fn credit(txn: &impl ConnectionTrait, message_id: Uuid, amount: i64) -> Result<(), DbErr> {
     ledger::ActiveModel {
         message_id: Set(message_id),
         amount: Set(amount),

@@ -1,0 +1,480 @@
+//! The transaction [`Inbox::process`](crate::Inbox::process) hands to its handler: SeaORM's
+//! transaction, with every statement's result seen on its way back.
+//!
+//! What it sees decides how the attempt ends. No statement failed: COMMIT without a proof
+//! query. A statement failed and the database ended the transaction: every later statement
+//! is refused (so none runs outside it, in autocommit) and nothing is committed. A statement
+//! failed and the transaction went on, or a statement the wrapper cannot see through ran
+//! (transaction control, several statements in one string): the marker is proven before
+//! COMMIT, as on the manual path.
+
+use crate::backend::{AfterFailure, after_failure, transaction_ended};
+use sea_orm::{
+    AccessMode, ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, ExecResult, IsolationLevel,
+    QueryResult, Statement, TransactionError, TransactionOptions, TransactionSession,
+    TransactionTrait,
+};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError};
+
+/// A SeaORM transaction whose statements [`Inbox::process`](crate::Inbox::process) sees.
+///
+/// It implements [`ConnectionTrait`], [`TransactionTrait`] (a nested `begin` is a
+/// savepoint, observed too) and, with the `stream` feature, `StreamTrait`: entity calls,
+/// `find().all(txn)`, raw statements and streams work on it as on a
+/// [`DatabaseTransaction`]. Write handler helpers over `&impl ConnectionTrait` (or
+/// `C: ConnectionTrait`) and they take either.
+///
+/// Once a failed statement has made the database end the transaction (any error outside a
+/// savepoint on PostgreSQL; a deadlock, lock wait timeout or lost connection on
+/// MySQL/MariaDB; a trigger's `RAISE(ROLLBACK)` on SQLite), every later statement fails
+/// with [`DbErr::Custom`] naming that failure, instead of running on its own in autocommit,
+/// and `process` commits nothing: return the error from the handler.
+///
+/// ```
+/// use sea_orm::{ConnectionTrait, DbErr};
+/// use sea_orm_inbox::{Inbox, ObservedTransaction, Outcome};
+///
+/// async fn credit(txn: &impl ConnectionTrait, amount: i64) -> Result<(), DbErr> {
+///     txn.execute_unprepared(&format!("UPDATE account SET balance = balance + {amount}"))
+///         .await?;
+///     Ok(())
+/// }
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// # use sea_orm_inbox_migration::{Migrator, MigratorTrait};
+/// # let db = sea_orm::Database::connect("sqlite::memory:").await?;
+/// # Migrator::up(&db, None).await?;
+/// # db.execute_unprepared("CREATE TABLE account (balance INTEGER NOT NULL)").await?;
+/// # db.execute_unprepared("INSERT INTO account VALUES (0)").await?;
+/// let inbox = Inbox::new("billing.credit")?;
+/// let outcome = inbox
+///     .process(&db, uuid::Uuid::new_v4(), |txn: &ObservedTransaction| {
+///         Box::pin(credit(txn, 10))
+///     })
+///     .await?;
+/// assert!(matches!(outcome, Outcome::Processed(())));
+/// # Ok(()) }
+/// ```
+pub struct ObservedTransaction {
+    inner: DatabaseTransaction,
+    watch: Arc<Watch>,
+    savepoint_depth: u32,
+}
+
+impl std::fmt::Debug for ObservedTransaction {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ObservedTransaction")
+            .field("savepoint_depth", &self.savepoint_depth)
+            .field("verdict", &self.watch.verdict())
+            .finish_non_exhaustive()
+    }
+}
+
+/// What the statements of one observed transaction showed, shared by its savepoints.
+#[derive(Debug, Default)]
+struct Watch {
+    state: Mutex<Verdict>,
+}
+
+/// What an attempt may do at its end, from what its statements showed.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub(crate) enum Verdict {
+    /// Every statement succeeded and each was plain SQL: the transaction holds the marker.
+    #[default]
+    Clean,
+    /// A statement failed and the transaction went on, or one ran that the wrapper cannot
+    /// see through: prove the marker before COMMIT.
+    ProofNeeded,
+    /// The database ended the transaction when this statement failed.
+    Ended(DbErr),
+}
+
+impl Watch {
+    fn verdict(&self) -> Verdict {
+        self.state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    fn ended(&self) -> Option<DbErr> {
+        match self.verdict() {
+            Verdict::Ended(err) => Some(err),
+            _ => None,
+        }
+    }
+
+    /// Records `next` unless the transaction already ended: nothing undoes an end.
+    fn record(&self, next: Verdict) {
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        match (&*state, &next) {
+            (Verdict::Ended(_), _) | (Verdict::ProofNeeded, Verdict::Clean) => {}
+            _ => *state = next,
+        }
+    }
+}
+
+impl ObservedTransaction {
+    pub(crate) fn new(inner: DatabaseTransaction) -> Self {
+        Self {
+            inner,
+            watch: Arc::default(),
+            savepoint_depth: 0,
+        }
+    }
+
+    /// What the statements showed so far.
+    pub(crate) fn verdict(&self) -> Verdict {
+        self.watch.verdict()
+    }
+
+    /// The transaction itself, for the commit or the rollback of the attempt.
+    pub(crate) fn into_inner(self) -> DatabaseTransaction {
+        self.inner
+    }
+
+    /// The error every statement gets once the database ended the transaction.
+    fn refusal(ending: &DbErr) -> DbErr {
+        DbErr::Custom(format!(
+            "the database ended this transaction when an earlier statement failed ({ending}); \
+             sea-orm-inbox refuses every later statement so that none runs outside it: \
+             return the error from the handler, and the delivery is retried"
+        ))
+    }
+
+    /// Runs one statement unless the transaction already ended, and records what its
+    /// result shows. `sql` is `None` for a statement the crate or SeaORM itself composed
+    /// (a savepoint's).
+    async fn observe<T>(
+        &self,
+        sql: Option<&str>,
+        statement: impl Future<Output = Result<T, DbErr>>,
+    ) -> Result<T, DbErr> {
+        if let Some(ending) = self.watch.ended() {
+            return Err(Self::refusal(&ending));
+        }
+        if sql.is_some_and(|sql| !is_plain_statement(sql)) {
+            self.watch.record(Verdict::ProofNeeded);
+        }
+        let result = statement.await;
+        if let Err(err) = &result {
+            self.failed(err).await;
+        }
+        result
+    }
+
+    async fn failed(&self, err: &DbErr) {
+        let verdict =
+            match after_failure(self.inner.get_database_backend(), err, self.savepoint_depth) {
+                AfterFailure::Ended => Verdict::Ended(err.clone()),
+                AfterFailure::WentOn => Verdict::ProofNeeded,
+                AfterFailure::Ask => match transaction_ended(&self.inner).await {
+                    Ok(false) => Verdict::ProofNeeded,
+                    Ok(true) | Err(_) => Verdict::Ended(err.clone()),
+                },
+            };
+        self.watch.record(verdict);
+    }
+
+    /// A savepoint's end: a failure there leaves the enclosing transaction in a state
+    /// nothing can restore (PostgreSQL keeps it aborted), so it ends the observation.
+    async fn end_savepoint(
+        self,
+        end: impl FnOnce(DatabaseTransaction) -> Pin<Box<dyn Future<Output = Result<(), DbErr>> + Send>>,
+    ) -> Result<(), DbErr> {
+        if let Some(ending) = self.watch.ended() {
+            drop(self.inner);
+            return Err(Self::refusal(&ending));
+        }
+        let watch = Arc::clone(&self.watch);
+        let result = end(self.inner).await;
+        if let Err(err) = &result {
+            watch.record(Verdict::Ended(err.clone()));
+        }
+        result
+    }
+
+    fn nested(&self, inner: DatabaseTransaction) -> Self {
+        Self {
+            inner,
+            watch: Arc::clone(&self.watch),
+            savepoint_depth: self.savepoint_depth + 1,
+        }
+    }
+}
+
+/// Whether `sql` is one statement that reads or writes rows and cannot end the
+/// transaction: its first word is SELECT, INSERT, UPDATE, DELETE, WITH, VALUES, REPLACE
+/// or TABLE, and no `;` but a trailing one splits it. Anything else (transaction control,
+/// DDL, which commits implicitly on MySQL, a procedure CALL, a leading comment, which may
+/// be a MariaDB executable one) is not seen through.
+fn is_plain_statement(sql: &str) -> bool {
+    const PLAIN: [&str; 8] = [
+        "SELECT", "INSERT", "UPDATE", "DELETE", "WITH", "VALUES", "REPLACE", "TABLE",
+    ];
+    let sql = sql.trim();
+    let body = sql.strip_suffix(';').unwrap_or(sql);
+    if body.contains(';') {
+        return false;
+    }
+    let first_word: String = body.chars().take_while(char::is_ascii_alphabetic).collect();
+    PLAIN
+        .iter()
+        .any(|plain| first_word.eq_ignore_ascii_case(plain))
+}
+
+#[async_trait::async_trait]
+impl ConnectionTrait for ObservedTransaction {
+    fn get_database_backend(&self) -> DbBackend {
+        self.inner.get_database_backend()
+    }
+
+    async fn execute_raw(&self, stmt: Statement) -> Result<ExecResult, DbErr> {
+        let sql = stmt.sql.clone();
+        self.observe(Some(&sql), self.inner.execute_raw(stmt)).await
+    }
+
+    async fn execute_unprepared(&self, sql: &str) -> Result<ExecResult, DbErr> {
+        self.observe(Some(sql), self.inner.execute_unprepared(sql))
+            .await
+    }
+
+    async fn query_one_raw(&self, stmt: Statement) -> Result<Option<QueryResult>, DbErr> {
+        let sql = stmt.sql.clone();
+        self.observe(Some(&sql), self.inner.query_one_raw(stmt))
+            .await
+    }
+
+    async fn query_all_raw(&self, stmt: Statement) -> Result<Vec<QueryResult>, DbErr> {
+        let sql = stmt.sql.clone();
+        self.observe(Some(&sql), self.inner.query_all_raw(stmt))
+            .await
+    }
+
+    fn support_returning(&self) -> bool {
+        self.inner.support_returning()
+    }
+}
+
+#[async_trait::async_trait]
+impl TransactionTrait for ObservedTransaction {
+    type Transaction = ObservedTransaction;
+
+    async fn begin(&self) -> Result<ObservedTransaction, DbErr> {
+        let inner = self.observe(None, self.inner.begin()).await?;
+        Ok(self.nested(inner))
+    }
+
+    async fn begin_with_config(
+        &self,
+        isolation_level: Option<IsolationLevel>,
+        access_mode: Option<AccessMode>,
+    ) -> Result<ObservedTransaction, DbErr> {
+        let inner = self
+            .observe(
+                None,
+                self.inner.begin_with_config(isolation_level, access_mode),
+            )
+            .await?;
+        Ok(self.nested(inner))
+    }
+
+    async fn begin_with_options(
+        &self,
+        options: TransactionOptions,
+    ) -> Result<ObservedTransaction, DbErr> {
+        let inner = self
+            .observe(None, self.inner.begin_with_options(options))
+            .await?;
+        Ok(self.nested(inner))
+    }
+
+    async fn transaction<F, T, E>(&self, callback: F) -> Result<T, TransactionError<E>>
+    where
+        F: for<'c> FnOnce(
+                &'c ObservedTransaction,
+            ) -> Pin<Box<dyn Future<Output = Result<T, E>> + Send + 'c>>
+            + Send,
+        T: Send,
+        E: std::fmt::Display + std::fmt::Debug + Send,
+    {
+        let savepoint = self.begin().await.map_err(TransactionError::Connection)?;
+        run_in_savepoint(savepoint, callback).await
+    }
+
+    async fn transaction_with_config<F, T, E>(
+        &self,
+        callback: F,
+        isolation_level: Option<IsolationLevel>,
+        access_mode: Option<AccessMode>,
+    ) -> Result<T, TransactionError<E>>
+    where
+        F: for<'c> FnOnce(
+                &'c ObservedTransaction,
+            ) -> Pin<Box<dyn Future<Output = Result<T, E>> + Send + 'c>>
+            + Send,
+        T: Send,
+        E: std::fmt::Display + std::fmt::Debug + Send,
+    {
+        let savepoint = self
+            .begin_with_config(isolation_level, access_mode)
+            .await
+            .map_err(TransactionError::Connection)?;
+        run_in_savepoint(savepoint, callback).await
+    }
+}
+
+/// SeaORM's `transaction` closure contract on a savepoint: released when `callback`
+/// succeeds, rolled back when it fails.
+async fn run_in_savepoint<F, T, E>(
+    savepoint: ObservedTransaction,
+    callback: F,
+) -> Result<T, TransactionError<E>>
+where
+    F: for<'c> FnOnce(
+            &'c ObservedTransaction,
+        ) -> Pin<Box<dyn Future<Output = Result<T, E>> + Send + 'c>>
+        + Send,
+    T: Send,
+    E: std::fmt::Display + std::fmt::Debug + Send,
+{
+    match callback(&savepoint).await {
+        Ok(value) => {
+            savepoint
+                .commit()
+                .await
+                .map_err(TransactionError::Connection)?;
+            Ok(value)
+        }
+        Err(err) => {
+            savepoint
+                .rollback()
+                .await
+                .map_err(TransactionError::Connection)?;
+            Err(TransactionError::Transaction(err))
+        }
+    }
+}
+
+/// Ends a savepoint (`RELEASE` or `ROLLBACK TO`). The outermost transaction is never
+/// handed out by value: `process` commits it.
+#[async_trait::async_trait]
+impl TransactionSession for ObservedTransaction {
+    async fn commit(self) -> Result<(), DbErr> {
+        self.end_savepoint(|inner| Box::pin(inner.commit())).await
+    }
+
+    async fn rollback(self) -> Result<(), DbErr> {
+        self.end_savepoint(|inner| Box::pin(inner.rollback())).await
+    }
+}
+
+#[cfg(feature = "stream")]
+mod stream {
+    use super::{ObservedTransaction, Verdict, Watch};
+    use crate::backend::{AfterFailure, after_failure};
+    use futures_util::Stream;
+    use sea_orm::{DbBackend, DbErr, QueryResult, Statement, StreamTrait, TransactionStream};
+    use std::future::Future;
+    use std::pin::Pin;
+    use std::sync::Arc;
+    use std::task::{Context, Poll};
+
+    /// The rows of a query streamed through an [`ObservedTransaction`], each failure seen.
+    pub struct ObservedStream<'a> {
+        rows: Pin<Box<TransactionStream<'a>>>,
+        watch: Arc<Watch>,
+        backend: DbBackend,
+        savepoint_depth: u32,
+    }
+
+    impl std::fmt::Debug for ObservedStream<'_> {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.debug_struct("ObservedStream").finish_non_exhaustive()
+        }
+    }
+
+    impl Stream for ObservedStream<'_> {
+        type Item = Result<QueryResult, DbErr>;
+
+        fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+            let next = self.rows.as_mut().poll_next(cx);
+            if let Poll::Ready(Some(Err(err))) = &next {
+                // A stream cannot stop to ask SQLite whether its transaction survived:
+                // count a failure that might have ended it as one that did.
+                let verdict = match after_failure(self.backend, err, self.savepoint_depth) {
+                    AfterFailure::WentOn => Verdict::ProofNeeded,
+                    AfterFailure::Ended | AfterFailure::Ask => Verdict::Ended(err.clone()),
+                };
+                self.watch.record(verdict);
+            }
+            next
+        }
+    }
+
+    impl StreamTrait for ObservedTransaction {
+        type Stream<'a> = ObservedStream<'a>;
+
+        fn get_database_backend(&self) -> DbBackend {
+            self.inner.get_database_backend()
+        }
+
+        fn stream_raw<'a>(
+            &'a self,
+            stmt: Statement,
+        ) -> Pin<Box<dyn Future<Output = Result<ObservedStream<'a>, DbErr>> + 'a + Send>> {
+            Box::pin(async move {
+                let sql = stmt.sql.clone();
+                let rows = self
+                    .observe(Some(&sql), self.inner.stream_raw(stmt))
+                    .await?;
+                Ok(ObservedStream {
+                    rows: Box::pin(rows),
+                    watch: Arc::clone(&self.watch),
+                    backend: self.inner.get_database_backend(),
+                    savepoint_depth: self.savepoint_depth,
+                })
+            })
+        }
+    }
+}
+
+#[cfg(feature = "stream")]
+pub use stream::ObservedStream;
+
+#[cfg(test)]
+mod tests {
+    use super::is_plain_statement;
+
+    #[test]
+    fn plain_statements_are_row_reads_and_writes_only() {
+        for plain in [
+            "SELECT 1",
+            "  insert into t values (1);",
+            "UPDATE t SET a = 1 WHERE b = ';' ",
+            "with x as (select 1) select * from x",
+        ] {
+            let expected = !plain.trim().trim_end_matches(';').contains(';');
+            assert_eq!(is_plain_statement(plain), expected, "{plain}");
+        }
+        for opaque in [
+            "ROLLBACK",
+            "commit",
+            "SAVEPOINT a",
+            "RELEASE SAVEPOINT a",
+            "SET autocommit = 1",
+            "CREATE TABLE t (a int)",
+            "CALL p()",
+            "/*M!100300 ROLLBACK */",
+            "-- c\nSELECT 1",
+            "UPDATE t SET a = 1; ROLLBACK",
+            "(SELECT 1)",
+            "",
+        ] {
+            assert!(!is_plain_statement(opaque), "{opaque}");
+        }
+    }
+}

@@ -1,0 +1,253 @@
+//! The handler's transaction, observed: `Inbox::process` sees every statement its handler
+//! runs through the `ObservedTransaction`. Every statement succeeded: COMMIT without the
+//! pre-commit proof (PostgreSQL, SQLite; MySQL/MariaDB keep it, since a Galera brute-force
+//! abort can end a transaction without failing a statement). A statement failed and the
+//! database ended the transaction: later statements are refused, never sent, and nothing
+//! is committed. A savepoint rolled back after a failure inside it still commits the rest.
+//!
+//! Statements are counted with SeaORM's metric callback on the handler's pool, which sees
+//! every prepared statement sent (the proof is one).
+
+use futures_util::TryStreamExt;
+use inbox_tests::{
+    Backend, TestDb, create_accounts, credit, migrated_db, on_every_backend, run, scalar_i64,
+};
+use sea_orm::{
+    ConnectionTrait, DatabaseConnection, DbErr, RuntimeErr, Statement, StreamTrait,
+    TransactionSession, TransactionTrait, sqlx,
+};
+use sea_orm_inbox::prelude::*;
+use std::sync::{Arc, Mutex};
+use uuid::Uuid;
+
+const CONSUMER: &str = "billing.credit";
+/// The pre-commit proof's read of the marker by its id.
+const PROOF: &str = "SELECT 1 FROM inbox WHERE id =";
+
+/// The SQL of every statement sent through `conn` from now on.
+fn record_statements(conn: &mut DatabaseConnection) -> Arc<Mutex<Vec<String>>> {
+    let sent = Arc::new(Mutex::new(Vec::new()));
+    let sink = Arc::clone(&sent);
+    conn.set_metric_callback(move |info| {
+        sink.lock()
+            .expect("statement log")
+            .push(info.statement.sql.clone());
+    });
+    sent
+}
+
+fn count(sent: &Mutex<Vec<String>>, prefix: &str) -> usize {
+    sent.lock()
+        .expect("statement log")
+        .iter()
+        .filter(|sql| sql.trim_start().starts_with(prefix))
+        .count()
+}
+
+fn sql_state(err: &DbErr) -> Option<String> {
+    match err {
+        DbErr::Exec(RuntimeErr::SqlxError(sqlx_err))
+        | DbErr::Query(RuntimeErr::SqlxError(sqlx_err)) => match sqlx_err.as_ref() {
+            sqlx::Error::Database(db) => db.code().map(|code| code.into_owned()),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
+/// A migrated database with account 1 and an audit table holding row 1, which an audit
+/// INSERT of 1 then violates; and a separate handler pool whose statements are recorded.
+async fn setup(backend: Backend) -> (TestDb, DatabaseConnection, DatabaseConnection) {
+    let db = migrated_db(backend).await;
+    let conn = db.connect().await;
+    create_accounts(&conn).await;
+    run(&conn, "CREATE TABLE audit (ref BIGINT PRIMARY KEY)").await;
+    run(&conn, "INSERT INTO audit (ref) VALUES (1)").await;
+    let handler_pool = db.connect().await;
+    (db, conn, handler_pool)
+}
+
+/// Markers and balance of account 1, read from another pool.
+async fn committed(conn: &DatabaseConnection) -> (i64, i64) {
+    (
+        scalar_i64(conn, "SELECT COUNT(*) FROM inbox").await,
+        scalar_i64(conn, "SELECT balance FROM account WHERE id = 1").await,
+    )
+}
+
+/// A handler whose statements all succeed commits without the proof query on PostgreSQL
+/// and SQLite, and with it on MySQL/MariaDB (Galera can end a transaction silently).
+async fn clean_handler_commits_without_the_proof(backend: Backend) {
+    let (db, conn, mut handler_pool) = setup(backend).await;
+    let sent = record_statements(&mut handler_pool);
+    let inbox = Inbox::new(CONSUMER).expect("valid name");
+    for _ in 0..3 {
+        let outcome = inbox
+            .process(&handler_pool, Uuid::new_v4(), |txn| {
+                Box::pin(credit(txn, 1))
+            })
+            .await;
+        assert!(matches!(outcome, Ok(Outcome::Processed(()))), "{outcome:?}");
+    }
+    let proofs = count(&sent, PROOF);
+    let expected = match backend {
+        Backend::MySql => 3,
+        Backend::Postgres | Backend::PgBouncer | Backend::Sqlite => 0,
+    };
+    assert_eq!(
+        proofs, expected,
+        "{backend:?}: proof queries for 3 clean calls"
+    );
+    assert_eq!(committed(&conn).await, (3, 3));
+    handler_pool.close().await.ok();
+    db.cleanup().await;
+}
+
+/// PostgreSQL: a handler that swallows a failed statement gets `ClaimLost` naming that
+/// failure, with no proof query sent and the statement after the failure never sent.
+/// Elsewhere the failed statement alone is undone: `Processed`, after one proof.
+async fn swallowed_failure_is_seen_without_a_proof(backend: Backend) {
+    let (db, conn, mut handler_pool) = setup(backend).await;
+    let sent = record_statements(&mut handler_pool);
+    let inbox = Inbox::new(CONSUMER).expect("valid name");
+    let result = inbox
+        .process(&handler_pool, Uuid::new_v4(), |txn| {
+            Box::pin(async move {
+                txn.execute_unprepared("INSERT INTO audit (ref) VALUES (1)")
+                    .await
+                    .expect_err("the audit row exists");
+                let after = credit(txn, 1).await;
+                Ok::<_, DbErr>(after.map_err(|err| err.to_string()))
+            })
+        })
+        .await;
+    match backend {
+        Backend::Postgres | Backend::PgBouncer => {
+            let Err(ProcessError::Inbox(InboxError::ClaimLost {
+                source: Some(swallowed),
+                ..
+            })) = &result
+            else {
+                panic!("{result:?}");
+            };
+            assert_eq!(sql_state(swallowed).as_deref(), Some("23505"));
+            assert_eq!(count(&sent, PROOF), 0, "no proof query");
+            assert_eq!(
+                count(&sent, "UPDATE account"),
+                0,
+                "the credit was never sent"
+            );
+            assert_eq!(committed(&conn).await, (0, 0));
+        }
+        Backend::MySql | Backend::Sqlite => {
+            assert!(
+                matches!(&result, Ok(Outcome::Processed(Ok(())))),
+                "{result:?}"
+            );
+            assert_eq!(count(&sent, PROOF), 1, "one proof after the failure");
+            assert_eq!(committed(&conn).await, (1, 1));
+        }
+    }
+    handler_pool.close().await.ok();
+    db.cleanup().await;
+}
+
+/// A failure inside a savepoint the handler rolls back leaves the transaction going on
+/// everywhere (PostgreSQL included): the credit and the marker commit.
+async fn savepoint_rolled_back_after_a_failure_still_commits(backend: Backend) {
+    let (db, conn, handler_pool) = setup(backend).await;
+    let inbox = Inbox::new(CONSUMER).expect("valid name");
+    let result = inbox
+        .process(&handler_pool, Uuid::new_v4(), |txn| {
+            Box::pin(async move {
+                credit(txn, 1).await?;
+                let savepoint = txn.begin().await?;
+                savepoint
+                    .execute_unprepared("INSERT INTO audit (ref) VALUES (1)")
+                    .await
+                    .expect_err("the audit row exists");
+                savepoint.rollback().await?;
+                let nested = txn
+                    .transaction::<_, (), DbErr>(|inner| {
+                        Box::pin(async move {
+                            inner
+                                .execute_unprepared("INSERT INTO audit (ref) VALUES (2)")
+                                .await
+                                .map(|_| ())
+                        })
+                    })
+                    .await;
+                nested.map_err(|err| DbErr::Custom(err.to_string()))?;
+                Ok::<_, DbErr>(())
+            })
+        })
+        .await;
+    assert!(matches!(result, Ok(Outcome::Processed(()))), "{result:?}");
+    assert_eq!(committed(&conn).await, (1, 1));
+    assert_eq!(scalar_i64(&conn, "SELECT COUNT(*) FROM audit").await, 2);
+    handler_pool.close().await.ok();
+    db.cleanup().await;
+}
+
+/// Entity-style reads through the observed transaction: a stream of rows, and a statement
+/// built by SeaORM; a failing statement inside a stream is seen like any other.
+async fn streams_and_built_statements_go_through(backend: Backend) {
+    let (db, conn, handler_pool) = setup(backend).await;
+    let inbox = Inbox::new(CONSUMER).expect("valid name");
+    let result = inbox
+        .process(&handler_pool, Uuid::new_v4(), |txn| {
+            Box::pin(async move {
+                let rows: Vec<_> = txn
+                    .stream_raw(Statement::from_string(
+                        ConnectionTrait::get_database_backend(txn),
+                        "SELECT ref FROM audit",
+                    ))
+                    .await?
+                    .try_collect()
+                    .await?;
+                credit(txn, i64::try_from(rows.len()).unwrap_or(0)).await?;
+                Ok::<_, DbErr>(rows.len())
+            })
+        })
+        .await;
+    assert!(matches!(result, Ok(Outcome::Processed(1))), "{result:?}");
+    assert_eq!(committed(&conn).await, (1, 1));
+    handler_pool.close().await.ok();
+    db.cleanup().await;
+}
+
+/// A raw transaction-control statement is not seen through: the proof runs, and a handler
+/// that rolled the transaction back itself gets `ClaimLost`, as before.
+async fn raw_rollback_in_the_handler_is_proven(backend: Backend) {
+    let (db, conn, mut handler_pool) = setup(backend).await;
+    let sent = record_statements(&mut handler_pool);
+    let inbox = Inbox::new(CONSUMER).expect("valid name");
+    let result = inbox
+        .process(&handler_pool, Uuid::new_v4(), |txn| {
+            Box::pin(async move {
+                credit(txn, 1).await?;
+                txn.execute_unprepared("ROLLBACK").await?;
+                Ok::<_, DbErr>(())
+            })
+        })
+        .await;
+    assert!(
+        matches!(
+            result,
+            Err(ProcessError::Inbox(InboxError::ClaimLost { .. }))
+        ),
+        "{result:?}"
+    );
+    assert_eq!(count(&sent, PROOF), 1, "the proof ran");
+    assert_eq!(committed(&conn).await.0, 0);
+    handler_pool.close().await.ok();
+    db.cleanup().await;
+}
+
+on_every_backend!(
+    clean_handler_commits_without_the_proof,
+    swallowed_failure_is_seen_without_a_proof,
+    savepoint_rolled_back_after_a_failure_still_commits,
+    streams_and_built_statements_go_through,
+    raw_rollback_in_the_handler_is_proven,
+);
