@@ -42,7 +42,7 @@ pub use backend::{CLAIM_TRANSACTION, DbErrorKind, classify, is_inbox_duplicate, 
 pub use batch::{BatchClaim, MAX_CLAIM_BATCH};
 pub use claim::{Claim, ClaimedMessage, InboxTransactionExt};
 pub use error::InboxError;
-pub use inbox::{HandlerFuture, Inbox};
+pub use inbox::{BatchOutcome, HandlerFuture, Inbox};
 pub use lease::{
     ClaimToken, DeadClaim, ExpiredLease, Lease, LeaseClaim, LeaseOptions, claim_lease,
     claim_lease_with_token, complete_lease, list_dead_claims, list_expired_leases, release_lease,

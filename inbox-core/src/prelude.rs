@@ -1,8 +1,8 @@
 //! Everything a handler needs: `use sea_orm_inbox::prelude::*;`.
 
 pub use crate::{
-    AdmissionFloor, BatchClaim, CLAIM_TRANSACTION, Claim, ClaimToken, ClaimedMessage, Delivery,
-    Inbox, InboxError, InboxTransactionExt, Lease, LeaseClaim, LeaseOptions, MessageId, NackDelay,
-    ObservedTransaction, Outcome, ProcessError, Refusal, RetryPolicy, Settlement, claim_lease,
-    claim_lease_with_token, complete_lease, is_inbox_duplicate, release_lease,
+    AdmissionFloor, BatchClaim, BatchOutcome, CLAIM_TRANSACTION, Claim, ClaimToken, ClaimedMessage,
+    Delivery, Inbox, InboxError, InboxTransactionExt, Lease, LeaseClaim, LeaseOptions, MessageId,
+    NackDelay, ObservedTransaction, Outcome, ProcessError, Refusal, RetryPolicy, Settlement,
+    claim_lease, claim_lease_with_token, complete_lease, is_inbox_duplicate, release_lease,
 };

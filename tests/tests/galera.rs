@@ -11,7 +11,7 @@
 
 use inbox_tests::{
     Broker, GaleraDb, Plan, XorShift, assert_exactly_once, create_accounts, create_effects, credit,
-    credit_once, galera_script, migrated_galera_db, run, run_replicas_on, scalar_i64, stmt,
+    galera_script, migrated_galera_db, run, run_replicas_on, scalar_i64, stmt,
 };
 use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend, DbErr, TransactionTrait};
 use sea_orm_inbox::prelude::*;
@@ -396,6 +396,83 @@ async fn overlapping_batches_on_two_nodes_apply_every_id_once() {
         (applied, markers),
         (distinct, distinct),
         "(applied rows, markers) == distinct applied ids ({retries} transient retries)"
+    );
+    reader.close().await.ok();
+    for replica in replicas {
+        replica.as_ref().clone().close().await.ok();
+    }
+    galera.cleanup().await;
+}
+
+/// The same race through `Inbox::process_batch`, with a handler that does what
+/// `claim_apply_commit` must not: it swallows every failed statement and goes on. The
+/// observed transaction refuses every statement after a cross-node abort, so none of them
+/// commits on its own, and the attempt is retried: every id applied exactly once, one
+/// marker each (a plain loop like this one applied ids twice, see the test below).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[cfg_attr(not(inbox_galera), ignore = "set INBOX_TEST_GALERA_URLS")]
+async fn process_batch_going_on_after_aborts_applies_every_id_once() {
+    const POOL: usize = 300;
+    const BATCHES: usize = 15;
+    const BATCH: usize = 60;
+    const ROUNDS: usize = 3;
+    let galera = migrated_galera_db().await;
+    let replicas = [
+        Arc::new(galera.connect(0).await),
+        Arc::new(galera.connect(1).await),
+    ];
+    create_applied(&replicas[0]).await;
+    galera.wait_for_replication(&[0, 1]).await;
+    let inbox = Inbox::new(BATCH_CONSUMER)
+        .unwrap()
+        .with_retry(RetryPolicy::default().max_attempts(50));
+    for round in 0..ROUNDS {
+        let ids: Vec<Uuid> = (0..POOL).map(|_| Uuid::new_v4()).collect();
+        let barrier = Arc::new(Barrier::new(2));
+        let tasks: Vec<_> = (0..2)
+            .map(|replica| {
+                let (conn, barrier) = (Arc::clone(&replicas[replica]), Arc::clone(&barrier));
+                let (ids, inbox) = (ids.clone(), inbox.clone());
+                tokio::spawn(async move {
+                    let mut rng = XorShift::new((round * 2 + replica) as u64 + 11);
+                    barrier.wait().await;
+                    for _ in 0..BATCHES {
+                        let batch: Vec<Uuid> = (0..BATCH)
+                            .map(|_| ids[(rng.next_u64() % POOL as u64) as usize])
+                            .collect();
+                        let settled = inbox
+                            .process_batch(conn.as_ref(), batch, |txn, claimed| {
+                                Box::pin(async move {
+                                    for id in claimed {
+                                        let _ = record_applied(txn, *id, replica).await;
+                                    }
+                                    Ok::<_, DbErr>(())
+                                })
+                            })
+                            .await
+                            .unwrap_or_else(|err| panic!("round {round}: {err}"));
+                        assert_eq!(settled.refused, [], "no admission floor");
+                    }
+                })
+            })
+            .collect();
+        for task in tasks {
+            task.await.expect("replica task");
+        }
+    }
+    let reader = causal_reader(&galera, 1).await;
+    let applied = scalar_i64(&reader, "SELECT COUNT(*) FROM applied").await;
+    let distinct = scalar_i64(&reader, "SELECT COUNT(DISTINCT message_id) FROM applied").await;
+    let markers = scalar_i64(&reader, "SELECT COUNT(*) FROM inbox").await;
+    let retries = inbox.metrics().snapshot().transient_retries;
+    println!(
+        "Galera process_batch race, handler going on after errors: {ROUNDS} rounds, \
+         {applied} applied rows, {distinct} distinct ids, {markers} markers, {retries} retries"
+    );
+    assert_eq!(
+        (applied, markers),
+        (distinct, distinct),
+        "(applied rows, markers) == distinct applied ids"
     );
     reader.close().await.ok();
     for replica in replicas {

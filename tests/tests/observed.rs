@@ -250,4 +250,109 @@ on_every_backend!(
     savepoint_rolled_back_after_a_failure_still_commits,
     streams_and_built_statements_go_through,
     raw_rollback_in_the_handler_is_proven,
+    overlapping_batches_apply_each_id_once,
+    batch_handler_going_on_after_a_failure,
 );
+
+/// `process_batch` by two replicas (separate pools) on overlapping batches at once, the
+/// handler going on after any failed statement (swallowing it): every id is applied
+/// exactly once, every applied id has its marker, and each call's lists partition its ids.
+async fn overlapping_batches_apply_each_id_once(backend: Backend) {
+    let db = migrated_db(backend).await;
+    let conn = db.connect().await;
+    run(&conn, "CREATE TABLE applied (id VARCHAR(36) PRIMARY KEY)").await;
+    let ids: Vec<Uuid> = (0..60).map(|_| Uuid::new_v4()).collect();
+    let inbox = Inbox::new("projector").expect("valid name");
+    let mut replicas = Vec::new();
+    for replica in 0..2 {
+        let pool = db.connect().await;
+        let inbox = inbox.clone();
+        // Replica 0 takes ids 0..40, replica 1 takes 20..60, each in batches of 10.
+        let mine: Vec<Uuid> = ids[replica * 20..replica * 20 + 40].to_vec();
+        replicas.push(tokio::spawn(async move {
+            let mut seen = 0;
+            for chunk in mine.chunks(10) {
+                let outcome = inbox
+                    .process_batch(&pool, chunk.iter().copied(), |txn, claimed| {
+                        Box::pin(async move {
+                            for id in claimed {
+                                let sql = format!("INSERT INTO applied (id) VALUES ('{id}')");
+                                // Swallowed on purpose: the observed transaction keeps
+                                // anything after an ended transaction from committing.
+                                let _ = txn.execute_unprepared(&sql).await;
+                            }
+                            Ok::<_, DbErr>(())
+                        })
+                    })
+                    .await
+                    .expect("the batch settles");
+                assert_eq!(
+                    outcome.processed.len() + outcome.duplicates.len(),
+                    chunk.len(),
+                    "{outcome:?}"
+                );
+                seen += outcome.processed.len();
+            }
+            pool.close().await.ok();
+            seen
+        }));
+    }
+    let mut processed = 0;
+    for replica in replicas {
+        processed += replica.await.expect("replica task");
+    }
+    assert_eq!(
+        processed,
+        ids.len(),
+        "each id processed by exactly one call"
+    );
+    assert_eq!(scalar_i64(&conn, "SELECT COUNT(*) FROM applied").await, 60);
+    assert_eq!(scalar_i64(&conn, "SELECT COUNT(*) FROM inbox").await, 60);
+    db.cleanup().await;
+}
+
+/// PostgreSQL: a batch handler that swallows a failed statement and goes on gets
+/// `BatchClaimLost` naming it, its later writes never sent and nothing committed; on the
+/// other backends the failed statement alone is undone and the batch commits.
+async fn batch_handler_going_on_after_a_failure(backend: Backend) {
+    let (db, conn, mut handler_pool) = setup(backend).await;
+    let sent = record_statements(&mut handler_pool);
+    let inbox = Inbox::new("projector").expect("valid name");
+    let ids = [Uuid::new_v4(), Uuid::new_v4()];
+    let result = inbox
+        .process_batch(&handler_pool, ids, |txn, claimed| {
+            Box::pin(async move {
+                let _ = txn
+                    .execute_unprepared("INSERT INTO audit (ref) VALUES (1)")
+                    .await;
+                for _ in claimed {
+                    let _ = credit(txn, 1).await;
+                }
+                Ok::<_, DbErr>(())
+            })
+        })
+        .await;
+    match backend {
+        Backend::Postgres | Backend::PgBouncer => {
+            assert!(
+                matches!(
+                    &result,
+                    Err(ProcessError::Inbox(InboxError::BatchClaimLost {
+                        source: Some(_),
+                        ..
+                    }))
+                ),
+                "{result:?}"
+            );
+            assert_eq!(count(&sent, "UPDATE account"), 0, "no credit was sent");
+            assert_eq!(committed(&conn).await, (0, 0));
+        }
+        Backend::MySql | Backend::Sqlite => {
+            let outcome = result.expect("committed");
+            assert_eq!(outcome.processed.len(), 2);
+            assert_eq!(committed(&conn).await, (2, 2));
+        }
+    }
+    handler_pool.close().await.ok();
+    db.cleanup().await;
+}

@@ -21,6 +21,9 @@ use std::time::{Duration, Instant};
 use tracing::Instrument;
 use uuid::Uuid;
 
+mod batch;
+pub use batch::BatchOutcome;
+
 /// The future a handler returns: it borrows the transaction and must be `Send`.
 pub type HandlerFuture<'t, T, E> = Pin<Box<dyn Future<Output = Result<T, E>> + Send + 't>>;
 
@@ -420,32 +423,13 @@ impl Inbox {
             let result = loop {
                 match self.attempt(db, message_id, &mut call, &mut handler).await {
                     Ok(outcome) => break Ok(outcome),
-                    Err(AttemptError::Handler(err)) => break Err(ProcessError::Handler(err)),
-                    Err(AttemptError::Fatal(err)) => {
-                        break Err(ProcessError::Inbox(if call.in_doubt.is_some() {
-                            commit_in_doubt(err)
-                        } else {
-                            err
-                        }));
-                    }
-                    Err(AttemptError::Transient(err)) if attempt < self.retry.attempts() => {
-                        self.before_retry(attempt, &err).await;
+                    Err(err) => {
+                        let in_doubt = call.in_doubt.is_some();
+                        if let Err(failed) = self.after_failed_attempt(err, attempt, in_doubt).await
+                        {
+                            break Err(failed);
+                        }
                         attempt += 1;
-                    }
-                    Err(AttemptError::HandlerTransient { cause, .. })
-                        if attempt < self.retry.attempts() =>
-                    {
-                        self.before_retry(attempt, &cause).await;
-                        attempt += 1;
-                    }
-                    Err(AttemptError::Transient(err)) => {
-                        break Err(ProcessError::RetriesExhausted {
-                            attempts: attempt,
-                            source: err,
-                        });
-                    }
-                    Err(AttemptError::HandlerTransient { err, .. }) => {
-                        break Err(ProcessError::Handler(err));
                     }
                 }
             };
@@ -454,6 +438,39 @@ impl Inbox {
         }
         .instrument(span)
         .await
+    }
+
+    /// After the failed attempt number `attempt`: `Ok` once the pause before the next one
+    /// is over, or the call's error when no retry may follow. `in_doubt`: a COMMIT of the
+    /// call failed and no later attempt found out whether it landed.
+    async fn after_failed_attempt<E>(
+        &self,
+        err: AttemptError<E>,
+        attempt: u32,
+        in_doubt: bool,
+    ) -> Result<(), ProcessError<E>> {
+        let retries_left = attempt < self.retry.attempts();
+        match err {
+            AttemptError::Handler(err) => Err(ProcessError::Handler(err)),
+            AttemptError::Fatal(err) => Err(ProcessError::Inbox(if in_doubt {
+                commit_in_doubt(err)
+            } else {
+                err
+            })),
+            AttemptError::Transient(err) if retries_left => {
+                self.before_retry(attempt, &err).await;
+                Ok(())
+            }
+            AttemptError::HandlerTransient { cause, .. } if retries_left => {
+                self.before_retry(attempt, &cause).await;
+                Ok(())
+            }
+            AttemptError::Transient(err) => Err(ProcessError::RetriesExhausted {
+                attempts: attempt,
+                source: err,
+            }),
+            AttemptError::HandlerTransient { err, .. } => Err(ProcessError::Handler(err)),
+        }
     }
 
     async fn before_retry(&self, attempt: u32, cause: &(dyn Display + Sync)) {
@@ -537,18 +554,7 @@ impl Inbox {
                 let verdict = observed.verdict();
                 self.roll_back(bound, message_id, observed.into_inner())
                     .await;
-                // A statement the database ended the transaction on is the cause, even when
-                // the handler returned the refusal of a later one.
-                let transient = match &verdict {
-                    Verdict::Ended(ending) if classify(ending) == DbErrorKind::Transient => {
-                        Some(ending)
-                    }
-                    _ => transient_db_cause(&err),
-                };
-                return Err(match transient.map(ToString::to_string) {
-                    Some(cause) => AttemptError::HandlerTransient { err, cause },
-                    None => AttemptError::Handler(err),
-                });
+                return Err(Self::handler_failure(err, &verdict));
             }
         };
         let verdict = observed.verdict();
@@ -685,6 +691,20 @@ impl Inbox {
                 call.in_doubt = Some(value);
                 Err(self.database_failure(message_id, err))
             }
+        }
+    }
+
+    /// The attempt whose handler failed: retried when the cause is transient, either a
+    /// statement on which the database ended the transaction (even when the handler
+    /// returned the refusal of a later one) or a transient `DbErr` the error holds.
+    fn handler_failure<E: 'static>(err: E, verdict: &Verdict) -> AttemptError<E> {
+        let transient = match verdict {
+            Verdict::Ended(ending) if classify(ending) == DbErrorKind::Transient => Some(ending),
+            _ => transient_db_cause(&err),
+        };
+        match transient.map(ToString::to_string) {
+            Some(cause) => AttemptError::HandlerTransient { err, cause },
+            None => AttemptError::Handler(err),
         }
     }
 

@@ -1,0 +1,276 @@
+//! [`Inbox::process_batch`]: a Kafka-style batch claimed, handled and committed in one
+//! observed transaction, with the rules of [`Inbox::process`].
+
+use super::{AttemptError, Inbox, sort_inbox_error};
+use crate::backend::{CLAIM_TRANSACTION, DbErrorKind, classify, ends_transactions_silently};
+use crate::metrics::{Counter, facade};
+use crate::observed::{ObservedTransaction, Verdict};
+use crate::{
+    Delivery, HandlerFuture, InboxError, InboxTransactionExt, MessageId, ProcessError, Refusal,
+};
+use sea_orm::{ConnectionTrait, DatabaseConnection, DbErr, TransactionTrait};
+use std::time::Instant;
+use tracing::Instrument;
+
+/// What [`Inbox::process_batch`] did with a batch: every id of it is in exactly one list.
+/// Ack the whole batch (commit the consumer offset); dead-letter `refused` if your broker
+/// keeps them apart.
+#[derive(Debug, PartialEq, Eq)]
+#[must_use = "ack the batch: its new ids are committed"]
+pub struct BatchOutcome<T> {
+    /// What the handler returned, or `None` when the batch held no new id and the handler
+    /// did not run.
+    pub value: Option<T>,
+    /// Claimed and handled by this call, committed with the handler's work.
+    pub processed: Vec<MessageId>,
+    /// Claimed before by a committed transaction (another delivery of the batch, or an
+    /// attempt of this call whose COMMIT failed after landing): skipped.
+    pub duplicates: Vec<MessageId>,
+    /// Refused by their [admission floor](crate::AdmissionFloor) and not claimed.
+    pub refused: Vec<(MessageId, Refusal)>,
+}
+
+impl Inbox {
+    /// Claims every new id of `deliveries` in one transaction, runs `handler` with the
+    /// [`ObservedTransaction`] and exactly the ids claimed (sorted; never the duplicates),
+    /// and commits the markers with the handler's work, by the rules of
+    /// [`process`](Self::process): no proof query when every statement succeeded
+    /// (PostgreSQL, SQLite), statements after one on which the database ended the
+    /// transaction refused (so none of the loop's writes runs on its own after a deadlock),
+    /// transient failures retried in a fresh transaction, where the handler then gets the
+    /// ids still new. Up to [`MAX_CLAIM_BATCH`](crate::MAX_CLAIM_BATCH) distinct ids.
+    ///
+    /// The handler should apply each id through the transaction and return at the first
+    /// error.
+    ///
+    /// ```
+    /// use sea_orm::{ConnectionTrait, DbErr};
+    /// use sea_orm_inbox::Inbox;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    /// # use sea_orm_inbox_migration::{Migrator, MigratorTrait};
+    /// # let db = sea_orm::Database::connect("sqlite::memory:").await?;
+    /// # Migrator::up(&db, None).await?;
+    /// # db.execute_unprepared("CREATE TABLE applied (id TEXT PRIMARY KEY)").await?;
+    /// let inbox = Inbox::new("projector")?;
+    /// let records = [uuid::Uuid::new_v4(), uuid::Uuid::new_v4()];
+    /// for _poll in 0..2 {
+    ///     let outcome = inbox
+    ///         .process_batch(&db, records, |txn, claimed| {
+    ///             Box::pin(async move {
+    ///                 for id in claimed {
+    ///                     txn.execute_unprepared(&format!("INSERT INTO applied VALUES ('{id}')"))
+    ///                         .await?;
+    ///                 }
+    ///                 Ok::<_, DbErr>(claimed.len())
+    ///             })
+    ///         })
+    ///         .await?;
+    ///     // commit the consumer offset: every record is applied once
+    ///     # let _ = outcome;
+    /// }
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// As [`process`](Self::process): [`ProcessError::Handler`],
+    /// [`ProcessError::Inbox`] ([`InboxError::EmptyBatch`], [`InboxError::BatchTooLarge`],
+    /// [`InboxError::NilMessageId`] before any SQL runs, [`InboxError::BatchClaimLost`]
+    /// when the handler returned `Ok` after a statement that ended the transaction), and
+    /// [`ProcessError::RetriesExhausted`]. Nack (do not commit the offset of) the whole
+    /// batch: nothing of it was committed by the failed attempt.
+    pub async fn process_batch<T, E, F, I>(
+        &self,
+        db: &DatabaseConnection,
+        deliveries: I,
+        mut handler: F,
+    ) -> Result<BatchOutcome<T>, ProcessError<E>>
+    where
+        I: IntoIterator,
+        I::Item: Into<Delivery>,
+        F: for<'t> FnMut(&'t ObservedTransaction, &'t [MessageId]) -> HandlerFuture<'t, T, E>
+            + Send,
+        T: Send,
+        E: Send + 'static,
+    {
+        let deliveries: Vec<Delivery> = deliveries.into_iter().map(Into::into).collect();
+        let span = tracing::info_span!(
+            "inbox.process_batch",
+            consumer = %self.consumer,
+            messages = deliveries.len(),
+            attempts = tracing::field::Empty,
+        );
+        let started = Instant::now();
+        async {
+            let mut attempt = 1;
+            let result = loop {
+                match self.batch_attempt(db, &deliveries, &mut handler).await {
+                    Ok(outcome) => break Ok(outcome),
+                    Err(err) => {
+                        if let Err(failed) = self.after_failed_attempt(err, attempt, false).await {
+                            break Err(failed);
+                        }
+                        attempt += 1;
+                    }
+                }
+            };
+            tracing::Span::current().record("attempts", attempt);
+            self.record_batch(&result, started);
+            result
+        }
+        .instrument(span)
+        .await
+    }
+
+    async fn batch_attempt<T, E, F>(
+        &self,
+        db: &DatabaseConnection,
+        deliveries: &[Delivery],
+        handler: &mut F,
+    ) -> Result<BatchOutcome<T>, AttemptError<E>>
+    where
+        E: 'static,
+        F: for<'t> FnMut(&'t ObservedTransaction, &'t [MessageId]) -> HandlerFuture<'t, T, E>
+            + Send,
+    {
+        let named = deliveries.first().map_or_else(
+            || MessageId::from_uuid(uuid::Uuid::nil()),
+            Delivery::message_id,
+        );
+        let bound = self.step_bound(db);
+        let txn = self
+            .bounded(
+                bound,
+                named,
+                "BEGIN",
+                db.begin_with_options(CLAIM_TRANSACTION),
+            )
+            .await?
+            .map_err(|err| self.database_failure(named, err))?;
+        let batch = match txn
+            .claim_batch(deliveries.iter().copied(), &self.consumer)
+            .await
+        {
+            Ok(batch) => batch,
+            Err(err) => {
+                self.roll_back(bound, named, txn).await;
+                return Err(match err {
+                    // The read-back missed the batch's rows after a silent brute-force
+                    // abort: the database's doing, retried like a conflict.
+                    err @ InboxError::BatchClaimLost { source: None, .. } => {
+                        AttemptError::Transient(err)
+                    }
+                    err => sort_inbox_error(err),
+                });
+            }
+        };
+        if batch.claimed.is_empty() {
+            self.roll_back(bound, named, txn).await;
+            return Ok(BatchOutcome {
+                value: None,
+                processed: Vec::new(),
+                duplicates: batch.already_claimed,
+                refused: batch.refused,
+            });
+        }
+        let observed = ObservedTransaction::new(txn);
+        let value = match self
+            .bounded(
+                bound,
+                named,
+                "the handler",
+                handler(&observed, &batch.claimed),
+            )
+            .await?
+        {
+            Ok(value) => value,
+            Err(err) => {
+                let verdict = observed.verdict();
+                self.roll_back(bound, named, observed.into_inner()).await;
+                return Err(Self::handler_failure(err, &verdict));
+            }
+        };
+        let verdict = observed.verdict();
+        let txn = observed.into_inner();
+        let backend = txn.get_database_backend();
+        let claimed = batch.claimed.len();
+        let processed = batch.claimed.clone();
+        let (duplicates, refused) = (batch.already_claimed.clone(), batch.refused.clone());
+        let lost = |source: Option<DbErr>| InboxError::BatchClaimLost {
+            consumer: self.consumer.to_string(),
+            claimed,
+            source,
+        };
+        let committed = match verdict {
+            Verdict::Ended(ending) => {
+                self.roll_back(bound, named, txn).await;
+                let transient = classify(&ending) == DbErrorKind::Transient;
+                let err = lost(Some(ending));
+                return Err(if transient {
+                    AttemptError::Transient(err)
+                } else {
+                    AttemptError::Fatal(err)
+                });
+            }
+            Verdict::Clean if !ends_transactions_silently(backend) => self
+                .bounded(bound, named, "COMMIT", txn.commit())
+                .await?
+                .map_err(|err| InboxError::Database {
+                    message_id: named,
+                    consumer: self.consumer.to_string(),
+                    source: err,
+                }),
+            Verdict::Clean => match batch.commit(txn).await {
+                // No statement failed: the database ended the transaction on its own.
+                Err(InboxError::BatchClaimLost { source: None, .. }) => {
+                    return Err(AttemptError::Transient(InboxError::EndedByDatabase {
+                        message_id: named,
+                        consumer: self.consumer.to_string(),
+                    }));
+                }
+                other => other,
+            },
+            Verdict::ProofNeeded => batch.commit(txn).await,
+        };
+        committed.map_err(sort_inbox_error)?;
+        Ok(BatchOutcome {
+            value: Some(value),
+            processed,
+            duplicates,
+            refused,
+        })
+    }
+
+    fn record_batch<T, E>(
+        &self,
+        result: &Result<BatchOutcome<T>, ProcessError<E>>,
+        started: Instant,
+    ) {
+        match result {
+            Ok(outcome) => {
+                for (counter, ids) in [
+                    (Counter::Processed, outcome.processed.len()),
+                    (Counter::Duplicate, outcome.duplicates.len()),
+                    (Counter::Refused, outcome.refused.len()),
+                ] {
+                    for _ in 0..ids {
+                        self.metrics.count(counter);
+                    }
+                }
+                facade::settled(&self.consumer, "processed", started.elapsed());
+                tracing::debug!(
+                    processed = outcome.processed.len(),
+                    duplicates = outcome.duplicates.len(),
+                    refused = outcome.refused.len(),
+                    "batch settled: ack"
+                );
+            }
+            Err(err) => {
+                self.metrics.count(Counter::Failure);
+                facade::settled(&self.consumer, "failed", started.elapsed());
+                tracing::warn!(error = ?err.inbox_error().map(ToString::to_string), "batch failed: nack");
+            }
+        }
+    }
+}
