@@ -1,7 +1,7 @@
 use crate::backend::{
     DbErrorKind, ProcessMarker, claim_marker_statement, claim_silence_statement, classify,
-    inbox_duplicate_confirmation, marker_held_statement, marker_insert_returns_id, roll_back,
-    transaction_ended,
+    inbox_duplicate_confirmation, marker_held_statement, marker_insert_returns_id,
+    process_marker_if_silence_bounded, roll_back, transaction_ended,
 };
 use crate::batch::{BatchClaim, admit_batch, insert_batch};
 use crate::consumer::validate_claim;
@@ -530,7 +530,33 @@ pub(crate) async fn insert_marker<C: ConnectionTrait>(
 ) -> Result<Claim, InboxError> {
     validate_claim(message_id, consumer)?;
     let backend = conn.get_database_backend();
+    let token = process.as_ref().map(|process| process.token);
+    let claimed = |marker_id| {
+        Claim::Claimed(ClaimedMessage {
+            message_id,
+            consumer: consumer.to_owned(),
+            marker_id,
+            token,
+        })
+    };
     if let Some(process) = &process {
+        let received_at = now_micros();
+        if let Some(statement) =
+            process_marker_if_silence_bounded(backend, message_id, consumer, received_at, process)?
+        {
+            match conn.execute_raw(statement).await {
+                Ok(done) if done.rows_affected() == 1 => {
+                    return Ok(claimed(marker_id_of(
+                        done.last_insert_id(),
+                        message_id,
+                        consumer,
+                    )?));
+                }
+                // The session does not hold the bound yet: set it, then insert.
+                Ok(_) => {}
+                Err(err) => return claim_failure(conn, err, message_id, consumer).await,
+            }
+        }
         // Before the INSERT: the server reads the bound when it starts waiting for the
         // client, and from the INSERT on the transaction holds the marker's lock.
         if let Some(sql) = claim_silence_statement(backend, process.silence)? {
@@ -539,7 +565,6 @@ pub(crate) async fn insert_marker<C: ConnectionTrait>(
                 .map_err(|err| InboxError::from_claim(err, message_id, consumer))?;
         }
     }
-    let token = process.as_ref().map(|process| process.token);
     let statement = claim_marker_statement(backend, message_id, consumer, now_micros(), process)?;
     let marker_id = if marker_insert_returns_id(backend)? {
         match conn.query_one_raw(statement).await {
@@ -550,22 +575,36 @@ pub(crate) async fn insert_marker<C: ConnectionTrait>(
         }
     } else {
         match conn.execute_raw(statement).await {
-            Ok(done) => i64::try_from(done.last_insert_id()).map_err(|_| {
-                DbErr::Custom(format!(
-                    "the marker id {} does not fit a bigint",
-                    done.last_insert_id()
-                ))
-            }),
+            Ok(done) => {
+                return Ok(claimed(marker_id_of(
+                    done.last_insert_id(),
+                    message_id,
+                    consumer,
+                )?));
+            }
             Err(err) => return claim_failure(conn, err, message_id, consumer).await,
         }
     }
     .map_err(|err| InboxError::from_claim(err, message_id, consumer))?;
-    Ok(Claim::Claimed(ClaimedMessage {
-        message_id,
-        consumer: consumer.to_owned(),
-        marker_id,
-        token,
-    }))
+    Ok(claimed(marker_id))
+}
+
+/// The marker id the driver reported for the INSERT (MySQL's `LAST_INSERT_ID`, SQLite's
+/// rowid), as the bigint the table stores.
+fn marker_id_of(
+    last_insert_id: u64,
+    message_id: MessageId,
+    consumer: &str,
+) -> Result<i64, InboxError> {
+    i64::try_from(last_insert_id).map_err(|_| {
+        InboxError::from_claim(
+            DbErr::Custom(format!(
+                "the marker id {last_insert_id} does not fit a bigint"
+            )),
+            message_id,
+            consumer,
+        )
+    })
 }
 
 /// Fails unless `conn` (the claim's transaction) still sees the marker `claimed` inserted.

@@ -101,8 +101,8 @@ impl Watch {
     }
 
     fn ended(&self) -> Option<DbErr> {
-        match self.verdict() {
-            Verdict::Ended(err) => Some(err),
+        match &*self.state.lock().unwrap_or_else(PoisonError::into_inner) {
+            Verdict::Ended(err) => Some(err.clone()),
             _ => None,
         }
     }
@@ -146,17 +146,17 @@ impl ObservedTransaction {
     }
 
     /// Runs one statement unless the transaction already ended, and records what its
-    /// result shows. `sql` is `None` for a statement the crate or SeaORM itself composed
-    /// (a savepoint's).
+    /// result shows. `plain`: see [`is_plain_statement`] (SeaORM's own savepoint
+    /// statements count as plain: their ends are observed apart).
     async fn observe<T>(
         &self,
-        sql: Option<&str>,
+        plain: bool,
         statement: impl Future<Output = Result<T, DbErr>>,
     ) -> Result<T, DbErr> {
         if let Some(ending) = self.watch.ended() {
             return Err(Self::refusal(&ending));
         }
-        if sql.is_some_and(|sql| !is_plain_statement(sql)) {
+        if !plain {
             self.watch.record(Verdict::ProofNeeded);
         }
         let result = statement.await;
@@ -233,25 +233,23 @@ impl ConnectionTrait for ObservedTransaction {
     }
 
     async fn execute_raw(&self, stmt: Statement) -> Result<ExecResult, DbErr> {
-        let sql = stmt.sql.clone();
-        self.observe(Some(&sql), self.inner.execute_raw(stmt)).await
+        let plain = is_plain_statement(&stmt.sql);
+        self.observe(plain, self.inner.execute_raw(stmt)).await
     }
 
     async fn execute_unprepared(&self, sql: &str) -> Result<ExecResult, DbErr> {
-        self.observe(Some(sql), self.inner.execute_unprepared(sql))
+        self.observe(is_plain_statement(sql), self.inner.execute_unprepared(sql))
             .await
     }
 
     async fn query_one_raw(&self, stmt: Statement) -> Result<Option<QueryResult>, DbErr> {
-        let sql = stmt.sql.clone();
-        self.observe(Some(&sql), self.inner.query_one_raw(stmt))
-            .await
+        let plain = is_plain_statement(&stmt.sql);
+        self.observe(plain, self.inner.query_one_raw(stmt)).await
     }
 
     async fn query_all_raw(&self, stmt: Statement) -> Result<Vec<QueryResult>, DbErr> {
-        let sql = stmt.sql.clone();
-        self.observe(Some(&sql), self.inner.query_all_raw(stmt))
-            .await
+        let plain = is_plain_statement(&stmt.sql);
+        self.observe(plain, self.inner.query_all_raw(stmt)).await
     }
 
     fn support_returning(&self) -> bool {
@@ -264,7 +262,7 @@ impl TransactionTrait for ObservedTransaction {
     type Transaction = ObservedTransaction;
 
     async fn begin(&self) -> Result<ObservedTransaction, DbErr> {
-        let inner = self.observe(None, self.inner.begin()).await?;
+        let inner = self.observe(true, self.inner.begin()).await?;
         Ok(self.nested(inner))
     }
 
@@ -275,7 +273,7 @@ impl TransactionTrait for ObservedTransaction {
     ) -> Result<ObservedTransaction, DbErr> {
         let inner = self
             .observe(
-                None,
+                true,
                 self.inner.begin_with_config(isolation_level, access_mode),
             )
             .await?;
@@ -287,7 +285,7 @@ impl TransactionTrait for ObservedTransaction {
         options: TransactionOptions,
     ) -> Result<ObservedTransaction, DbErr> {
         let inner = self
-            .observe(None, self.inner.begin_with_options(options))
+            .observe(true, self.inner.begin_with_options(options))
             .await?;
         Ok(self.nested(inner))
     }
@@ -374,7 +372,7 @@ impl TransactionSession for ObservedTransaction {
 
 #[cfg(feature = "stream")]
 mod stream {
-    use super::{ObservedTransaction, Verdict, Watch};
+    use super::{ObservedTransaction, Verdict, Watch, is_plain_statement};
     use crate::backend::{AfterFailure, after_failure};
     use futures_util::Stream;
     use sea_orm::{DbBackend, DbErr, QueryResult, Statement, StreamTrait, TransactionStream};
@@ -427,10 +425,8 @@ mod stream {
             stmt: Statement,
         ) -> Pin<Box<dyn Future<Output = Result<ObservedStream<'a>, DbErr>> + 'a + Send>> {
             Box::pin(async move {
-                let sql = stmt.sql.clone();
-                let rows = self
-                    .observe(Some(&sql), self.inner.stream_raw(stmt))
-                    .await?;
+                let plain = is_plain_statement(&stmt.sql);
+                let rows = self.observe(plain, self.inner.stream_raw(stmt)).await?;
                 Ok(ObservedStream {
                     rows: Box::pin(rows),
                     watch: Arc::clone(&self.watch),

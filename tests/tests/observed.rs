@@ -356,3 +356,43 @@ async fn batch_handler_going_on_after_a_failure(backend: Backend) {
     handler_pool.close().await.ok();
     db.cleanup().await;
 }
+
+/// MariaDB: `process` sets the session's silence bounds (`SET SESSION ...`) only when the
+/// pooled connection does not hold them yet; the marker INSERT compares them itself, so a
+/// reused connection claims without that round trip (one SET for three calls).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[cfg_attr(not(inbox_mysql), ignore = "set INBOX_TEST_MYSQL_URL")]
+async fn mysql_silence_bounds_are_set_once_per_connection() {
+    let db = migrated_db(Backend::MySql).await;
+    let conn = db.connect().await;
+    create_accounts(&conn).await;
+    let one_connection = db.connect_with(1).await;
+    let sets = async || {
+        let row = one_connection
+            .query_one_raw(Statement::from_string(
+                sea_orm::DbBackend::MySql,
+                "SHOW SESSION STATUS LIKE 'Com_set_option'",
+            ))
+            .await
+            .expect("status")
+            .expect("one row");
+        row.try_get_by_index::<String>(1)
+            .expect("value")
+            .parse::<i64>()
+            .expect("a count")
+    };
+    let before = sets().await;
+    let inbox = Inbox::new(CONSUMER).expect("valid name");
+    for _ in 0..3 {
+        let outcome = inbox
+            .process(&one_connection, Uuid::new_v4(), |txn| {
+                Box::pin(credit(txn, 1))
+            })
+            .await;
+        assert!(matches!(outcome, Ok(Outcome::Processed(()))), "{outcome:?}");
+    }
+    assert_eq!(sets().await - before, 1, "one SET SESSION for three claims");
+    assert_eq!(committed(&conn).await, (3, 3));
+    one_connection.close().await.ok();
+    db.cleanup().await;
+}
