@@ -308,13 +308,15 @@ pub(crate) async fn insert_batch<C: ConnectionTrait>(
     Ok(BatchClaim { refused, ..claim })
 }
 
-/// The claim without `INSERT ... RETURNING` (the MySQL family): the tagged INSERT, whose
-/// conflict clause leaves existing rows as they were, then a locking read, in the same
+/// The claim of the MySQL family: the tagged INSERT, whose conflict clause leaves existing
+/// rows as they were and which returns every id's row where the server supports it
+/// (MariaDB 10.5+); where it returned nothing (MySQL 8), a locking read, in the same
 /// transaction, of this consumer's row for every id through the inbox index.
 ///
 /// The read locks nothing new (the INSERT holds every row it wrote or met) and, being a
 /// locking read, sees the latest committed rows even when the transaction's snapshot is
-/// older. It returns every id's row, so the caller can check that each id has exactly one.
+/// older, as the INSERT's conflict clause does. Either way every id's row comes back, so
+/// the caller can check that each id has exactly one.
 async fn insert_then_read_back<C: ConnectionTrait>(
     conn: &C,
     ids: &[MessageId],
@@ -324,12 +326,17 @@ async fn insert_then_read_back<C: ConnectionTrait>(
     read: String,
 ) -> Result<Vec<QueryResult>, DbErr> {
     let backend = conn.get_database_backend();
-    conn.execute_raw(Statement::from_sql_and_values(
-        backend,
-        insert,
-        insert_values,
-    ))
-    .await?;
+    let returned = conn
+        .query_all_raw(Statement::from_sql_and_values(
+            backend,
+            insert,
+            insert_values,
+        ))
+        .await?;
+    // A non-empty batch returns at least one row wherever the server runs RETURNING.
+    if !returned.is_empty() {
+        return Ok(returned);
+    }
     let mut read_values = Vec::with_capacity(ids.len() + 1);
     read_values.push(Value::from(consumer));
     read_values.extend(ids.iter().map(|id| Value::from(id.as_uuid())));

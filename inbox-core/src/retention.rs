@@ -12,7 +12,7 @@ use crate::pooler::in_own_transaction;
 use crate::silence::answered_within;
 use crate::{Inbox, InboxError};
 use chrono::{DateTime, TimeDelta, Utc};
-use sea_orm::{ConnectionTrait, DatabaseConnection, Statement, Value};
+use sea_orm::{ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbErr, Statement, Value};
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -240,8 +240,8 @@ impl RetentionPolicy {
         self.pacing
     }
 
-    /// Bounds how long the purge waits for each of its statements (a DELETE batch, with
-    /// its own transaction, or one timestamp read of the cutoff's walk) when the database
+    /// Bounds how long the purge waits for each of its transactions (a DELETE batch, or
+    /// the cutoff's walk: its at most 64 timestamp reads, in one) when the database
     /// stops answering (default [`Inbox::DEFAULT_PARTITION_TIMEOUT`]). A partition that
     /// drops packets without a reset would otherwise keep a [`purge`] (and a
     /// [`Purger`]'s run) waiting for as long as the kernel keeps the socket, hours by
@@ -348,7 +348,8 @@ fn check_downtime_gap(window: Duration, gap: Duration) -> Result<(), String> {
 /// sizes the next one to take about that long at the fastest rate seen so far, so time
 /// spent waiting for a lock never shrinks it (never more rows than
 /// [`RetentionPolicy::batch_size`], never fewer than [`MIN_BATCH`](Self::MIN_BATCH), at
-/// most doubling or halving from one batch to the next). With a **busy share** below 100 %
+/// most quadrupling or halving from one batch to the next, starting from 1,000 rows).
+/// With a **busy share** below 100 %
 /// it then rests in proportion to the work of the batch just run: at 80 % it rests a
 /// quarter of each batch's duration, so claimers get the database to themselves a fifth
 /// of the time. The budget bounds how long one claimer waits behind a batch (its p99);
@@ -483,8 +484,10 @@ impl Pacer {
     fn new(policy: &RetentionPolicy) -> Self {
         let ceiling = u64::from(policy.batch_size);
         let next = match policy.pacing.batch_budget {
-            // Start small and grow: the first batch of a cold purge is its slowest.
-            Some(_) => ceiling.min(u64::from(PurgePacing::MIN_BATCH) * 10),
+            // Start below most budgets and grow: the first batch of a cold purge is its
+            // slowest. (At 100 rows, seven batches of doubling went by before a purge on
+            // PostgreSQL deleted at its rate: most of a 40,000-row purge, measured.)
+            Some(_) => ceiling.min(u64::from(PurgePacing::MIN_BATCH) * 100),
             None => ceiling,
         };
         Self {
@@ -516,7 +519,7 @@ impl Pacer {
                 u64::MAX
             };
             self.next = fitting
-                .clamp(self.next / 2, self.next.saturating_mul(2))
+                .clamp(self.next / 2, self.next.saturating_mul(4))
                 .clamp(floor, self.ceiling);
         }
         // The rest follows the work the batch did, not the time it waited for locks.
@@ -635,9 +638,10 @@ pub struct PurgeReport {
 ///
 /// Never deletes an unfinished two-phase claim (a lease without `processed_at`, parked
 /// or not). The cutoff follows the downtime rule of [`RetentionPolicy`] and is computed
-/// once, before the first batch, from at most 64 timestamps read off the index.
+/// once, before the first batch, from at most 64 timestamps read off the index in one
+/// short transaction.
 ///
-/// Each statement waits at most the policy's
+/// Each batch, and the walk, waits at most the policy's
 /// [partition timeout](RetentionPolicy::with_partition_timeout) for the database to
 /// answer (not on SQLite).
 ///
@@ -756,53 +760,54 @@ async fn purge_until(
 }
 
 /// The cutoff of the downtime rule, walking the markers' timeline back from the newest.
+///
+/// Every read of the walk runs in one short transaction, bounded as a whole by the
+/// partition timeout: a read is one index probe, so the walk's time is its round trips,
+/// and a transaction per read would triple them (BEGIN and COMMIT around each).
 async fn receiving_time_cutoff(
     db: &DatabaseConnection,
     policy: &RetentionPolicy,
 ) -> Result<Option<DateTime<Utc>>, InboxError> {
     let backend = db.get_database_backend();
-    let read = |sql, at| read_timestamp(db, policy.partition_timeout, sql, at);
-    let Some(newest) = read(newest_received_at_sql(backend)?, None).await? else {
-        return Ok(None);
-    };
+    let newest_sql = newest_received_at_sql(backend)?;
     let probe_sql = latest_received_at_or_before_sql(backend)?;
-    let (mut walk, mut next) = ReceivingWalk::start(policy, newest, now_micros());
-    loop {
-        match next {
-            WalkStep::Cutoff(cutoff) => return Ok(Some(cutoff)),
-            WalkStep::Exhausted => return Ok(None),
-            WalkStep::Probe(at) => match read(probe_sql.clone(), Some(at)).await? {
-                Some(earlier) => next = walk.advance(earlier),
-                None => {
-                    let oldest = read(oldest_received_at_sql(backend)?, None).await?;
-                    return Ok(oldest.and_then(|oldest| walk.finish(oldest)));
-                }
-            },
+    let oldest_sql = oldest_received_at_sql(backend)?;
+    let operation = "reading received_at for the retention cutoff";
+    let walk = in_own_transaction(db, async |txn| {
+        let Some(newest) = read_timestamp(txn, &newest_sql, None).await? else {
+            return Ok(None);
+        };
+        let (mut walk, mut next) = ReceivingWalk::start(policy, newest, now_micros());
+        loop {
+            match next {
+                WalkStep::Cutoff(cutoff) => return Ok(Some(cutoff)),
+                WalkStep::Exhausted => return Ok(None),
+                WalkStep::Probe(at) => match read_timestamp(txn, &probe_sql, Some(at)).await? {
+                    Some(earlier) => next = walk.advance(earlier),
+                    None => {
+                        let oldest = read_timestamp(txn, &oldest_sql, None).await?;
+                        return Ok(oldest.and_then(|oldest| walk.finish(oldest)));
+                    }
+                },
+            }
         }
-    }
+    });
+    answered_within(db, policy.partition_timeout, operation, walk)
+        .await?
+        .map_err(|source| InboxError::Query { operation, source })
 }
 
-/// Reads the one timestamp a `SELECT MAX(received_at) ...` returns, binding `at` if given,
-/// waiting at most `partition_timeout` for the database to answer.
+/// Reads the one timestamp a `SELECT MAX(received_at) ...` returns, binding `at` if given.
 async fn read_timestamp(
-    db: &DatabaseConnection,
-    partition_timeout: Duration,
-    sql: String,
+    txn: &DatabaseTransaction,
+    sql: &str,
     at: Option<DateTime<Utc>>,
-) -> Result<Option<DateTime<Utc>>, InboxError> {
-    let backend = db.get_database_backend();
+) -> Result<Option<DateTime<Utc>>, DbErr> {
+    let backend = txn.get_database_backend();
     let values = at.map(|at| timestamp_value(backend, at)).into_iter();
-    let operation = "reading received_at for the retention cutoff";
-    let failed = |source| InboxError::Query { operation, source };
     let read = Statement::from_sql_and_values(backend, sql, values);
-    let read = in_own_transaction(db, async |txn| txn.query_one_raw(read).await);
-    let row = answered_within(db, partition_timeout, operation, read)
-        .await?
-        .map_err(failed)?;
-    match row {
-        Some(row) => row
-            .try_get_by_index::<Option<DateTime<Utc>>>(0)
-            .map_err(failed),
+    match txn.query_one_raw(read).await? {
+        Some(row) => row.try_get_by_index::<Option<DateTime<Utc>>>(0),
         None => Ok(None),
     }
 }
@@ -1168,32 +1173,42 @@ mod tests {
 
     #[test]
     fn the_batch_follows_its_time_budget_within_bounds() {
-        let mut pacer = paced(20, 100, 10_000);
-        assert_eq!(pacer.batch(), 100, "a paced purge starts small");
-        // 100 rows in 5 ms: 400 fit the budget, but a batch at most doubles.
-        pacer.full_batch(Duration::from_millis(5));
-        assert_eq!(pacer.batch(), 200);
-        // 200 rows in 8 ms: 40 us a row, 500 fit.
+        let mut pacer = paced(20, 100, 100_000);
+        assert_eq!(pacer.batch(), 1_000, "a paced purge starts at 1,000 rows");
+        // 1,000 rows in 10 ms: 10 us a row, 2,000 fit the 20 ms budget.
+        pacer.full_batch(Duration::from_millis(10));
+        assert_eq!(pacer.batch(), 2_000);
+        // 2,000 rows in 2 ms: 1 us a row, 20,000 fit, but a batch at most quadruples.
+        pacer.full_batch(Duration::from_millis(2));
+        assert_eq!(pacer.batch(), 8_000);
+        // 8,000 rows in 8 ms: 20,000 fit.
         pacer.full_batch(Duration::from_millis(8));
-        assert_eq!(pacer.batch(), 400);
+        assert_eq!(pacer.batch(), 20_000);
         // A batch that waited a second for a lock does not shrink the next one.
         pacer.full_batch(Duration::from_secs(1));
-        assert_eq!(pacer.batch(), 500);
+        assert_eq!(pacer.batch(), 20_000);
+        // 20,000 rows in 200 ms: 10 us a row is no faster than seen, the batch stays.
+        pacer.full_batch(Duration::from_millis(200));
+        assert_eq!(pacer.batch(), 20_000);
         for _ in 0..20 {
             pacer.full_batch(Duration::from_micros(1));
         }
-        assert_eq!(pacer.batch(), 10_000, "never above the policy's batch size");
+        assert_eq!(
+            pacer.batch(),
+            100_000,
+            "never above the policy's batch size"
+        );
     }
 
     #[test]
     fn slow_rows_shrink_the_batch_to_at_least_min_batch() {
         let mut pacer = paced(20, 100, 10_000);
         // 1 ms a row: 20 rows fit, reached by halving at most.
-        pacer.full_batch(Duration::from_millis(100));
-        assert_eq!(pacer.batch(), 50);
-        pacer.full_batch(Duration::from_millis(50));
-        assert_eq!(pacer.batch(), 25);
-        pacer.full_batch(Duration::from_millis(25));
+        for (took_ms, next) in [(1_000, 500), (500, 250), (250, 125), (125, 62), (62, 31)] {
+            pacer.full_batch(Duration::from_millis(took_ms));
+            assert_eq!(pacer.batch(), next);
+        }
+        pacer.full_batch(Duration::from_millis(31));
         assert_eq!(pacer.batch(), 20);
         let mut tight = paced(1, 100, 10_000);
         for _ in 0..10 {
@@ -1214,12 +1229,12 @@ mod tests {
             half.full_batch(Duration::from_millis(30)),
             Duration::from_millis(30)
         );
-        // The rest follows the work: 200 rows at 100 us, however long the lock wait was.
+        // The rest follows the work: 1,000 rows at 10 us, however long the lock wait was.
         let mut waited = paced(20, 50, 1_000);
         waited.full_batch(Duration::from_millis(10));
         assert_eq!(
             waited.full_batch(Duration::from_secs(1)),
-            Duration::from_millis(20)
+            Duration::from_millis(10)
         );
         let mut tiny = paced(20, 100, 5);
         assert_eq!(tiny.batch(), 5, "a ceiling below the start wins");

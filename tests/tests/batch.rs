@@ -3,11 +3,12 @@
 //! union is every id exactly once.
 
 use inbox_tests::{Backend, migrated_db, on_every_backend, on_pgbouncer, run, scalar_i64};
-use sea_orm::{ConnectionTrait, DatabaseConnection, TransactionTrait};
+use sea_orm::{ConnectionTrait, DatabaseConnection, Statement, TransactionTrait};
 use sea_orm_inbox::prelude::*;
 use sea_orm_inbox::{DbErrorKind, MAX_CLAIM_BATCH, classify};
 use std::collections::BTreeSet;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use tokio::sync::Barrier;
 use uuid::Uuid;
 
@@ -52,7 +53,8 @@ async fn claim_and_commit(db: &DatabaseConnection, ids: &[Uuid]) -> Committed {
 
 async fn overlapping_batches_from_two_replicas_have_disjoint_winners(backend: Backend) {
     // 30 rounds: ON DUPLICATE KEY UPDATE id = id lost ids on MariaDB in ~40% of 10-round runs.
-    // On the MySQL family this runs the no-RETURNING path (INSERT, then SELECT ... FOR UPDATE).
+    // On MariaDB 10.5+ this runs the RETURNING path of the MySQL family (the INSERT returns
+    // every id's row, written now or met); MySQL 8 reads them back with SELECT ... FOR UPDATE.
     const ROUNDS: usize = 30;
     let db = migrated_db(backend).await;
     let replicas = [Arc::new(db.connect().await), Arc::new(db.connect().await)];
@@ -295,7 +297,69 @@ async fn batch_commit_is_ok_only_when_the_markers_committed(backend: Backend) {
     db.cleanup().await;
 }
 
+/// Whether the server runs `INSERT ... RETURNING` on the MySQL family: MariaDB 10.5+
+/// (MySQL 8 has none). Read from `VERSION()`, e.g. `10.11.19-MariaDB-0+deb12u1`.
+async fn mysql_server_returns_rows(conn: &DatabaseConnection) -> bool {
+    let row = conn
+        .query_one_raw(Statement::from_string(
+            conn.get_database_backend(),
+            "SELECT CAST(VERSION() AS CHAR)",
+        ))
+        .await
+        .unwrap()
+        .unwrap();
+    let version: String = row.try_get_by_index(0).unwrap();
+    let numbers: Vec<u32> = version
+        .split(|c: char| !c.is_ascii_digit())
+        .take(2)
+        .map(|n| n.parse().unwrap())
+        .collect();
+    version.contains("MariaDB") && numbers >= vec![10, 5]
+}
+
+/// A batch claim is one statement wherever the server returns the rows its INSERT wrote
+/// or met (PostgreSQL and SQLite: `ON CONFLICT DO NOTHING RETURNING`; MariaDB 10.5+: `ON
+/// DUPLICATE KEY UPDATE ... RETURNING`), and two on MySQL 8, which reads them back.
+/// Counted on the wire, with ids claimed before in the batch. (MariaDB ran two until the
+/// RETURNING form was taken there: a round trip and an index probe per id more.)
+async fn a_batch_claim_is_one_statement_where_the_server_returns_its_rows(backend: Backend) {
+    let db = migrated_db(backend).await;
+    let mut conn = db.connect().await;
+    let statements = Arc::new(AtomicUsize::new(0));
+    let counter = Arc::clone(&statements);
+    conn.set_metric_callback(move |info| {
+        if info.statement.sql.contains("inbox") {
+            counter.fetch_add(1, Ordering::Relaxed);
+        }
+    });
+    let mut ids: Vec<MessageId> = (0..6)
+        .map(|_| MessageId::from_uuid(Uuid::new_v4()))
+        .collect();
+    ids.sort();
+    let txn = conn.begin_with_options(CLAIM_TRANSACTION).await.unwrap();
+    for &id in &ids[..2] {
+        assert!(txn.claim_message(id, CONSUMER).await.unwrap().is_claimed());
+    }
+    txn.commit().await.unwrap();
+
+    let expected = match backend {
+        Backend::MySql if !mysql_server_returns_rows(&conn).await => 2,
+        _ => 1,
+    };
+    let txn = conn.begin_with_options(CLAIM_TRANSACTION).await.unwrap();
+    statements.store(0, Ordering::Relaxed);
+    let batch = txn.claim_batch(ids.clone(), CONSUMER).await.unwrap();
+    assert_eq!(statements.load(Ordering::Relaxed), expected, "{backend:?}");
+    assert_eq!(batch.already_claimed, ids[..2]);
+    assert_eq!(batch.claimed, ids[2..]);
+    batch.commit(txn).await.unwrap();
+    assert_eq!(scalar_i64(&conn, "SELECT COUNT(*) FROM inbox").await, 6);
+    conn.close().await.ok();
+    db.cleanup().await;
+}
+
 on_every_backend!(
+    a_batch_claim_is_one_statement_where_the_server_returns_its_rows,
     batch_commit_is_ok_only_when_the_markers_committed,
     another_consumers_row_on_another_key_fails_the_batch,
     two_rows_of_the_batch_colliding_on_another_key_fail_the_batch,

@@ -19,6 +19,12 @@ usage: cargo run --release -p inbox-bench -- [flags]
                       (default 5000000, quick 20000; 0 skips both phases)
   --purge-batch N     rows per purge transaction (default 10000, quick 1000)
   --purge-concurrency LIST  claimers during the purge phase (default 8,32; quick 8)
+  --purge-detail      print where each purge's time went (batches, deleting, resting,
+                      the cutoff's walk) to stderr
+  --phases LIST       phases to run, comma separated, of main, mix, growth, purge
+                      (default all; purge seeds the growth rows without measuring growth)
+  --modes LIST        main-phase modes to run, comma separated (default all; names as in
+                      the tables, e.g. batch,batch_raw)
   --instructions N    first count client-side instructions per message of raw, claim
                       and process under callgrind (needs valgrind), N and 2N messages
                       on SQLite in memory; with --no-sqlite and no server, only that
@@ -48,9 +54,23 @@ pub struct Args {
     /// `MODE:N`: the child process `--instructions` runs under callgrind.
     pub count_only: Option<String>,
     pub tables: Option<String>,
+    /// Print each purge's time split.
+    pub purge_detail: bool,
+    /// The phases to run, of [`PHASES`].
+    pub phases: Vec<String>,
+    /// The main-phase modes to run, by name; empty for all.
+    pub modes: Vec<String>,
 }
 
+/// Every phase, in the order a run takes them.
+pub const PHASES: [&str; 4] = ["main", "mix", "growth", "purge"];
+
 impl Args {
+    /// Whether `phase` runs.
+    pub fn runs(&self, phase: &str) -> bool {
+        self.phases.iter().any(|p| p == phase)
+    }
+
     /// Parses `std::env::args()`; `Ok(None)` when `--help` asked for the usage text.
     pub fn from_env() -> Result<Option<Self>, BoxError> {
         Self::parse(std::env::args().skip(1))
@@ -82,6 +102,9 @@ impl Args {
                 "--instructions" => raw.instructions = Some(value()?.parse()?),
                 "--count-only" => raw.count_only = Some(value()?),
                 "--tables" => raw.tables = Some(value()?),
+                "--phases" => raw.phases = Some(parse_names(&value()?)),
+                "--purge-detail" => raw.purge_detail = true,
+                "--modes" => raw.modes = Some(parse_names(&value()?)),
                 other => return Err(format!("unknown flag {other}\n\n{USAGE}").into()),
             }
         }
@@ -108,6 +131,9 @@ struct RawArgs {
     instructions: Option<u64>,
     count_only: Option<String>,
     tables: Option<String>,
+    phases: Option<Vec<String>>,
+    modes: Option<Vec<String>>,
+    purge_detail: bool,
 }
 
 impl RawArgs {
@@ -139,6 +165,12 @@ impl RawArgs {
         if purge_concurrency.is_empty() {
             return Err("--purge-concurrency needs at least one value".into());
         }
+        let phases = self
+            .phases
+            .unwrap_or_else(|| PHASES.iter().map(|p| (*p).to_owned()).collect());
+        if let Some(unknown) = phases.iter().find(|p| !PHASES.contains(&p.as_str())) {
+            return Err(format!("unknown phase {unknown}: give some of {PHASES:?}").into());
+        }
         Ok(Args {
             postgres: self.postgres,
             mysql: self.mysql,
@@ -155,6 +187,9 @@ impl RawArgs {
             instructions: self.instructions,
             count_only: self.count_only,
             tables: self.tables,
+            phases,
+            modes: self.modes.unwrap_or_default(),
+            purge_detail: self.purge_detail,
         })
     }
 }
@@ -168,6 +203,10 @@ fn parse_list(list: &str) -> Result<Vec<usize>, BoxError> {
         return Err("--concurrency values must be positive".into());
     }
     Ok(values)
+}
+
+fn parse_names(list: &str) -> Vec<String> {
+    list.split(',').map(|name| name.trim().to_owned()).collect()
 }
 
 /// The full-run default, or the smoke-run one under `--quick`.
@@ -208,6 +247,7 @@ mod tests {
         assert!(parse(&["--concurrency", "0"]).is_err());
         assert!(parse(&["--no-sqlite"]).is_err());
         assert!(parse(&["--seconds", "-1"]).is_err());
+        assert!(parse(&["--phases", "main,bogus"]).is_err());
         assert!(matches!(parse(&["--help"]), Ok(None)));
     }
 }

@@ -164,9 +164,11 @@ struct Bench<'a> {
 async fn bench_backend(args: &Args, target: &Target) -> Result<Report, BoxError> {
     let mut bench = Bench::open(args, target).await?;
     bench.main_phase().await?;
-    if args.growth_rows > 0 {
+    if args.growth_rows > 0 && (args.runs("growth") || args.runs("purge")) {
         let cohorts = bench.growth_phase().await?;
-        bench.purge_phase(cohorts).await?;
+        if args.runs("purge") {
+            bench.purge_phase(cohorts).await?;
+        }
     }
     let Bench {
         db,
@@ -211,10 +213,30 @@ impl<'a> Bench<'a> {
     }
 
     /// Every mode at every concurrency, in interleaved rounds; then ours and the peers'
-    /// protocols again in the duplicate-heavy mix.
+    /// protocols again in the duplicate-heavy mix (as far as `--phases` and `--modes`
+    /// keep them).
     async fn main_phase(&mut self) -> Result<(), BoxError> {
-        self.rounds("main", &Mode::ALL).await?;
-        self.rounds("mix", &Mode::MIX).await
+        let modes: Vec<Mode> = Mode::ALL
+            .into_iter()
+            .filter(|mode| {
+                self.args.modes.is_empty() || self.args.modes.iter().any(|m| m == mode.name())
+            })
+            .collect();
+        if let Some(unknown) = self
+            .args
+            .modes
+            .iter()
+            .find(|name| !Mode::ALL.iter().any(|mode| mode.name() == name.as_str()))
+        {
+            return Err(format!("unknown mode {unknown} in --modes").into());
+        }
+        if self.args.runs("main") {
+            self.rounds("main", &modes).await?;
+        }
+        if self.args.runs("mix") {
+            self.rounds("mix", &Mode::MIX).await?;
+        }
+        Ok(())
     }
 
     /// `claim` and `raw` again with `--growth-rows` old markers in the inbox, seeded in
@@ -235,7 +257,9 @@ impl<'a> Bench<'a> {
             started.elapsed().as_secs_f64()
         );
         self.report.growth_rows = rows;
-        self.rounds("growth", &[Mode::Claim, Mode::Raw]).await?;
+        if self.args.runs("growth") {
+            self.rounds("growth", &[Mode::Claim, Mode::Raw]).await?;
+        }
         Ok(cohorts)
     }
 

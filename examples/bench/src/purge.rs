@@ -20,6 +20,8 @@ pub struct Purged {
     pub elapsed: Duration,
     /// How long the whole purge took, in microseconds (one sample per purge).
     pub latencies_us: Vec<u32>,
+    /// Where the time went, for `--purge-detail`.
+    pub detail: String,
 }
 
 impl Purged {
@@ -133,10 +135,20 @@ async fn library_purge(
     let start = Instant::now();
     let report = purge(conn, &policy).await?;
     let elapsed = start.elapsed();
+    // The cutoff's walk is what the purge spends outside its batches and rests.
+    let walk = elapsed.saturating_sub(report.deleting + report.resting);
     Ok(Purged {
         rows: report.rows,
         elapsed,
         latencies_us: vec![micros(elapsed)],
+        detail: format!(
+            "{} batches (largest {}), deleting {:.1} ms, resting {:.1} ms, walk {:.1} ms",
+            report.batches,
+            report.largest_batch,
+            ms(report.deleting),
+            ms(report.resting),
+            ms(walk)
+        ),
     })
 }
 
@@ -150,8 +162,10 @@ async fn hand_delete(
 ) -> Result<Purged, BoxError> {
     let backend = conn.get_database_backend();
     let mut purged = Purged::default();
+    let mut batches = 0;
     let start = Instant::now();
     loop {
+        batches += 1;
         let statement = Statement::from_sql_and_values(
             backend,
             sql.delete_batch,
@@ -167,8 +181,13 @@ async fn hand_delete(
         }
     }
     purged.elapsed = start.elapsed();
+    purged.detail = format!("{batches} statements");
     purged.latencies_us.push(micros(purged.elapsed));
     Ok(purged)
+}
+
+fn ms(elapsed: Duration) -> f64 {
+    elapsed.as_secs_f64() * 1e3
 }
 
 fn micros(elapsed: Duration) -> u32 {
@@ -275,6 +294,15 @@ impl Bench<'_> {
                 &claims.done,
             )
             .await?;
+        if self.args.purge_detail {
+            eprintln!(
+                "[{}] {purge_label} c={concurrency}: {} rows in {:.1} ms: {}",
+                self.report.backend,
+                purged.rows,
+                ms(purged.elapsed),
+                purged.detail
+            );
+        }
         let expected = cohorts.rows_in(k, self.report.growth_rows);
         if purged.rows != expected {
             return Err(format!(

@@ -136,9 +136,9 @@ trait Dialect: Sync {
         " ON CONFLICT (message_id, consumer) DO NOTHING"
     }
 
-    /// Whether `INSERT ... RETURNING` may be used.
-    fn insert_returning(&self) -> bool {
-        true
+    /// What a batch claim's multi-row INSERT returns.
+    fn batch_returning(&self) -> BatchReturning {
+        BatchReturning::Inserted
     }
 
     /// One purge batch deleting at most `?` rows meeting `purgeable`, oldest first.
@@ -697,15 +697,29 @@ pub(crate) fn complete_lease_sql(backend: DbBackend) -> Result<String, InboxErro
     )
 }
 
+/// What a dialect's multi-row batch INSERT returns, after its conflict clause.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum BatchReturning {
+    /// `RETURNING` lists exactly the rows the INSERT wrote (PostgreSQL, SQLite: DO NOTHING
+    /// skips the others).
+    Inserted,
+    /// This clause, appended to the INSERT, returns the consumer's row of every id, written
+    /// now or met on a unique key, on the servers that support it, and makes the INSERT
+    /// return nothing on the others, which then read every id's row back (the MySQL
+    /// family: the server version decides inside the clause).
+    EveryIdWhereSupported(&'static str),
+}
+
 /// The statements of one [`claim_batch`](crate::InboxTransactionExt::claim_batch) call.
 pub(crate) enum BatchClaimSql {
     /// One multi-row INSERT whose RETURNING lists exactly the rows it inserted: message_id,
     /// consumer, claim_token (PostgreSQL, SQLite: `ON CONFLICT DO NOTHING RETURNING`).
     Returning(String),
-    /// A multi-row INSERT that returns nothing, then `read`: a locking read of the
-    /// consumer's rows for every id of the batch, through the inbox index, returning
-    /// message_id, consumer, claim_token (the MySQL family). Binds of `read`: consumer, then
-    /// the ids in batch order.
+    /// A multi-row INSERT that returns message_id, consumer, claim_token of every id's row
+    /// (written now or met on a unique key) where the server supports it (MariaDB 10.5+),
+    /// and nothing elsewhere (MySQL 8, older MariaDB): then `read`, a locking read of the
+    /// consumer's rows for every id of the batch, through the inbox index, returning the
+    /// same columns. Binds of `read`: consumer, then the ids in batch order.
     InsertThenRead { insert: String, read: String },
 }
 
@@ -724,11 +738,15 @@ pub(crate) fn batch_claim_sql(
     insert.push_str("INSERT INTO inbox (message_id, consumer, received_at, claim_token) VALUES ");
     push_placeholder_list(&mut insert, rows, "(?, ?, ?, ?)");
     let insert = dialect_sql(backend, &insert)? + dialect.on_inbox_conflict_do_nothing();
-    if dialect.insert_returning() {
-        return Ok(BatchClaimSql::Returning(
-            insert + " RETURNING message_id, consumer, claim_token",
-        ));
-    }
+    let returning_where_supported = match dialect.batch_returning() {
+        BatchReturning::Inserted => {
+            return Ok(BatchClaimSql::Returning(
+                insert + " RETURNING message_id, consumer, claim_token",
+            ));
+        }
+        BatchReturning::EveryIdWhereSupported(clause) => clause,
+    };
+    let insert = insert + returning_where_supported;
     let mut read = String::with_capacity(96 + rows * 3);
     read.push_str(
         "SELECT message_id, consumer, claim_token FROM inbox WHERE consumer = ? AND message_id IN (",
