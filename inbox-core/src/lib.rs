@@ -19,6 +19,7 @@ pub mod jetstream;
 mod lease;
 mod message_id;
 mod metrics;
+mod outbox;
 mod outcome;
 mod pooler;
 pub mod prelude;
@@ -48,6 +49,12 @@ pub use lease::{
 };
 pub use message_id::{MESSAGE_ID_NAMESPACE, MessageId};
 pub use metrics::{InboxMetrics, MetricsSnapshot, metric_names};
+pub use outbox::{
+    BoxError, DeadMessage, OutboxBacklog, OutboxError, OutboxExt, OutboxMessage, OutboxMetrics,
+    OutboxMetricsSnapshot, OutboxWaker, OutgoingMessage, PublishError, Publisher, Relay,
+    RelayOptions, RelayReport, list_dead_messages, outbox_backlog, purge_sent_messages,
+    requeue_dead_message,
+};
 pub use outcome::{NackDelay, Outcome, ProcessError, Settlement};
 #[cfg(feature = "postgres")]
 pub use pooler::for_transaction_pooler;

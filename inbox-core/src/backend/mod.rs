@@ -21,6 +21,7 @@ use uuid::Uuid;
 
 #[cfg(feature = "mysql")]
 mod mysql;
+pub(crate) mod outbox;
 #[cfg(feature = "postgres")]
 mod postgres;
 #[cfg(feature = "sqlite")]
@@ -172,6 +173,28 @@ trait Dialect: Sync {
     fn consumer_is(&self, consumer: &str) -> Expr {
         inbox::Column::Consumer.eq(consumer)
     }
+
+    /// The outbox INSERT, which leaves a row whose `message_id` exists untouched and
+    /// raises nothing (the transaction stays usable). Binds: message_id, destination,
+    /// partition_key, payload, headers, created_at, available_at.
+    fn outbox_insert(&self) -> &'static str;
+
+    /// The clause ending the relay's claim SELECT that locks the rows it returns and skips
+    /// rows another relay's open claim holds. `""` where one writer at a time holds the
+    /// whole database for the claim transaction (SQLite).
+    fn outbox_claim_lock(&self) -> &'static str {
+        " FOR UPDATE SKIP LOCKED"
+    }
+
+    /// The options of the relay's claim transaction. By default none: the database's
+    /// default isolation (PostgreSQL's READ COMMITTED) and no extra statement.
+    fn outbox_claim_transaction(&self) -> TransactionOptions {
+        TransactionOptions::default()
+    }
+
+    /// One purge batch of the outbox: at most `?` rows sent before `?`, oldest first, in
+    /// one statement walking `ix_outbox_pending`. Binds: cutoff, batch size.
+    fn outbox_purge_batch(&self) -> &'static str;
 
     /// A statement that leaves the connection inside a transaction whether or not the
     /// database already ended the one the driver counts, sent before ROLLBACK so that the

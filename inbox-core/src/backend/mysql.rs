@@ -4,16 +4,41 @@
 use super::{DbErrorKind, Dialect, migration_of_column_named_in};
 use crate::InboxMigration;
 use chrono::{DateTime, Utc};
-use sea_orm::Value;
 use sea_orm::sea_query::Expr;
 use sea_orm::sqlx::error::DatabaseError;
 use sea_orm::sqlx::mysql::MySqlDatabaseError;
+use sea_orm::{IsolationLevel, TransactionOptions, Value};
 use sea_orm_inbox_entity::INDEX_NAME;
 use std::time::Duration;
 
 pub(super) struct MySql;
 
 impl Dialect for MySql {
+    /// MySQL has no DO NOTHING: a no-op update of a non-key column, as for the inbox
+    /// (assigning a key column in that clause is what lost rows on MariaDB). The outbox has
+    /// no unique key but the primary key and `ix_outbox_message_id`, so it fires only for a
+    /// repeated message id.
+    fn outbox_insert(&self) -> &'static str {
+        "INSERT INTO `outbox` (`message_id`, `destination`, `partition_key`, `payload`, `headers`, `created_at`, `available_at`) VALUES (?, ?, ?, ?, ?, ?, ?) ON DUPLICATE KEY UPDATE `destination` = `destination`"
+    }
+
+    /// READ COMMITTED: under InnoDB's default REPEATABLE READ the claim's locking read
+    /// would take next-key locks on the gaps it walks, and every enqueue INSERT into them
+    /// would wait for the claim to commit; READ COMMITTED also releases the rows the
+    /// claim's WHERE rejects at once.
+    fn outbox_claim_transaction(&self) -> TransactionOptions {
+        TransactionOptions {
+            isolation_level: Some(IsolationLevel::ReadCommitted),
+            ..TransactionOptions::default()
+        }
+    }
+
+    /// MySQL/MariaDB cannot use LIMIT in an `IN (subquery)`; the single-table DELETE takes
+    /// ORDER BY and LIMIT itself.
+    fn outbox_purge_batch(&self) -> &'static str {
+        "DELETE FROM outbox WHERE sent_at < ? ORDER BY sent_at LIMIT ?"
+    }
+
     fn insert_marker(&self) -> &'static str {
         "INSERT INTO `inbox` (`message_id`, `consumer`, `received_at`) VALUES (?, ?, ?)"
     }

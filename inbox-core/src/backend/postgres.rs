@@ -11,6 +11,17 @@ use std::time::Duration;
 pub(super) struct Postgres;
 
 impl Dialect for Postgres {
+    /// `ON CONFLICT (message_id)` infers the unique index `ix_outbox_message_id` (no
+    /// constraint needed, unlike `ON CONFLICT ON CONSTRAINT`) and raises nothing.
+    fn outbox_insert(&self) -> &'static str {
+        r#"INSERT INTO "outbox" ("message_id", "destination", "partition_key", "payload", "headers", "created_at", "available_at") VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT ("message_id") DO NOTHING"#
+    }
+
+    fn outbox_purge_batch(&self) -> &'static str {
+        "DELETE FROM outbox WHERE id = ANY(ARRAY(\
+         SELECT id FROM outbox WHERE sent_at < $1 ORDER BY sent_at LIMIT $2))"
+    }
+
     /// A duplicate conflicts on the inbox's constraint and returns no row instead of
     /// raising 23505, which the server would log as an ERROR for every duplicate delivery
     /// (and which would abort the transaction). It still waits for a transaction holding

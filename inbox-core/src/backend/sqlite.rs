@@ -5,11 +5,38 @@ use super::{DbErrorKind, Dialect, migration_of_column_named_in};
 use crate::InboxMigration;
 use sea_orm::sqlx::error::DatabaseError;
 use sea_orm::sqlx::sqlite::SqliteError;
+use sea_orm::{SqliteTransactionMode, TransactionOptions};
 use std::time::Duration;
 
 pub(super) struct Sqlite;
 
 impl Dialect for Sqlite {
+    /// A repeated `message_id` leaves the row as it is, raising nothing.
+    fn outbox_insert(&self) -> &'static str {
+        r#"INSERT INTO "outbox" ("message_id", "destination", "partition_key", "payload", "headers", "created_at", "available_at") VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT ("message_id") DO NOTHING"#
+    }
+
+    fn outbox_purge_batch(&self) -> &'static str {
+        "DELETE FROM outbox WHERE id IN \
+         (SELECT id FROM outbox WHERE sent_at < ? ORDER BY sent_at LIMIT ?)"
+    }
+
+    /// IMMEDIATE: the claim takes the write lock at BEGIN, so two relays' claims queue in
+    /// the busy handler instead of one failing with "database is locked" when its SELECT
+    /// is followed by the UPDATE.
+    fn outbox_claim_transaction(&self) -> TransactionOptions {
+        TransactionOptions {
+            sqlite_transaction_mode: Some(SqliteTransactionMode::Immediate),
+            ..TransactionOptions::default()
+        }
+    }
+
+    /// The claim transaction is IMMEDIATE: it holds SQLite's one write lock from BEGIN,
+    /// so no other relay reads between this claim's SELECT and its UPDATE.
+    fn outbox_claim_lock(&self) -> &'static str {
+        ""
+    }
+
     fn insert_marker(&self) -> &'static str {
         r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at") VALUES (?, ?, ?)"#
     }
