@@ -81,6 +81,17 @@ pub trait Publisher: Send + Sync {
     ) -> impl Future<Output = Result<(), PublishError>> + Send;
 }
 
+/// A publisher shared by several relays (or kept by the caller to inspect) publishes as
+/// itself.
+impl<P: Publisher> Publisher for Arc<P> {
+    fn publish(
+        &self,
+        message: &OutboxMessage,
+    ) -> impl Future<Output = Result<(), PublishError>> + Send {
+        P::publish(self, message)
+    }
+}
+
 /// How a [`Relay`] claims, publishes and retries.
 ///
 /// ```
