@@ -229,15 +229,18 @@ async fn enqueue_keyed(conn: &DatabaseConnection, keys: usize, per_key: usize) {
     }
 }
 
-/// Runs relays on their own pools until the backlog is empty.
+/// Runs two relays on their own pools, started together, until the backlog is empty.
 async fn drain_with_two_relays(db: &TestDb, recorder: &Arc<Recorder>) {
     let mut tasks = Vec::new();
+    let start = Arc::new(tokio::sync::Barrier::new(2));
     for _ in 0..2 {
         let pool = db.connect().await;
         let relay = Relay::new(Arc::clone(recorder))
             .with_options(quick_options())
             .expect("options");
+        let start = Arc::clone(&start);
         tasks.push(tokio::spawn(async move {
+            start.wait().await;
             for _ in 0..2_000 {
                 relay.relay_once(&pool).await.expect("relay");
                 if outbox_backlog(&pool).await.expect("backlog").pending == 0 {
