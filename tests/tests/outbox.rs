@@ -2,30 +2,18 @@
 //! and relays on separate pools publish every row once, in order per key, parking poison
 //! rows without holding back other keys.
 
-use inbox_tests::{Backend, TestDb, migrated_db, on_every_backend, scalar_i64};
+use inbox_tests::{Backend, TestDb, migrated_outbox_db as outbox_db, on_every_backend, scalar_i64};
 use sea_orm::{ConnAcquireErr, ConnectionTrait, DatabaseConnection, DbErr, TransactionTrait};
 use sea_orm_inbox::{
-    Inbox, MessageId, OutboxError, OutboxExt, OutboxMessage, OutgoingMessage, Outcome,
+    Inbox, MessageId, OutboxError, OutboxExt, OutboxMessage, Outcome, OutgoingMessage,
     PublishError, Publisher, Relay, RelayOptions, list_dead_messages, outbox_backlog,
     purge_sent_messages, requeue_dead_message,
 };
-use sea_orm_inbox_migration::{MigratorTrait, MigratorWithOutbox};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use uuid::Uuid;
-
-/// A database with the inbox and the outbox migrations.
-async fn outbox_db(backend: Backend) -> TestDb {
-    let db = migrated_db(backend).await;
-    let conn = db.connect().await;
-    MigratorWithOutbox::up(&conn, None)
-        .await
-        .expect("run CreateOutbox");
-    conn.close().await.ok();
-    db
-}
 
 /// What a handler does: one business write and one outgoing message, through whatever
 /// connection it is given.
@@ -50,7 +38,9 @@ async fn create_orders(conn: &impl ConnectionTrait) {
         sea_orm::DbBackend::Postgres => {
             "CREATE TABLE orders (id BIGSERIAL PRIMARY KEY, note VARCHAR(20) NOT NULL)"
         }
-        _ => "CREATE TABLE orders (id INTEGER PRIMARY KEY AUTOINCREMENT, note VARCHAR(20) NOT NULL)",
+        _ => {
+            "CREATE TABLE orders (id INTEGER PRIMARY KEY AUTOINCREMENT, note VARCHAR(20) NOT NULL)"
+        }
     };
     conn.execute_unprepared(sql).await.expect("create orders");
 }
@@ -155,7 +145,11 @@ async fn enqueue_commits_and_rolls_back_with_the_transaction(backend: Backend) {
         })
         .await;
     assert!(failed.is_err(), "{failed:?}");
-    assert_eq!(outbox_rows(&conn).await, 1, "the failed handler's message is gone");
+    assert_eq!(
+        outbox_rows(&conn).await,
+        1,
+        "the failed handler's message is gone"
+    );
 
     let relay = Relay::new(Arc::new(Recorder::default()))
         .with_options(quick_options())
@@ -279,7 +273,11 @@ async fn two_relays_publish_every_row_exactly_once(backend: Backend) {
         ids.len()
     );
     assert_eq!(
-        scalar_i64(&conn, "SELECT COUNT(*) FROM outbox WHERE sent_at IS NOT NULL").await,
+        scalar_i64(
+            &conn,
+            "SELECT COUNT(*) FROM outbox WHERE sent_at IS NOT NULL"
+        )
+        .await,
         ROWS as i64
     );
     conn.close().await.ok();
@@ -341,7 +339,10 @@ async fn a_relay_killed_after_publishing_leaves_the_row_to_be_republished_with_i
         .with_options(options)
         .expect("options");
     let early = survivor.relay_once(&survivor_pool).await.expect("relay");
-    assert_eq!(early.claimed, 0, "the dead relay's lease still holds the row");
+    assert_eq!(
+        early.claimed, 0,
+        "the dead relay's lease still holds the row"
+    );
 
     tokio::time::sleep(Duration::from_millis(2_100)).await;
     let late = survivor.relay_once(&survivor_pool).await.expect("relay");
@@ -391,7 +392,10 @@ async fn a_poison_row_goes_dead_without_holding_back_other_keys(backend: Backend
     assert_eq!(dead, 1, "parked after its attempts ran out");
     let sent: Vec<Vec<u8>> = recorder.payloads();
     assert_eq!(sent.len(), 3, "b1, b2 and the unkeyed message went out");
-    assert!(!sent.contains(&b"a2".to_vec()), "a2 waits behind its dead predecessor");
+    assert!(
+        !sent.contains(&b"a2".to_vec()),
+        "a2 waits behind its dead predecessor"
+    );
     let backlog = outbox_backlog(&conn).await.expect("backlog");
     assert_eq!((backlog.pending, backlog.dead), (1, 1));
 
@@ -412,7 +416,10 @@ async fn a_poison_row_goes_dead_without_holding_back_other_keys(backend: Backend
     // The operator fixes the cause and requeues: the row, then its key's next, go out.
     recorder.cured.store(true, Ordering::SeqCst);
     assert!(requeue_dead_message(&conn, poison).await.expect("requeue"));
-    assert!(!requeue_dead_message(&conn, poison).await.expect("requeue"), "no longer dead");
+    assert!(
+        !requeue_dead_message(&conn, poison).await.expect("requeue"),
+        "no longer dead"
+    );
     for _ in 0..3 {
         relay.relay_once(&conn).await.expect("relay");
     }
