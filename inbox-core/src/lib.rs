@@ -63,7 +63,8 @@ pub use retention::{
     spawn_purger,
 };
 pub use retry::RetryPolicy;
-pub use schema::{InboxMigration, SchemaError, verify_schema};
+pub use schema::{InboxMigration, SchemaError, verify_outbox_schema, verify_schema};
 pub use sea_orm_inbox_entity::{
-    CONSUMER_MAX_CHARS, INDEX_NAME, RECEIVED_AT_INDEX_NAME, TABLE_NAME,
+    CONSUMER_MAX_CHARS, DESTINATION_MAX_CHARS, INDEX_NAME, OUTBOX_MESSAGE_ID_INDEX_NAME,
+    OUTBOX_TABLE_NAME, PARTITION_KEY_MAX_CHARS, RECEIVED_AT_INDEX_NAME, TABLE_NAME,
 };

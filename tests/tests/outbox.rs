@@ -6,9 +6,10 @@ use inbox_tests::{Backend, TestDb, migrated_outbox_db as outbox_db, on_every_bac
 use sea_orm::{ConnAcquireErr, ConnectionTrait, DatabaseConnection, DbErr, TransactionTrait};
 use sea_orm_inbox::{
     Inbox, MessageId, OutboxError, OutboxExt, OutboxMessage, Outcome, OutgoingMessage,
-    PublishError, Publisher, Relay, RelayOptions, list_dead_messages, outbox_backlog,
-    purge_sent_messages, requeue_dead_message,
+    PublishError, Publisher, Relay, RelayOptions, SchemaError, list_dead_messages, outbox_backlog,
+    purge_sent_messages, requeue_dead_message, verify_outbox_schema,
 };
+use sea_orm_inbox_migration::MigratorTrait;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -439,7 +440,84 @@ async fn a_poison_row_goes_dead_without_holding_back_other_keys(backend: Backend
     db.cleanup().await;
 }
 
+async fn a_woken_relay_publishes_without_waiting_for_its_poll(backend: Backend) {
+    let db = outbox_db(backend).await;
+    let conn = db.connect().await;
+    let recorder = Arc::new(Recorder::default());
+    let options = RelayOptions {
+        poll_interval: Duration::from_secs(600),
+        ..quick_options()
+    };
+    let relay = Relay::new(Arc::clone(&recorder))
+        .with_options(options)
+        .expect("options");
+    let waker = relay.waker();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let pool = db.connect().await;
+    let running = tokio::spawn(async move {
+        relay
+            .run(&pool, async {
+                stopped.await.ok();
+            })
+            .await;
+        pool.close().await.ok();
+    });
+
+    let txn = conn.begin().await.expect("begin");
+    let id = txn
+        .enqueue(OutgoingMessage::new("events", b"now".to_vec()))
+        .await
+        .expect("enqueue");
+    txn.commit().await.expect("commit");
+    waker.wake();
+    let published = async {
+        while recorder.ids().is_empty() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), published)
+        .await
+        .expect("published long before the 10-minute poll");
+    assert_eq!(recorder.ids(), [id]);
+    stop.send(()).ok();
+    running.await.expect("the relay stops");
+    conn.close().await.ok();
+    db.cleanup().await;
+}
+
+async fn the_startup_check_finds_a_missing_outbox_and_a_missing_unique_index(backend: Backend) {
+    let db = inbox_tests::migrated_db(backend).await;
+    let conn = db.connect().await;
+    assert!(
+        matches!(
+            verify_outbox_schema(&conn).await,
+            Err(SchemaError::MissingOutboxTable)
+        ),
+        "the inbox migrations alone make no outbox"
+    );
+    sea_orm_inbox_migration::MigratorWithOutbox::up(&conn, None)
+        .await
+        .expect("run CreateOutbox");
+    verify_outbox_schema(&conn)
+        .await
+        .expect("the migrated outbox passes");
+    let drop = match backend {
+        Backend::MySql => "DROP INDEX ix_outbox_message_id ON outbox",
+        _ => "DROP INDEX ix_outbox_message_id",
+    };
+    conn.execute_unprepared(drop).await.expect("drop the index");
+    let found = verify_outbox_schema(&conn).await;
+    assert!(
+        matches!(&found, Err(SchemaError::OutboxIndex { found }) if found == "missing"),
+        "{found:?}"
+    );
+    conn.close().await.ok();
+    db.cleanup().await;
+}
+
 on_every_backend!(
+    the_startup_check_finds_a_missing_outbox_and_a_missing_unique_index,
+    a_woken_relay_publishes_without_waiting_for_its_poll,
     enqueue_commits_and_rolls_back_with_the_transaction,
     a_retried_handler_leaves_one_row_per_message,
     two_relays_publish_every_row_exactly_once,

@@ -105,18 +105,22 @@ impl Dialect for MySql {
         false
     }
 
-    fn inbox_columns_catalog(&self) -> &'static str {
-        "SELECT CAST(column_name AS CHAR), CAST(collation_name AS CHAR) FROM information_schema.columns \
-         WHERE table_schema = DATABASE() AND table_name = 'inbox' ORDER BY ordinal_position"
+    fn columns_catalog(&self, table: &str) -> String {
+        format!(
+            "SELECT CAST(column_name AS CHAR), CAST(collation_name AS CHAR) FROM information_schema.columns \
+             WHERE table_schema = DATABASE() AND table_name = '{table}' ORDER BY ordinal_position"
+        )
     }
 
     /// A prefix key (`consumer(10)`) counts as partial; a functional key (MySQL 8) has no
     /// column name.
-    fn inbox_index_catalog(&self) -> &'static str {
-        "SELECT CAST(COALESCE(column_name, '(expression)') AS CHAR), CAST(1 - non_unique AS SIGNED), \
-         CAST(sub_part IS NOT NULL AS SIGNED), CAST(1 AS SIGNED) FROM information_schema.statistics \
-         WHERE table_schema = DATABASE() AND table_name = 'inbox' \
-         AND index_name = 'ix_inbox_message_id_consumer' ORDER BY seq_in_index"
+    fn index_catalog(&self, table: &str, index: &str) -> String {
+        format!(
+            "SELECT CAST(COALESCE(column_name, '(expression)') AS CHAR), CAST(1 - non_unique AS SIGNED), \
+             CAST(sub_part IS NOT NULL AS SIGNED), CAST(1 AS SIGNED) FROM information_schema.statistics \
+             WHERE table_schema = DATABASE() AND table_name = '{table}' \
+             AND index_name = '{index}' ORDER BY seq_in_index"
+        )
     }
 
     /// Binary collations end in `_bin` (`utf8mb4_bin`, `utf8mb4_nopad_bin`), or are

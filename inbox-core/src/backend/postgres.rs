@@ -93,22 +93,26 @@ impl Dialect for Postgres {
     }
 
     /// Resolved like the claims' unqualified `inbox`: through the `search_path`.
-    fn inbox_columns_catalog(&self) -> &'static str {
-        "SELECT attname::text, NULL::text FROM pg_attribute \
-         WHERE attrelid = to_regclass('inbox') AND attnum > 0 AND NOT attisdropped ORDER BY attnum"
+    fn columns_catalog(&self, table: &str) -> String {
+        format!(
+            "SELECT attname::text, NULL::text FROM pg_attribute \
+             WHERE attrelid = to_regclass('{table}') AND attnum > 0 AND NOT attisdropped ORDER BY attnum"
+        )
     }
 
     /// An expression key has no column (attnum 0) and reads as `(expression)`.
-    fn inbox_index_catalog(&self) -> &'static str {
-        "SELECT COALESCE(a.attname::text, '(expression)'), i.indisunique::int::int8, \
-         (i.indpred IS NOT NULL)::int::int8, \
-         EXISTS (SELECT 1 FROM pg_constraint c WHERE c.conindid = i.indexrelid \
-         AND c.contype = 'u' AND c.conname = 'ix_inbox_message_id_consumer')::int::int8 \
-         FROM pg_index i JOIN pg_class ic ON ic.oid = i.indexrelid \
-         CROSS JOIN LATERAL unnest(i.indkey::int2[]) WITH ORDINALITY AS k(attnum, ord) \
-         LEFT JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum \
-         WHERE i.indrelid = to_regclass('inbox') AND ic.relname = 'ix_inbox_message_id_consumer' \
-         ORDER BY k.ord"
+    fn index_catalog(&self, table: &str, index: &str) -> String {
+        format!(
+            "SELECT COALESCE(a.attname::text, '(expression)'), i.indisunique::int::int8, \
+             (i.indpred IS NOT NULL)::int::int8, \
+             EXISTS (SELECT 1 FROM pg_constraint c WHERE c.conindid = i.indexrelid \
+             AND c.contype = 'u' AND c.conname = '{index}')::int::int8 \
+             FROM pg_index i JOIN pg_class ic ON ic.oid = i.indexrelid \
+             CROSS JOIN LATERAL unnest(i.indkey::int2[]) WITH ORDINALITY AS k(attnum, ord) \
+             LEFT JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum \
+             WHERE i.indrelid = to_regclass('{table}') AND ic.relname = '{index}' \
+             ORDER BY k.ord"
+        )
     }
 
     fn conflict_needs_constraint(&self) -> bool {

@@ -72,16 +72,18 @@ impl Dialect for Sqlite {
         None
     }
 
-    fn inbox_columns_catalog(&self) -> &'static str {
-        "SELECT name, NULL FROM pragma_table_info('inbox') ORDER BY cid"
+    fn columns_catalog(&self, table: &str) -> String {
+        format!("SELECT name, NULL FROM pragma_table_info('{table}') ORDER BY cid")
     }
 
     /// An expression key has no column name.
-    fn inbox_index_catalog(&self) -> &'static str {
-        "SELECT COALESCE(ii.name, '(expression)'), il.\"unique\", il.partial, 1 \
-         FROM pragma_index_list('inbox') AS il \
-         JOIN pragma_index_info('ix_inbox_message_id_consumer') AS ii \
-         WHERE il.name = 'ix_inbox_message_id_consumer' ORDER BY ii.seqno"
+    fn index_catalog(&self, table: &str, index: &str) -> String {
+        format!(
+            "SELECT COALESCE(ii.name, '(expression)'), il.\"unique\", il.partial, 1 \
+             FROM pragma_index_list('{table}') AS il \
+             JOIN pragma_index_info('{index}') AS ii \
+             WHERE il.name = '{index}' ORDER BY ii.seqno"
+        )
     }
 
     fn missing_migration(&self, db: &dyn DatabaseError) -> Option<InboxMigration> {
