@@ -47,14 +47,15 @@ async fn create_orders(conn: &impl ConnectionTrait) {
 }
 
 /// A stand-in broker: records every publish in order; refuses payloads in `poison` (until
-/// `cured`); and, while `hang` is set, records and then never confirms (a relay killed
-/// after the broker took the message).
+/// `cured`); takes `latency` to confirm; and, while `hang` is set, records and then never
+/// confirms (a relay killed after the broker took the message).
 #[derive(Default)]
 struct Recorder {
     published: Mutex<Vec<OutboxMessage>>,
     poison: Vec<Vec<u8>>,
     cured: AtomicBool,
     hang: AtomicBool,
+    latency: Duration,
 }
 
 impl Recorder {
@@ -89,6 +90,7 @@ impl Publisher for Recorder {
         if self.hang.load(Ordering::SeqCst) {
             std::future::pending::<()>().await;
         }
+        tokio::time::sleep(self.latency).await;
         Ok(())
     }
 }
@@ -515,7 +517,66 @@ async fn the_startup_check_finds_a_missing_outbox_and_a_missing_unique_index(bac
     db.cleanup().await;
 }
 
+async fn a_slow_broker_makes_the_relay_hand_back_what_its_lease_cannot_cover(backend: Backend) {
+    let db = outbox_db(backend).await;
+    let conn = db.connect().await;
+    for n in 0..6 {
+        conn.enqueue(OutgoingMessage::new("events", vec![n]))
+            .await
+            .expect("enqueue");
+    }
+    // Each confirmation takes 400 ms; after two of them less than the publish timeout is
+    // left of the 2-second lease, and the relay stops instead of publishing into another
+    // relay's lease.
+    let recorder = Arc::new(Recorder {
+        latency: Duration::from_millis(400),
+        ..Recorder::default()
+    });
+    let options = RelayOptions {
+        lease: Duration::from_secs(2),
+        publish_timeout: Duration::from_millis(1_100),
+        ..quick_options()
+    };
+    let relay = Relay::new(Arc::clone(&recorder))
+        .with_options(options)
+        .expect("options");
+    let first = relay.relay_once(&conn).await.expect("relay");
+    assert_eq!(first.claimed, 6);
+    assert!(first.published >= 1 && first.released >= 1, "{first:?}");
+    assert_eq!(first.published + first.released, 6, "{first:?}");
+    // The handed-back rows are due at once, their attempt not counted.
+    let mut published = first.published;
+    while published < 6 {
+        published += relay.relay_once(&conn).await.expect("relay").published;
+    }
+    assert!(
+        recorder
+            .published
+            .lock()
+            .expect("lock")
+            .iter()
+            .all(|message| message.attempt == 1),
+        "no attempt was counted for a handed-back row"
+    );
+    assert_eq!(recorder.ids().len(), 6, "each published once");
+
+    // A broker that never confirms: the publish times out and counts as a failure.
+    conn.enqueue(OutgoingMessage::new("events", b"silent".to_vec()))
+        .await
+        .expect("enqueue");
+    recorder.hang.store(true, Ordering::SeqCst);
+    let silent = relay.relay_once(&conn).await.expect("relay");
+    assert_eq!(
+        (silent.published, silent.failed, silent.dead),
+        (0, 1, 0),
+        "{silent:?}"
+    );
+    conn.close().await.ok();
+    db.cleanup().await;
+}
+
 on_every_backend!(
+    a_slow_broker_makes_the_relay_hand_back_what_its_lease_cannot_cover,
     the_startup_check_finds_a_missing_outbox_and_a_missing_unique_index,
     a_woken_relay_publishes_without_waiting_for_its_poll,
     enqueue_commits_and_rolls_back_with_the_transaction,
