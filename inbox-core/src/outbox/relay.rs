@@ -46,9 +46,8 @@ pub enum PublishError {
 /// [`OutboxMessage::message_id`] as the broker's message id every time, so the broker
 /// (JetStream's `Nats-Msg-Id` window) or the consumer's inbox drops the repeat.
 ///
-/// Ready implementations: [`rabbitmq::RabbitMqPublisher`](crate::rabbitmq::RabbitMqPublisher)
-/// (feature `lapin`) and [`jetstream::JetStreamPublisher`](crate::jetstream::JetStreamPublisher)
-/// (feature `async-nats`). A Kafka producer fits the same shape: `destination` is the
+/// Ready implementations: `rabbitmq::RabbitMqPublisher` (feature `lapin`) and
+/// `jetstream::JetStreamPublisher` (feature `async-nats`). A Kafka producer fits the same shape: `destination` is the
 /// topic, `key` the record key (which picks the partition), `headers` the record headers.
 ///
 /// ```
