@@ -13,8 +13,8 @@
 #     adapter into that database: 223 messages, 20 published twice, one with the
 #     non-UUID id `order-42` (twice), one with the nil UUID. Effects == distinct valid
 #     messages; the nil-id message is dead-lettered once and never redelivered.
-#  4. `generate entity --ignore-tables seaql_migrations,inbox` writes no inbox entity; the
-#     control: without the flag it does.
+#  4. `generate entity --ignore-tables seaql_migrations,inbox,outbox` writes no inbox or
+#     outbox entity; the control: without the flag it writes both.
 #
 # Needs INBOX_TEST_POSTGRES_URL (an existing database the user may create databases from)
 # and INBOX_TEST_AMQP_URL (or AMQP_URL). Any failed step fails the script.
@@ -312,17 +312,20 @@ pg_url=$db_url
 # --- 4. generate entity ---------------------------------------------------------------
 entities_skip_the_inbox() {
   local with=$work/entities-ignoring without=$work/entities-default
-  sea-orm-cli generate entity -u "$pg_url" -o "$with" --ignore-tables seaql_migrations,inbox >/dev/null || return 1
+  sea-orm-cli generate entity -u "$pg_url" -o "$with" --ignore-tables seaql_migrations,inbox,outbox >/dev/null || return 1
   sea-orm-cli generate entity -u "$pg_url" -o "$without" >/dev/null || return 1
-  say "  with --ignore-tables seaql_migrations,inbox: $(cd "$with" && ls | tr '\n' ' ')"
-  say "  without it:                                  $(cd "$without" && ls | tr '\n' ' ')"
+  say "  with --ignore-tables seaql_migrations,inbox,outbox: $(cd "$with" && ls | tr '\n' ' ')"
+  say "  without it:                                         $(cd "$without" && ls | tr '\n' ' ')"
   [[ -f $with/ledger.rs ]] || { echo "seaorm-app:   no ledger entity: the run generated nothing" >&2; return 1; }
-  [[ ! -e $with/inbox.rs ]] || { echo "seaorm-app:   an inbox entity was written despite --ignore-tables" >&2; return 1; }
-  grep -qw inbox "$with/mod.rs" && { echo "seaorm-app:   mod.rs names an inbox module" >&2; return 1; }
-  [[ -f $without/inbox.rs ]] || { echo "seaorm-app:   control: no inbox entity without the flag, the check proves nothing" >&2; return 1; }
+  local table
+  for table in inbox outbox; do
+    [[ ! -e $with/$table.rs ]] || { echo "seaorm-app:   an $table entity was written despite --ignore-tables" >&2; return 1; }
+    grep -qw "$table" "$with/mod.rs" && { echo "seaorm-app:   mod.rs names an $table module" >&2; return 1; }
+    [[ -f $without/$table.rs ]] || { echo "seaorm-app:   control: no $table entity without the flag, the check proves nothing" >&2; return 1; }
+  done
   return 0
 }
-step "sea-orm-cli generate entity writes no inbox entity with --ignore-tables" entities_skip_the_inbox
+step "sea-orm-cli generate entity writes no inbox or outbox entity with --ignore-tables" entities_skip_the_inbox
 
 if [[ -n $mysql_admin ]]; then
   step "MariaDB: migrate up, migrate status, two consumers on RabbitMQ" migrate_and_consume MariaDB "$mysql_admin" mysql

@@ -24,6 +24,7 @@ macro_rules! chapter_links {
          [backend-notes]: crate::guide::backend_notes\n\
          [observability]: crate::guide::observability\n\
          [tests]: crate::guide::tests\n\
+         [outbox]: crate::guide::outbox\n\
          [fault-tolerance#lost-replies]: crate::guide::fault_tolerance#lost-replies\n\
          [retention#table-growth-at-scale]: crate::guide::retention#table-growth-at-scale\n"
     };
@@ -80,6 +81,10 @@ pub mod backend_notes {}
 #[doc = chapter_links!()]
 #[doc = include_str!("../docs/guide/observability.md")]
 pub mod observability {}
+
+#[doc = chapter_links!()]
+#[doc = include_str!("../docs/guide/outbox.md")]
+pub mod outbox {}
 
 #[doc = chapter_links!()]
 #[doc = include_str!("../docs/guide/tests.md")]

@@ -33,8 +33,9 @@
 //! # Ok(()) }
 //! ```
 
-use crate::{Delivery, InboxError, MessageId, Settlement};
+use crate::{Delivery, InboxError, MessageId, OutboxMessage, PublishError, Publisher, Settlement};
 use async_nats::header::NATS_MESSAGE_ID;
+use async_nats::jetstream::message::PublishMessage;
 use async_nats::jetstream::{AckKind, Message};
 use chrono::DateTime;
 
@@ -95,5 +96,60 @@ pub async fn settle(message: &Message, settlement: Settlement) -> Result<(), asy
         Settlement::Ack => message.ack().await,
         Settlement::Nack(delay) => message.ack_with(AckKind::Nak(delay)).await,
         Settlement::DeadLetter => message.ack_with(AckKind::Term).await,
+    }
+}
+
+/// Publishes outbox messages to JetStream and waits for each publish ack: a [`Publisher`]
+/// for a [`Relay`](crate::Relay).
+///
+/// The destination is the subject; the outbox message id goes out as `Nats-Msg-Id`, so
+/// JetStream itself drops a republish (after a relay died before marking its row sent)
+/// within the stream's duplicate window, and the ack of such a repeat counts as success.
+/// The headers go as headers, the ordering key as the header [`KEY_HEADER`].
+///
+/// ```no_run
+/// use sea_orm_inbox::{Relay, jetstream::JetStreamPublisher};
+///
+/// # async fn run(client: async_nats::Client, db: sea_orm::DatabaseConnection) {
+/// let relay = Relay::new(JetStreamPublisher::new(async_nats::jetstream::new(client)));
+/// relay.run(&db, std::future::pending()).await;
+/// # }
+/// ```
+pub struct JetStreamPublisher {
+    context: async_nats::jetstream::Context,
+}
+
+/// The header carrying an outbox message's ordering key to NATS consumers.
+pub const KEY_HEADER: &str = "Outbox-Key";
+
+impl JetStreamPublisher {
+    /// A publisher through `context`.
+    pub fn new(context: async_nats::jetstream::Context) -> Self {
+        Self { context }
+    }
+}
+
+impl Publisher for JetStreamPublisher {
+    async fn publish(&self, message: &OutboxMessage) -> Result<(), PublishError> {
+        let mut publish = PublishMessage::build()
+            .payload(message.payload.clone().into())
+            .message_id(message.message_id.to_string());
+        for (name, value) in &message.headers {
+            publish = publish.header(name.as_str(), value.as_str());
+        }
+        if let Some(key) = &message.key {
+            publish = publish.header(KEY_HEADER, key.as_str());
+        }
+        let transient = |err: async_nats::jetstream::context::PublishError| {
+            PublishError::Transient(Box::new(err))
+        };
+        // A duplicate ack (JetStream already stored this id) is a success too.
+        self.context
+            .send_publish(message.destination.clone(), publish)
+            .await
+            .map_err(transient)?
+            .await
+            .map_err(transient)?;
+        Ok(())
     }
 }

@@ -20,6 +20,7 @@ mod lease;
 mod message_id;
 mod metrics;
 mod observed;
+mod outbox;
 mod outcome;
 mod pooler;
 pub mod prelude;
@@ -52,6 +53,12 @@ pub use metrics::{InboxMetrics, MetricsSnapshot, metric_names};
 #[cfg(feature = "stream")]
 pub use observed::ObservedStream;
 pub use observed::ObservedTransaction;
+pub use outbox::{
+    BoxError, DeadMessage, OutboxBacklog, OutboxError, OutboxExt, OutboxMessage, OutboxMetrics,
+    OutboxMetricsSnapshot, OutboxWaker, OutgoingMessage, PublishError, Publisher, Relay,
+    RelayOptions, RelayReport, list_dead_messages, outbox_backlog, purge_sent_messages,
+    requeue_dead_message,
+};
 pub use outcome::{NackDelay, Outcome, ProcessError, Settlement};
 #[cfg(feature = "postgres")]
 pub use pooler::for_transaction_pooler;
@@ -60,7 +67,8 @@ pub use retention::{
     spawn_purger,
 };
 pub use retry::RetryPolicy;
-pub use schema::{InboxMigration, SchemaError, verify_schema};
+pub use schema::{InboxMigration, SchemaError, verify_outbox_schema, verify_schema};
 pub use sea_orm_inbox_entity::{
-    CONSUMER_MAX_CHARS, INDEX_NAME, RECEIVED_AT_INDEX_NAME, TABLE_NAME,
+    CONSUMER_MAX_CHARS, DESTINATION_MAX_CHARS, INDEX_NAME, OUTBOX_MESSAGE_ID_INDEX_NAME,
+    OUTBOX_TABLE_NAME, PARTITION_KEY_MAX_CHARS, RECEIVED_AT_INDEX_NAME, TABLE_NAME,
 };

@@ -229,4 +229,31 @@ impl MessageId {
             .field(consumer.as_bytes())
             .uuid()
     }
+
+    /// The id of the `sequence`-th message that `consumer`'s handling of this message
+    /// sends through the outbox ([`OutgoingMessage::message_id`](crate::OutgoingMessage::message_id)).
+    ///
+    /// The same for every attempt and every replica that handles this message, so a
+    /// handler that runs again (a retry, a redelivery processed by code that skips the
+    /// inbox) enqueues the same ids, and the outbox keeps one row per id. Distinct per
+    /// consumer and per sequence number, and from [`idempotency_key`](Self::idempotency_key).
+    ///
+    /// ```
+    /// use sea_orm_inbox::MessageId;
+    ///
+    /// let incoming = MessageId::from_broker_id("order-42")?;
+    /// assert_eq!(incoming.outgoing("billing", 0), incoming.outgoing("billing", 0));
+    /// assert_ne!(incoming.outgoing("billing", 0), incoming.outgoing("billing", 1));
+    /// assert_ne!(incoming.outgoing("billing", 0), incoming.outgoing("mailer", 0));
+    /// # Ok::<(), sea_orm_inbox::InboxError>(())
+    /// ```
+    pub fn outgoing(&self, consumer: &str, sequence: u32) -> MessageId {
+        Self(
+            KeyName::new("outbox")
+                .field(self.0.as_bytes())
+                .field(consumer.as_bytes())
+                .field(&sequence.to_be_bytes())
+                .uuid(),
+        )
+    }
 }

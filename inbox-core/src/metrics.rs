@@ -104,6 +104,12 @@ pub mod metric_names {
     pub const CONSUMER_LABEL: &str = "messaging.consumer.group.name";
     /// Label: how the delivery was settled.
     pub const OUTCOME_LABEL: &str = "inbox.outcome";
+    /// Counter: outbox messages a relay published and marked sent.
+    pub const OUTBOX_PUBLISHED: &str = "outbox.published";
+    /// Counter: failed outbox publishes (each retried later, or parked as dead).
+    pub const OUTBOX_FAILED: &str = "outbox.failed";
+    /// Counter: outbox messages parked as dead.
+    pub const OUTBOX_DEAD: &str = "outbox.dead";
 }
 
 /// Reports to the `metrics` facade; without the `metrics` feature every call is a no-op the
@@ -134,6 +140,12 @@ pub(crate) mod facade {
     pub(crate) fn purged(rows: u64) {
         metrics::counter!(PURGED_ROWS).increment(rows);
     }
+
+    pub(crate) fn outbox_relayed(published: u64, failed: u64, dead: u64) {
+        metrics::counter!(OUTBOX_PUBLISHED).increment(published);
+        metrics::counter!(OUTBOX_FAILED).increment(failed);
+        metrics::counter!(OUTBOX_DEAD).increment(dead);
+    }
 }
 
 #[cfg(not(feature = "metrics"))]
@@ -147,4 +159,6 @@ pub(crate) mod facade {
     pub(crate) fn transient_retry(_consumer: &str) {}
 
     pub(crate) fn purged(_rows: u64) {}
+
+    pub(crate) fn outbox_relayed(_published: u64, _failed: u64, _dead: u64) {}
 }

@@ -32,10 +32,14 @@
 //! # Ok(()) }
 //! ```
 
-use crate::{Delivery, InboxError, MessageId, Settlement};
+use crate::{Delivery, InboxError, MessageId, OutboxMessage, PublishError, Publisher, Settlement};
+use ::lapin::BasicProperties;
 use ::lapin::message::Delivery as AmqpDelivery;
+use ::lapin::options::BasicPublishOptions;
 use ::lapin::options::{BasicAckOptions, BasicNackOptions, BasicRejectOptions};
+use ::lapin::publisher_confirm::Confirmation;
 use ::lapin::types::AMQPValue;
+use ::lapin::types::FieldTable;
 use chrono::DateTime;
 use std::time::Duration;
 
@@ -146,6 +150,106 @@ pub async fn settle(message: &AmqpDelivery, settlement: Settlement) -> Result<()
             Ok(())
         }
         Settlement::Nack(_) => acker.nack(requeue).await.map(drop),
+    }
+}
+
+/// Publishes outbox messages to RabbitMQ with publisher confirms: a [`Publisher`] for a
+/// [`Relay`](crate::Relay).
+///
+/// Each message goes to the exchange given to [`new`](Self::new) (`""`, the default
+/// exchange, routes by queue name) with the message's destination as the routing key,
+/// `mandatory` set (an unroutable message is a failed publish, not a silent drop), and
+/// persistent. Its properties: `message_id` the outbox message id (which
+/// [`delivery`] reads back on the consumer side), `timestamp` the enqueue time (the send
+/// time an [admission floor](crate::AdmissionFloor) compares), the headers as string
+/// headers, and the ordering key in the header [`KEY_HEADER`].
+///
+/// ```no_run
+/// use lapin::options::ConfirmSelectOptions;
+/// use sea_orm_inbox::{Relay, rabbitmq::RabbitMqPublisher};
+///
+/// # async fn run(connection: lapin::Connection, db: sea_orm::DatabaseConnection) -> Result<(), Box<dyn std::error::Error>> {
+/// let channel = connection.create_channel().await?;
+/// channel.confirm_select(ConfirmSelectOptions::default()).await?;
+/// let relay = Relay::new(RabbitMqPublisher::new(channel, ""));
+/// relay.run(&db, std::future::pending()).await;
+/// # Ok(()) }
+/// ```
+pub struct RabbitMqPublisher {
+    channel: ::lapin::Channel,
+    exchange: String,
+}
+
+/// The header carrying an outbox message's ordering key to RabbitMQ consumers.
+pub const KEY_HEADER: &str = "x-outbox-key";
+
+impl RabbitMqPublisher {
+    /// A publisher on `channel`, which must be in confirm mode
+    /// (`channel.confirm_select(..)`: without it no publish is ever confirmed, and each
+    /// fails), into `exchange`.
+    pub fn new(channel: ::lapin::Channel, exchange: impl Into<String>) -> Self {
+        Self {
+            channel,
+            exchange: exchange.into(),
+        }
+    }
+}
+
+impl Publisher for RabbitMqPublisher {
+    async fn publish(&self, message: &OutboxMessage) -> Result<(), PublishError> {
+        let mut headers = FieldTable::default();
+        for (name, value) in &message.headers {
+            headers.insert(
+                name.as_str().into(),
+                AMQPValue::LongString(value.as_str().into()),
+            );
+        }
+        if let Some(key) = &message.key {
+            headers.insert(
+                KEY_HEADER.into(),
+                AMQPValue::LongString(key.as_str().into()),
+            );
+        }
+        let timestamp = u64::try_from(message.created_at.timestamp()).unwrap_or(0);
+        let properties = BasicProperties::default()
+            .with_message_id(message.message_id.to_string().into())
+            .with_timestamp(timestamp)
+            .with_delivery_mode(2)
+            .with_headers(headers);
+        let options = BasicPublishOptions {
+            mandatory: true,
+            ..BasicPublishOptions::default()
+        };
+        let transient = |err: ::lapin::Error| PublishError::Transient(Box::new(err));
+        let confirmation = self
+            .channel
+            .basic_publish(
+                &self.exchange,
+                &message.destination,
+                options,
+                &message.payload,
+                properties,
+            )
+            .await
+            .map_err(transient)?
+            .await
+            .map_err(transient)?;
+        match confirmation {
+            Confirmation::Ack(None) => Ok(()),
+            Confirmation::Ack(Some(_)) => Err(PublishError::Transient(
+                format!(
+                    "RabbitMQ returned the message unroutable: no queue is bound to routing key {:?} on exchange {:?}",
+                    message.destination, self.exchange
+                )
+                .into(),
+            )),
+            Confirmation::Nack(_) => Err(PublishError::Transient(
+                "RabbitMQ refused to confirm the message (basic.nack)".into(),
+            )),
+            Confirmation::NotRequested => Err(PublishError::Transient(
+                "the channel is not in confirm mode: call confirm_select on it before publishing".into(),
+            )),
+        }
     }
 }
 

@@ -10,7 +10,8 @@ use crate::{Inbox, InboxError};
 use sea_orm::{
     ConnectionTrait, DatabaseConnection, DbErr, QueryResult, Statement, TransactionTrait,
 };
-use sea_orm_inbox_entity::INDEX_NAME;
+use sea_orm::{IdenStatic, Iterable};
+use sea_orm_inbox_entity::{INDEX_NAME, outbox};
 use std::fmt;
 use std::time::Duration;
 
@@ -142,6 +143,33 @@ pub enum SchemaError {
         collation: String,
     },
 
+    /// The outbox table does not exist ([`verify_outbox_schema`]).
+    #[error(
+        "the outbox table does not exist: add sea_orm_inbox_migration::CreateOutbox (m20261201_000004_create_outbox) to your Migrator and run it (or run sea_orm_inbox_migration::MigratorWithOutbox::up)"
+    )]
+    MissingOutboxTable,
+
+    /// The outbox table lacks columns `CreateOutbox` creates: it was made some other way
+    /// ([`verify_outbox_schema`]).
+    #[error(
+        "the outbox table lacks the column(s) {missing}, which sea_orm_inbox_migration::CreateOutbox creates: drop the table if it is not the outbox's and run that migration"
+    )]
+    OutboxColumns {
+        /// The missing columns.
+        missing: String,
+    },
+
+    /// The outbox has no UNIQUE index on exactly `(message_id)` named
+    /// `ix_outbox_message_id`, so a repeated enqueue would write a second row (MySQL) or
+    /// fail (PostgreSQL, SQLite) ([`verify_outbox_schema`]).
+    #[error(
+        "the outbox's index ix_outbox_message_id is {found}, not a UNIQUE index on exactly (message_id): create it with CREATE UNIQUE INDEX ix_outbox_message_id ON outbox (message_id)"
+    )]
+    OutboxIndex {
+        /// What the index is instead (or `missing`).
+        found: String,
+    },
+
     /// The database did not answer the catalog read within
     /// [`Inbox::DEFAULT_PARTITION_TIMEOUT`](crate::Inbox::DEFAULT_PARTITION_TIMEOUT): the
     /// network to it went silent (a partition that drops packets without a reset) or the
@@ -202,15 +230,7 @@ pub enum SchemaError {
 /// [`SchemaError::Catalog`] when the catalog could not be read, or
 /// [`SchemaError::DatabaseSilent`] when the database did not answer (retry).
 pub async fn verify_schema(db: &DatabaseConnection) -> Result<(), SchemaError> {
-    let catalog = backend::schema_catalog(db.get_database_backend()).map_err(|err| match err {
-        InboxError::BackendNotEnabled { backend, feature } => {
-            SchemaError::BackendNotEnabled { backend, feature }
-        }
-        InboxError::UnsupportedBackend { backend } => SchemaError::UnsupportedBackend { backend },
-        other => SchemaError::Catalog {
-            source: DbErr::Custom(other.to_string()),
-        },
-    })?;
+    let catalog = backend::schema_catalog(db.get_database_backend()).map_err(backend_error)?;
     let waited = Inbox::DEFAULT_PARTITION_TIMEOUT;
     let (columns, index) =
         answered_within(db, waited, "the schema check", read_catalog(db, &catalog))
@@ -231,9 +251,94 @@ pub async fn verify_schema(db: &DatabaseConnection) -> Result<(), SchemaError> {
     Ok(())
 }
 
-/// The inbox table's columns (none when it does not exist) and the key columns of its
-/// index `ix_inbox_message_id_consumer` (none when there is no such index), read in a
-/// transaction of its own.
+/// Verifies, once at startup, that the outbox is what [`OutboxExt::enqueue`](crate::OutboxExt::enqueue)
+/// and the [`Relay`](crate::Relay) need: this build supports the database, the `outbox`
+/// table exists with every column of `CreateOutbox`, and `ix_outbox_message_id` is a
+/// UNIQUE index on exactly `(message_id)`. Like [`verify_schema`], it reads the catalog
+/// only, in a transaction of its own, within [`Inbox::DEFAULT_PARTITION_TIMEOUT`].
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// use sea_orm_inbox::{SchemaError, verify_outbox_schema};
+/// use sea_orm_inbox_migration::{Migrator, MigratorTrait, MigratorWithOutbox};
+///
+/// let db = sea_orm::Database::connect("sqlite::memory:").await?;
+/// Migrator::up(&db, None).await?; // the inbox only
+/// assert!(matches!(verify_outbox_schema(&db).await, Err(SchemaError::MissingOutboxTable)));
+/// MigratorWithOutbox::up(&db, None).await?;
+/// verify_outbox_schema(&db).await?;
+/// # Ok(()) }
+/// ```
+///
+/// # Errors
+/// [`SchemaError::MissingOutboxTable`], [`SchemaError::OutboxColumns`],
+/// [`SchemaError::OutboxIndex`], the backend errors of [`verify_schema`],
+/// [`SchemaError::Catalog`] or [`SchemaError::DatabaseSilent`].
+pub async fn verify_outbox_schema(db: &DatabaseConnection) -> Result<(), SchemaError> {
+    let catalog =
+        backend::outbox_schema_catalog(db.get_database_backend()).map_err(backend_error)?;
+    let waited = Inbox::DEFAULT_PARTITION_TIMEOUT;
+    let (columns, index) = answered_within(
+        db,
+        waited,
+        "the outbox schema check",
+        read_catalog(db, &catalog),
+    )
+    .await
+    .map_err(|_| SchemaError::DatabaseSilent { waited })?
+    .map_err(|source| SchemaError::Catalog { source })?;
+    if columns.is_empty() {
+        return Err(SchemaError::MissingOutboxTable);
+    }
+    let missing: Vec<&str> = outbox::Column::iter()
+        .map(|column| column.as_str())
+        .filter(|name| !columns.iter().any(|column| column.name == *name))
+        .collect();
+    if !missing.is_empty() {
+        return Err(SchemaError::OutboxColumns {
+            missing: missing.join(", "),
+        });
+    }
+    let mut faults = Vec::new();
+    match index.first() {
+        None => faults.push("missing".to_owned()),
+        Some(first) => {
+            if !first.unique {
+                faults.push("not unique".to_owned());
+            }
+            if first.partial {
+                faults.push("partial (or on a column prefix)".to_owned());
+            }
+            let names: Vec<&str> = index.iter().map(|key| key.column.as_str()).collect();
+            if names != ["message_id"] {
+                faults.push(format!("on ({})", names.join(", ")));
+            }
+        }
+    }
+    if !faults.is_empty() {
+        return Err(SchemaError::OutboxIndex {
+            found: faults.join(", "),
+        });
+    }
+    Ok(())
+}
+
+/// The schema error for a backend the crate cannot use.
+fn backend_error(err: InboxError) -> SchemaError {
+    match err {
+        InboxError::BackendNotEnabled { backend, feature } => {
+            SchemaError::BackendNotEnabled { backend, feature }
+        }
+        InboxError::UnsupportedBackend { backend } => SchemaError::UnsupportedBackend { backend },
+        other => SchemaError::Catalog {
+            source: DbErr::Custom(other.to_string()),
+        },
+    }
+}
+
+/// A table's columns (none when it does not exist) and the key columns of the index the
+/// catalog names (none when there is no such index), read in a transaction of its own.
 async fn read_catalog(
     db: &DatabaseConnection,
     catalog: &SchemaCatalog,
@@ -242,13 +347,16 @@ async fn read_catalog(
     let backend = db.get_database_backend();
     let read = async {
         let columns = txn
-            .query_all_raw(Statement::from_string(backend, catalog.columns_sql))
+            .query_all_raw(Statement::from_string(
+                backend,
+                catalog.columns_sql.as_str(),
+            ))
             .await?
             .iter()
             .map(InboxColumn::read)
             .collect::<Result<Vec<_>, _>>()?;
         let keys = txn
-            .query_all_raw(Statement::from_string(backend, catalog.index_sql))
+            .query_all_raw(Statement::from_string(backend, catalog.index_sql.as_str()))
             .await?
             .iter()
             .map(InboxIndexKey::read)

@@ -54,3 +54,81 @@ pub mod inbox {
 
     impl ActiveModelBehavior for ActiveModel {}
 }
+
+/// Name of the outbox table.
+pub const OUTBOX_TABLE_NAME: &str = "outbox";
+
+/// Name of the UNIQUE index on the outbox's `message_id`: one row per outgoing message,
+/// however often the transaction that enqueued it ran.
+pub const OUTBOX_MESSAGE_ID_INDEX_NAME: &str = "ix_outbox_message_id";
+
+/// Name of the index on `(sent_at, id)` that the relay walks for unsent rows in enqueue
+/// order, and that the purge of sent rows walks by sending time.
+pub const OUTBOX_PENDING_INDEX_NAME: &str = "ix_outbox_pending";
+
+/// Name of the index on `(partition_key, id)` that tells the relay whether an earlier row
+/// of the same key is still unsent.
+pub const OUTBOX_KEY_INDEX_NAME: &str = "ix_outbox_key";
+
+/// Longest destination (topic, queue, subject, routing key) the `destination` column
+/// holds, in characters.
+pub const DESTINATION_MAX_CHARS: usize = 200;
+
+/// Longest ordering key the `partition_key` column holds, in characters.
+pub const PARTITION_KEY_MAX_CHARS: usize = 200;
+
+pub mod outbox {
+    //! The `outbox` table: one row per message to publish, written in the transaction of
+    //! the business change it announces, published by a relay after commit.
+    use sea_orm::entity::prelude::*;
+
+    /// An outgoing message.
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel)]
+    #[sea_orm(table_name = "outbox")]
+    pub struct Model {
+        /// Surrogate, append-only primary key; the enqueue order the relay keeps per key.
+        #[sea_orm(primary_key)]
+        pub id: i64,
+        /// The broker message's id (RabbitMQ `message_id`, `Nats-Msg-Id`): the same on
+        /// every publish of this row, so consumers and brokers can deduplicate.
+        pub message_id: Uuid,
+        /// Where to publish: a topic, queue, subject or routing key.
+        #[sea_orm(column_type = "String(StringLen::N(200))")]
+        pub destination: String,
+        /// The ordering key: rows of one key are published in `id` order. NULL: unordered.
+        #[sea_orm(column_type = "String(StringLen::N(200))", nullable)]
+        pub partition_key: Option<String>,
+        /// The message body.
+        pub payload: Vec<u8>,
+        /// The message headers, a JSON object of strings (`{}` for none).
+        #[sea_orm(column_type = "Text")]
+        pub headers: String,
+        /// When the row was enqueued (UTC, microsecond precision).
+        pub created_at: DateTimeUtc,
+        /// The earliest time the relay publishes it: `created_at`, later for a delayed
+        /// message, or the next retry after a failed publish.
+        pub available_at: DateTimeUtc,
+        /// How many times a relay claimed the row to publish it.
+        pub attempts: i32,
+        /// When the current relay's lease ends; NULL when no relay holds the row.
+        pub leased_until: Option<DateTimeUtc>,
+        /// The fencing token of the claim that last leased the row: only that claim may
+        /// mark it sent or failed.
+        pub lease_token: Option<Uuid>,
+        /// When the broker confirmed the publish. NULL: not (yet) sent.
+        pub sent_at: Option<DateTimeUtc>,
+        /// The error of the last failed publish.
+        #[sea_orm(column_type = "Text", nullable)]
+        pub last_error: Option<String>,
+        /// When the row was parked as dead after its last allowed attempt (or a publish the
+        /// broker refused for good). A dead row holds back the later rows of its key until
+        /// an operator requeues or deletes it.
+        pub dead_at: Option<DateTimeUtc>,
+    }
+
+    /// The outbox has no relations.
+    #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
+    pub enum Relation {}
+
+    impl ActiveModelBehavior for ActiveModel {}
+}

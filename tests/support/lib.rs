@@ -134,6 +134,18 @@ pub async fn migrated_db(backend: Backend) -> TestDb {
     db
 }
 
+/// A fresh database with the inbox migrations and then `CreateOutbox`
+/// (`MigratorWithOutbox`).
+pub async fn migrated_outbox_db(backend: Backend) -> TestDb {
+    let db = migrated_db(backend).await;
+    let conn = db.connect().await;
+    sea_orm_inbox_migration::MigratorWithOutbox::up(&conn, None)
+        .await
+        .expect("run CreateOutbox");
+    conn.close().await.ok();
+    db
+}
+
 fn replace_database(url: &str, name: &str) -> String {
     let (base, query) = match url.split_once('?') {
         Some((base, query)) => (base, Some(query)),

@@ -100,6 +100,25 @@ fn idempotency_keys_match_golden_vectors() {
     assert_ne!(id.idempotency_key("mailer"), id.as_uuid());
 }
 
+/// The outbox ids a handler derives: the stored rows of every earlier version keep
+/// deduplicating a re-run enqueue only while this format holds.
+#[test]
+fn outgoing_ids_match_golden_vectors() {
+    let incoming = MessageId::from_broker_id("order-42").unwrap();
+    assert_eq!(
+        incoming.outgoing("shipping", 0),
+        golden("50271a0e-7d9f-5e9b-84d6-35b9b8e3a893")
+    );
+    assert_eq!(
+        incoming.outgoing("shipping", 1),
+        golden("8d4bde25-c562-5ee9-b00f-ba074f7c4ad9")
+    );
+    assert_ne!(
+        incoming.outgoing("shipping", 0).as_uuid(),
+        incoming.idempotency_key("shipping")
+    );
+}
+
 #[test]
 fn empty_fields_and_negative_positions_are_refused() {
     assert!(matches!(

@@ -15,12 +15,15 @@ use sea_orm::{
     ColumnTrait, ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, RuntimeErr,
     SqliteTransactionMode, Statement, TransactionOptions, Value,
 };
-use sea_orm_inbox_entity::inbox;
+use sea_orm_inbox_entity::{
+    INDEX_NAME, OUTBOX_MESSAGE_ID_INDEX_NAME, OUTBOX_TABLE_NAME, TABLE_NAME, inbox,
+};
 use std::time::Duration;
 use uuid::Uuid;
 
 #[cfg(feature = "mysql")]
 mod mysql;
+pub(crate) mod outbox;
 #[cfg(feature = "postgres")]
 mod postgres;
 #[cfg(feature = "sqlite")]
@@ -144,15 +147,16 @@ trait Dialect: Sync {
     /// One purge batch deleting at most `?` rows meeting `purgeable`, oldest first.
     fn purge_batch(&self, purgeable: &str) -> String;
 
-    /// A catalog read of the inbox table's columns, in order: name (text), collation (text,
-    /// NULL where it does not matter). No rows when the table does not exist.
-    fn inbox_columns_catalog(&self) -> &'static str;
+    /// A catalog read of `table`'s columns, in order: name (text), collation (text, NULL
+    /// where it does not matter). No rows when the table does not exist. `table` is one of
+    /// the crate's own table names, never input.
+    fn columns_catalog(&self, table: &str) -> String;
 
-    /// A catalog read of the key columns of the inbox table's index named
-    /// `ix_inbox_message_id_consumer`, in key order: column name (text), unique, partial
-    /// (a WHERE clause or a column prefix), backs a UNIQUE constraint of that name (each a
-    /// bigint, 0 or 1). No rows when there is no such index.
-    fn inbox_index_catalog(&self) -> &'static str;
+    /// A catalog read of the key columns of `table`'s index named `index`, in key order:
+    /// column name (text), unique, partial (a WHERE clause or a column prefix), backs a
+    /// UNIQUE constraint of that name (each a bigint, 0 or 1). No rows when there is no
+    /// such index. Both names are the crate's own, never input.
+    fn index_catalog(&self, table: &str, index: &str) -> String;
 
     /// Whether the inbox index must be a constraint for the claims' conflict clause.
     fn conflict_needs_constraint(&self) -> bool {
@@ -181,6 +185,28 @@ trait Dialect: Sync {
     fn consumer_is(&self, consumer: &str) -> Expr {
         inbox::Column::Consumer.eq(consumer)
     }
+
+    /// The outbox INSERT, which leaves a row whose `message_id` exists untouched and
+    /// raises nothing (the transaction stays usable). Binds: message_id, destination,
+    /// partition_key, payload, headers, created_at, available_at.
+    fn outbox_insert(&self) -> &'static str;
+
+    /// The clause ending the relay's claim SELECT that locks the rows it returns and skips
+    /// rows another relay's open claim holds. `""` where one writer at a time holds the
+    /// whole database for the claim transaction (SQLite).
+    fn outbox_claim_lock(&self) -> &'static str {
+        " FOR UPDATE SKIP LOCKED"
+    }
+
+    /// The options of the relay's claim transaction. By default none: the database's
+    /// default isolation (PostgreSQL's READ COMMITTED) and no extra statement.
+    fn outbox_claim_transaction(&self) -> TransactionOptions {
+        TransactionOptions::default()
+    }
+
+    /// One purge batch of the outbox: at most `?` rows sent before `?`, oldest first, in
+    /// one statement walking `ix_outbox_pending`. Binds: cutoff, batch size.
+    fn outbox_purge_batch(&self) -> &'static str;
 
     /// A statement that leaves the connection inside a transaction whether or not the
     /// database already ended the one the driver counts, sent before ROLLBACK so that the
@@ -261,19 +287,30 @@ fn dialect(backend: DbBackend) -> Result<&'static dyn Dialect, InboxError> {
 pub(crate) fn schema_catalog(backend: DbBackend) -> Result<SchemaCatalog, InboxError> {
     let dialect = dialect(backend)?;
     Ok(SchemaCatalog {
-        columns_sql: dialect.inbox_columns_catalog(),
-        index_sql: dialect.inbox_index_catalog(),
+        columns_sql: dialect.columns_catalog(TABLE_NAME),
+        index_sql: dialect.index_catalog(TABLE_NAME, INDEX_NAME),
+        dialect,
+    })
+}
+
+/// `backend`'s catalog reads of the outbox table's columns and of its unique index on
+/// `message_id`, or why the crate cannot use the backend.
+pub(crate) fn outbox_schema_catalog(backend: DbBackend) -> Result<SchemaCatalog, InboxError> {
+    let dialect = dialect(backend)?;
+    Ok(SchemaCatalog {
+        columns_sql: dialect.columns_catalog(OUTBOX_TABLE_NAME),
+        index_sql: dialect.index_catalog(OUTBOX_TABLE_NAME, OUTBOX_MESSAGE_ID_INDEX_NAME),
         dialect,
     })
 }
 
 /// One backend's catalog reads and rules for the startup check (see
-/// [`Dialect::inbox_columns_catalog`] and [`Dialect::inbox_index_catalog`] for the rows).
+/// [`Dialect::columns_catalog`] and [`Dialect::index_catalog`] for the rows).
 pub(crate) struct SchemaCatalog {
-    /// The inbox table's columns.
-    pub(crate) columns_sql: &'static str,
-    /// The key columns of the inbox index.
-    pub(crate) index_sql: &'static str,
+    /// The table's columns.
+    pub(crate) columns_sql: String,
+    /// The key columns of the checked index.
+    pub(crate) index_sql: String,
     dialect: &'static dyn Dialect,
 }
 

@@ -4,11 +4,10 @@
 use super::{AfterFailure, BatchReturning, DbErrorKind, Dialect, migration_of_column_named_in};
 use crate::InboxMigration;
 use chrono::{DateTime, Utc};
-use sea_orm::DbErr;
-use sea_orm::Value;
 use sea_orm::sea_query::Expr;
 use sea_orm::sqlx::error::DatabaseError;
 use sea_orm::sqlx::mysql::MySqlDatabaseError;
+use sea_orm::{DbErr, IsolationLevel, TransactionOptions, Value};
 use sea_orm_inbox_entity::INDEX_NAME;
 use std::time::Duration;
 
@@ -32,6 +31,31 @@ impl Dialect for MySql {
     /// failing the next one, which then runs on its own.
     fn ends_transactions_silently(&self) -> bool {
         true
+    }
+
+    /// MySQL has no DO NOTHING: a no-op update of a non-key column, as for the inbox
+    /// (assigning a key column in that clause is what lost rows on MariaDB). The outbox has
+    /// no unique key but the primary key and `ix_outbox_message_id`, so it fires only for a
+    /// repeated message id.
+    fn outbox_insert(&self) -> &'static str {
+        "INSERT INTO `outbox` (`message_id`, `destination`, `partition_key`, `payload`, `headers`, `created_at`, `available_at`) VALUES (?, ?, ?, ?, ?, ?, ?) ON DUPLICATE KEY UPDATE `destination` = `destination`"
+    }
+
+    /// READ COMMITTED: under InnoDB's default REPEATABLE READ the claim's locking read
+    /// would take next-key locks on the gaps it walks, and every enqueue INSERT into them
+    /// would wait for the claim to commit; READ COMMITTED also releases the rows the
+    /// claim's WHERE rejects at once.
+    fn outbox_claim_transaction(&self) -> TransactionOptions {
+        TransactionOptions {
+            isolation_level: Some(IsolationLevel::ReadCommitted),
+            ..TransactionOptions::default()
+        }
+    }
+
+    /// MySQL/MariaDB cannot use LIMIT in an `IN (subquery)`; the single-table DELETE takes
+    /// ORDER BY and LIMIT itself.
+    fn outbox_purge_batch(&self) -> &'static str {
+        "DELETE FROM outbox WHERE sent_at < ? ORDER BY sent_at LIMIT ?"
     }
 
     fn insert_marker(&self) -> &'static str {
@@ -119,18 +143,22 @@ impl Dialect for MySql {
         )
     }
 
-    fn inbox_columns_catalog(&self) -> &'static str {
-        "SELECT CAST(column_name AS CHAR), CAST(collation_name AS CHAR) FROM information_schema.columns \
-         WHERE table_schema = DATABASE() AND table_name = 'inbox' ORDER BY ordinal_position"
+    fn columns_catalog(&self, table: &str) -> String {
+        format!(
+            "SELECT CAST(column_name AS CHAR), CAST(collation_name AS CHAR) FROM information_schema.columns \
+             WHERE table_schema = DATABASE() AND table_name = '{table}' ORDER BY ordinal_position"
+        )
     }
 
     /// A prefix key (`consumer(10)`) counts as partial; a functional key (MySQL 8) has no
     /// column name.
-    fn inbox_index_catalog(&self) -> &'static str {
-        "SELECT CAST(COALESCE(column_name, '(expression)') AS CHAR), CAST(1 - non_unique AS SIGNED), \
-         CAST(sub_part IS NOT NULL AS SIGNED), CAST(1 AS SIGNED) FROM information_schema.statistics \
-         WHERE table_schema = DATABASE() AND table_name = 'inbox' \
-         AND index_name = 'ix_inbox_message_id_consumer' ORDER BY seq_in_index"
+    fn index_catalog(&self, table: &str, index: &str) -> String {
+        format!(
+            "SELECT CAST(COALESCE(column_name, '(expression)') AS CHAR), CAST(1 - non_unique AS SIGNED), \
+             CAST(sub_part IS NOT NULL AS SIGNED), CAST(1 AS SIGNED) FROM information_schema.statistics \
+             WHERE table_schema = DATABASE() AND table_name = '{table}' \
+             AND index_name = '{index}' ORDER BY seq_in_index"
+        )
     }
 
     /// Binary collations end in `_bin` (`utf8mb4_bin`, `utf8mb4_nopad_bin`), or are

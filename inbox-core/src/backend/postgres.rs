@@ -23,6 +23,17 @@ impl Dialect for Postgres {
         }
     }
 
+    /// `ON CONFLICT (message_id)` infers the unique index `ix_outbox_message_id` (no
+    /// constraint needed, unlike `ON CONFLICT ON CONSTRAINT`) and raises nothing.
+    fn outbox_insert(&self) -> &'static str {
+        r#"INSERT INTO "outbox" ("message_id", "destination", "partition_key", "payload", "headers", "created_at", "available_at") VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT ("message_id") DO NOTHING"#
+    }
+
+    fn outbox_purge_batch(&self) -> &'static str {
+        "DELETE FROM outbox WHERE id = ANY(ARRAY(\
+         SELECT id FROM outbox WHERE sent_at < $1 ORDER BY sent_at LIMIT $2))"
+    }
+
     /// A duplicate conflicts on the inbox's constraint and returns no row instead of
     /// raising 23505, which the server would log as an ERROR for every duplicate delivery
     /// (and which would abort the transaction). It still waits for a transaction holding
@@ -94,22 +105,26 @@ impl Dialect for Postgres {
     }
 
     /// Resolved like the claims' unqualified `inbox`: through the `search_path`.
-    fn inbox_columns_catalog(&self) -> &'static str {
-        "SELECT attname::text, NULL::text FROM pg_attribute \
-         WHERE attrelid = to_regclass('inbox') AND attnum > 0 AND NOT attisdropped ORDER BY attnum"
+    fn columns_catalog(&self, table: &str) -> String {
+        format!(
+            "SELECT attname::text, NULL::text FROM pg_attribute \
+             WHERE attrelid = to_regclass('{table}') AND attnum > 0 AND NOT attisdropped ORDER BY attnum"
+        )
     }
 
     /// An expression key has no column (attnum 0) and reads as `(expression)`.
-    fn inbox_index_catalog(&self) -> &'static str {
-        "SELECT COALESCE(a.attname::text, '(expression)'), i.indisunique::int::int8, \
-         (i.indpred IS NOT NULL)::int::int8, \
-         EXISTS (SELECT 1 FROM pg_constraint c WHERE c.conindid = i.indexrelid \
-         AND c.contype = 'u' AND c.conname = 'ix_inbox_message_id_consumer')::int::int8 \
-         FROM pg_index i JOIN pg_class ic ON ic.oid = i.indexrelid \
-         CROSS JOIN LATERAL unnest(i.indkey::int2[]) WITH ORDINALITY AS k(attnum, ord) \
-         LEFT JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum \
-         WHERE i.indrelid = to_regclass('inbox') AND ic.relname = 'ix_inbox_message_id_consumer' \
-         ORDER BY k.ord"
+    fn index_catalog(&self, table: &str, index: &str) -> String {
+        format!(
+            "SELECT COALESCE(a.attname::text, '(expression)'), i.indisunique::int::int8, \
+             (i.indpred IS NOT NULL)::int::int8, \
+             EXISTS (SELECT 1 FROM pg_constraint c WHERE c.conindid = i.indexrelid \
+             AND c.contype = 'u' AND c.conname = '{index}')::int::int8 \
+             FROM pg_index i JOIN pg_class ic ON ic.oid = i.indexrelid \
+             CROSS JOIN LATERAL unnest(i.indkey::int2[]) WITH ORDINALITY AS k(attnum, ord) \
+             LEFT JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum \
+             WHERE i.indrelid = to_regclass('{table}') AND ic.relname = '{index}' \
+             ORDER BY k.ord"
+        )
     }
 
     fn conflict_needs_constraint(&self) -> bool {

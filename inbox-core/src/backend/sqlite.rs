@@ -6,6 +6,7 @@ use crate::InboxMigration;
 use sea_orm::DbErr;
 use sea_orm::sqlx::error::DatabaseError;
 use sea_orm::sqlx::sqlite::SqliteError;
+use sea_orm::{SqliteTransactionMode, TransactionOptions};
 use std::time::Duration;
 
 pub(super) struct Sqlite;
@@ -16,6 +17,32 @@ impl Dialect for Sqlite {
     /// error code alone does not tell apart: ask.
     fn after_failure(&self, _err: &DbErr, _savepoint_depth: u32) -> AfterFailure {
         AfterFailure::Ask
+    }
+
+    /// A repeated `message_id` leaves the row as it is, raising nothing.
+    fn outbox_insert(&self) -> &'static str {
+        r#"INSERT INTO "outbox" ("message_id", "destination", "partition_key", "payload", "headers", "created_at", "available_at") VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT ("message_id") DO NOTHING"#
+    }
+
+    fn outbox_purge_batch(&self) -> &'static str {
+        "DELETE FROM outbox WHERE id IN \
+         (SELECT id FROM outbox WHERE sent_at < ? ORDER BY sent_at LIMIT ?)"
+    }
+
+    /// IMMEDIATE: the claim takes the write lock at BEGIN, so two relays' claims queue in
+    /// the busy handler instead of one failing with "database is locked" when its SELECT
+    /// is followed by the UPDATE.
+    fn outbox_claim_transaction(&self) -> TransactionOptions {
+        TransactionOptions {
+            sqlite_transaction_mode: Some(SqliteTransactionMode::Immediate),
+            ..TransactionOptions::default()
+        }
+    }
+
+    /// The claim transaction is IMMEDIATE: it holds SQLite's one write lock from BEGIN,
+    /// so no other relay reads between this claim's SELECT and its UPDATE.
+    fn outbox_claim_lock(&self) -> &'static str {
+        ""
     }
 
     fn insert_marker(&self) -> &'static str {
@@ -53,16 +80,18 @@ impl Dialect for Sqlite {
         None
     }
 
-    fn inbox_columns_catalog(&self) -> &'static str {
-        "SELECT name, NULL FROM pragma_table_info('inbox') ORDER BY cid"
+    fn columns_catalog(&self, table: &str) -> String {
+        format!("SELECT name, NULL FROM pragma_table_info('{table}') ORDER BY cid")
     }
 
     /// An expression key has no column name.
-    fn inbox_index_catalog(&self) -> &'static str {
-        "SELECT COALESCE(ii.name, '(expression)'), il.\"unique\", il.partial, 1 \
-         FROM pragma_index_list('inbox') AS il \
-         JOIN pragma_index_info('ix_inbox_message_id_consumer') AS ii \
-         WHERE il.name = 'ix_inbox_message_id_consumer' ORDER BY ii.seqno"
+    fn index_catalog(&self, table: &str, index: &str) -> String {
+        format!(
+            "SELECT COALESCE(ii.name, '(expression)'), il.\"unique\", il.partial, 1 \
+             FROM pragma_index_list('{table}') AS il \
+             JOIN pragma_index_info('{index}') AS ii \
+             WHERE il.name = '{index}' ORDER BY ii.seqno"
+        )
     }
 
     fn missing_migration(&self, db: &dyn DatabaseError) -> Option<InboxMigration> {

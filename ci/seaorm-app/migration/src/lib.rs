@@ -4,6 +4,7 @@ mod m20240101_000001_create_ledger;
 mod m20261130_000001_create_inbox;
 mod m20261130_000002_add_inbox_leases;
 mod m20261201_000003_inbox_unique_constraint;
+mod m20261201_000004_create_outbox;
 
 pub struct Migrator;
 
@@ -15,6 +16,7 @@ impl MigratorTrait for Migrator {
             Box::new(m20261130_000001_create_inbox::Migration),
             Box::new(m20261130_000002_add_inbox_leases::Migration),
             Box::new(m20261201_000003_inbox_unique_constraint::Migration),
+            Box::new(m20261201_000004_create_outbox::Migration),
         ]
     }
 }

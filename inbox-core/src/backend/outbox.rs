@@ -1,0 +1,228 @@
+//! The outbox's statements: what differs per database comes from the [`Dialect`]; the
+//! rest is one template per statement, written for every backend at once.
+
+use super::{dialect, dialect_sql, push_placeholder_list};
+use crate::InboxError;
+use chrono::{DateTime, Utc};
+use sea_orm::{DbBackend, Statement, TransactionOptions, Value};
+use uuid::Uuid;
+
+/// The columns of a row to enqueue, in the order of [`Dialect::outbox_insert`]'s binds.
+pub(crate) struct OutboxRow {
+    pub(crate) message_id: Uuid,
+    pub(crate) destination: String,
+    pub(crate) partition_key: Option<String>,
+    pub(crate) payload: Vec<u8>,
+    pub(crate) headers: String,
+    pub(crate) created_at: DateTime<Utc>,
+    pub(crate) available_at: DateTime<Utc>,
+}
+
+/// The INSERT of one outgoing message; a row with the same `message_id` stays as it is.
+pub(crate) fn insert_statement(
+    backend: DbBackend,
+    row: OutboxRow,
+) -> Result<Statement, InboxError> {
+    let dialect = dialect(backend)?;
+    let values = vec![
+        Value::from(row.message_id),
+        Value::from(row.destination),
+        Value::from(row.partition_key),
+        Value::from(row.payload),
+        Value::from(row.headers),
+        dialect.timestamp_value(row.created_at),
+        dialect.timestamp_value(row.available_at),
+    ];
+    Ok(Statement::from_sql_and_values(
+        backend,
+        dialect.outbox_insert(),
+        values,
+    ))
+}
+
+/// The options of the relay's claim transaction on `backend`.
+pub(crate) fn claim_transaction(backend: DbBackend) -> Result<TransactionOptions, InboxError> {
+    Ok(dialect(backend)?.outbox_claim_transaction())
+}
+
+/// The rows a relay may publish now, oldest first, at most `limit`, locked for the claim
+/// transaction (skipping rows another relay's claim holds).
+///
+/// A row is due when it is unsent, not dead, available, and not leased (or its lease has
+/// ended). A row with a key is due only when no earlier row of its key is unsent, whatever
+/// that row's state (leased by another relay, waiting for a retry, dead): so a key's rows
+/// go out one at a time, in `id` order. There is no cursor: a row whose transaction
+/// commits after later ids were published is found by the next claim all the same.
+pub(crate) fn claim_statement(
+    backend: DbBackend,
+    now: DateTime<Utc>,
+    limit: i64,
+) -> Result<Statement, InboxError> {
+    let dialect = dialect(backend)?;
+    let sql = format!(
+        "SELECT o.* FROM outbox o \
+         WHERE o.sent_at IS NULL AND o.dead_at IS NULL AND o.available_at <= ? \
+         AND (o.leased_until IS NULL OR o.leased_until <= ?) \
+         AND (o.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM outbox e \
+         WHERE e.partition_key = o.partition_key AND e.id < o.id AND e.sent_at IS NULL)) \
+         ORDER BY o.id LIMIT ?{}",
+        dialect.outbox_claim_lock()
+    );
+    Ok(Statement::from_sql_and_values(
+        backend,
+        dialect_sql(backend, &sql)?,
+        [
+            dialect.timestamp_value(now),
+            dialect.timestamp_value(now),
+            Value::from(limit),
+        ],
+    ))
+}
+
+/// Leases the claimed rows `ids` to the claim `token` until `leased_until`, counting the
+/// attempt.
+pub(crate) fn lease_statement(
+    backend: DbBackend,
+    ids: &[i64],
+    leased_until: DateTime<Utc>,
+    token: Uuid,
+) -> Result<Statement, InboxError> {
+    let dialect = dialect(backend)?;
+    let mut sql = String::from(
+        "UPDATE outbox SET attempts = attempts + 1, leased_until = ?, lease_token = ? WHERE id IN (",
+    );
+    push_placeholder_list(&mut sql, ids.len(), "?");
+    sql.push(')');
+    let mut values = vec![dialect.timestamp_value(leased_until), Value::from(token)];
+    values.extend(ids.iter().map(|id| Value::from(*id)));
+    Ok(Statement::from_sql_and_values(
+        backend,
+        dialect_sql(backend, &sql)?,
+        values,
+    ))
+}
+
+/// Marks the rows `ids` sent at `sent_at`, fenced by the claim `token`: a row another
+/// relay has claimed since (this lease ended) is not touched, and the rows-affected count
+/// says how many were still this claim's.
+pub(crate) fn mark_sent_statement(
+    backend: DbBackend,
+    ids: &[i64],
+    sent_at: DateTime<Utc>,
+    token: Uuid,
+) -> Result<Statement, InboxError> {
+    let dialect = dialect(backend)?;
+    let mut sql = String::from(
+        "UPDATE outbox SET sent_at = ?, leased_until = NULL \
+         WHERE lease_token = ? AND sent_at IS NULL AND id IN (",
+    );
+    push_placeholder_list(&mut sql, ids.len(), "?");
+    sql.push(')');
+    let mut values = vec![dialect.timestamp_value(sent_at), Value::from(token)];
+    values.extend(ids.iter().map(|id| Value::from(*id)));
+    Ok(Statement::from_sql_and_values(
+        backend,
+        dialect_sql(backend, &sql)?,
+        values,
+    ))
+}
+
+/// What a failed publish writes into its row.
+pub(crate) struct Failure<'a> {
+    pub(crate) id: i64,
+    pub(crate) token: Uuid,
+    pub(crate) retry_at: DateTime<Utc>,
+    pub(crate) error: &'a str,
+    /// Set when the row used its last attempt (or the broker refused it for good).
+    pub(crate) dead_at: Option<DateTime<Utc>>,
+}
+
+/// Records a failed publish, fenced by the claim's token: the error, the next retry time,
+/// and the parking of a row that used its last attempt. The lease ends.
+pub(crate) fn mark_failed_statement(
+    backend: DbBackend,
+    failure: Failure<'_>,
+) -> Result<Statement, InboxError> {
+    let dialect = dialect(backend)?;
+    let sql = "UPDATE outbox SET leased_until = NULL, available_at = ?, last_error = ?, dead_at = ? \
+               WHERE id = ? AND lease_token = ? AND sent_at IS NULL";
+    Ok(Statement::from_sql_and_values(
+        backend,
+        dialect_sql(backend, sql)?,
+        [
+            dialect.timestamp_value(failure.retry_at),
+            Value::from(failure.error),
+            failure
+                .dead_at
+                .map_or(Value::ChronoDateTimeUtc(None), |at| {
+                    dialect.timestamp_value(at)
+                }),
+            Value::from(failure.id),
+            Value::from(failure.token),
+        ],
+    ))
+}
+
+/// Gives the rows `ids` that the claim `token` did not get to publish back at once: lease
+/// ended, attempt not counted.
+pub(crate) fn release_statement(
+    backend: DbBackend,
+    ids: &[i64],
+    token: Uuid,
+) -> Result<Statement, InboxError> {
+    let mut sql = String::from(
+        "UPDATE outbox SET leased_until = NULL, attempts = attempts - 1 \
+         WHERE lease_token = ? AND sent_at IS NULL AND id IN (",
+    );
+    push_placeholder_list(&mut sql, ids.len(), "?");
+    sql.push(')');
+    let mut values = vec![Value::from(token)];
+    values.extend(ids.iter().map(|id| Value::from(*id)));
+    Ok(Statement::from_sql_and_values(
+        backend,
+        dialect_sql(backend, &sql)?,
+        values,
+    ))
+}
+
+/// Puts the dead row of `message_id` back in line: not dead, attempts from zero, due at
+/// `now`. Its last error stays for the record until the next publish.
+pub(crate) fn requeue_statement(
+    backend: DbBackend,
+    message_id: Uuid,
+    now: DateTime<Utc>,
+) -> Result<Statement, InboxError> {
+    let dialect = dialect(backend)?;
+    let sql = "UPDATE outbox SET dead_at = NULL, attempts = 0, available_at = ?, \
+               leased_until = NULL, lease_token = NULL \
+               WHERE message_id = ? AND dead_at IS NOT NULL AND sent_at IS NULL";
+    Ok(Statement::from_sql_and_values(
+        backend,
+        dialect_sql(backend, sql)?,
+        [dialect.timestamp_value(now), Value::from(message_id)],
+    ))
+}
+
+/// One purge batch: at most `batch` rows sent before `cutoff`.
+pub(crate) fn purge_sent_statement(
+    backend: DbBackend,
+    cutoff: DateTime<Utc>,
+    batch: i64,
+) -> Result<Statement, InboxError> {
+    let dialect = dialect(backend)?;
+    Ok(Statement::from_sql_and_values(
+        backend,
+        dialect.outbox_purge_batch(),
+        [dialect.timestamp_value(cutoff), Value::from(batch)],
+    ))
+}
+
+/// Counts the rows waiting to be published (unsent, not dead) and the dead rows.
+pub(crate) fn backlog_statement(backend: DbBackend) -> Result<Statement, InboxError> {
+    dialect(backend)?;
+    Ok(Statement::from_string(
+        backend,
+        "SELECT (SELECT COUNT(*) FROM outbox WHERE sent_at IS NULL AND dead_at IS NULL), \
+         (SELECT COUNT(*) FROM outbox WHERE sent_at IS NULL AND dead_at IS NOT NULL)",
+    ))
+}

@@ -1,0 +1,211 @@
+use super::OutboxError;
+use crate::MessageId;
+use chrono::{DateTime, Utc};
+use sea_orm_inbox_entity::{DESTINATION_MAX_CHARS, PARTITION_KEY_MAX_CHARS, outbox};
+use std::collections::BTreeMap;
+use std::time::Duration;
+use uuid::Uuid;
+
+/// A message to publish, built by the caller and written with
+/// [`OutboxExt::enqueue`](crate::OutboxExt::enqueue) in the caller's transaction.
+///
+/// ```
+/// use sea_orm_inbox::{MessageId, OutgoingMessage};
+/// use std::time::Duration;
+///
+/// let incoming = MessageId::from_broker_id("order-42")?;
+/// let message = OutgoingMessage::new("orders.shipped", br#"{"order":42}"#.to_vec())
+///     .message_id(incoming.outgoing("shipping", 0))
+///     .key("order-42")
+///     .header("content-type", "application/json")
+///     .deliver_after(Duration::from_secs(5));
+/// assert_eq!(message.destination(), "orders.shipped");
+/// # Ok::<(), sea_orm_inbox::InboxError>(())
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OutgoingMessage {
+    message_id: MessageId,
+    destination: String,
+    key: Option<String>,
+    payload: Vec<u8>,
+    headers: BTreeMap<String, String>,
+    delay: Duration,
+}
+
+impl OutgoingMessage {
+    /// A message for `destination` (a topic, queue, subject or routing key, as the
+    /// [`Publisher`](crate::Publisher) reads it) with a random message id: give it a
+    /// derived one with [`message_id`](Self::message_id) when the enqueueing code may run
+    /// again for the same logical message.
+    pub fn new(destination: impl Into<String>, payload: impl Into<Vec<u8>>) -> Self {
+        Self {
+            message_id: MessageId::from_uuid(Uuid::new_v4()),
+            destination: destination.into(),
+            key: None,
+            payload: payload.into(),
+            headers: BTreeMap::new(),
+            delay: Duration::ZERO,
+        }
+    }
+
+    /// Sets the message id: the broker message's id, and the outbox's unique key. An id
+    /// already in the outbox makes the enqueue a no-op, so a handler that derives its ids
+    /// (see [`MessageId::outgoing`]) can run any number of times and leave one row per
+    /// message.
+    pub fn message_id(mut self, message_id: impl Into<MessageId>) -> Self {
+        self.message_id = message_id.into();
+        self
+    }
+
+    /// Sets the ordering key: the relay publishes the messages of one key one at a time,
+    /// in the order they were enqueued (Kafka's record key, a RabbitMQ header).
+    pub fn key(mut self, key: impl Into<String>) -> Self {
+        self.key = Some(key.into());
+        self
+    }
+
+    /// Adds a header (a later one of the same name replaces it).
+    pub fn header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.headers.insert(name.into(), value.into());
+        self
+    }
+
+    /// Publishes no earlier than `delay` after the enqueue (measured on the enqueuer's
+    /// clock, as the relay compares it with its own).
+    pub fn deliver_after(mut self, delay: Duration) -> Self {
+        self.delay = delay;
+        self
+    }
+
+    /// The message id.
+    pub fn id(&self) -> MessageId {
+        self.message_id
+    }
+
+    /// The destination.
+    pub fn destination(&self) -> &str {
+        &self.destination
+    }
+
+    /// Checks what the outbox columns can hold, before any SQL runs.
+    pub(crate) fn validate(&self) -> Result<(), OutboxError> {
+        let invalid = |field, problem: String| Err(OutboxError::InvalidMessage { field, problem });
+        if self.message_id.is_nil() {
+            return invalid("message id", "is the nil UUID".to_owned());
+        }
+        if self.destination.trim().is_empty() {
+            return invalid("destination", "is empty".to_owned());
+        }
+        let checks = [
+            (
+                "destination",
+                Some(&self.destination),
+                DESTINATION_MAX_CHARS,
+            ),
+            ("key", self.key.as_ref(), PARTITION_KEY_MAX_CHARS),
+        ];
+        for (field, value, max) in checks {
+            let Some(value) = value else { continue };
+            let chars = value.chars().count();
+            if chars > max {
+                return invalid(field, format!("is {chars} characters long (at most {max})"));
+            }
+            if value.contains('\0') {
+                return invalid(field, "holds a NUL character".to_owned());
+            }
+        }
+        Ok(())
+    }
+
+    /// Splits the message into what the outbox row stores.
+    pub(crate) fn into_parts(self) -> OutgoingParts {
+        OutgoingParts {
+            message_id: self.message_id,
+            destination: self.destination,
+            key: self.key,
+            payload: self.payload,
+            headers: encode_headers(&self.headers),
+            delay: self.delay,
+        }
+    }
+}
+
+/// The stored form of an [`OutgoingMessage`].
+pub(crate) struct OutgoingParts {
+    pub(crate) message_id: MessageId,
+    pub(crate) destination: String,
+    pub(crate) key: Option<String>,
+    pub(crate) payload: Vec<u8>,
+    pub(crate) headers: String,
+    pub(crate) delay: Duration,
+}
+
+/// The headers as the JSON object the `headers` column holds.
+fn encode_headers(headers: &BTreeMap<String, String>) -> String {
+    // A map of strings always serializes; the fallback is never taken.
+    serde_json::to_string(headers).unwrap_or_else(|_| "{}".to_owned())
+}
+
+/// A message a relay claimed and hands to its [`Publisher`](crate::Publisher).
+///
+/// Every field a broker needs: Kafka takes `destination` as the topic, `key` as the record
+/// key and `headers` as record headers; RabbitMQ and NATS take the `message_id` as the
+/// broker's message id, which stays the same on every publish of this row.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OutboxMessage {
+    /// The broker message's id, the same on every publish of this row.
+    pub message_id: MessageId,
+    /// The topic, queue, subject or routing key.
+    pub destination: String,
+    /// The ordering key, if the message has one.
+    pub key: Option<String>,
+    /// The body.
+    pub payload: Vec<u8>,
+    /// The headers.
+    pub headers: BTreeMap<String, String>,
+    /// When the message was enqueued.
+    pub created_at: DateTime<Utc>,
+    /// Which publish attempt this is, from 1.
+    pub attempt: u32,
+}
+
+impl OutboxMessage {
+    /// The message of a claimed row. Headers the column holds in another form than a JSON
+    /// object of strings (written by hand) are reported, not guessed.
+    pub(crate) fn from_row(row: outbox::Model) -> Result<(i64, Self), String> {
+        let headers = serde_json::from_str(&row.headers)
+            .map_err(|err| format!("the headers column is not a JSON object of strings: {err}"))?;
+        Ok((
+            row.id,
+            Self {
+                message_id: MessageId::from_uuid(row.message_id),
+                destination: row.destination,
+                key: row.partition_key,
+                payload: row.payload,
+                headers,
+                created_at: row.created_at,
+                attempt: u32::try_from(row.attempts).unwrap_or(0).saturating_add(1),
+            },
+        ))
+    }
+}
+
+/// A row an operator looks at: a dead message, with why it died.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeadMessage {
+    /// The message id (what [`requeue_dead_message`](crate::requeue_dead_message) takes).
+    pub message_id: MessageId,
+    /// The destination.
+    pub destination: String,
+    /// The ordering key: the later messages of this key wait until this one is requeued
+    /// and sent, or deleted.
+    pub key: Option<String>,
+    /// How many times a relay tried to publish it.
+    pub attempts: u32,
+    /// The error of the last attempt.
+    pub last_error: Option<String>,
+    /// When it was enqueued.
+    pub created_at: DateTime<Utc>,
+    /// When it was parked.
+    pub dead_at: DateTime<Utc>,
+}
