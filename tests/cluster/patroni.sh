@@ -319,7 +319,8 @@ start() {
     fi
     stop
     local started=$SECONDS
-    install
+    # Its output goes to stderr: stdout is the URLs.
+    install >&2
     ports_free
     mkdir -p "$PATRONI_DIR"
     chown postgres:postgres "$PATRONI_DIR"
@@ -404,6 +405,15 @@ stop() {
         wait_exit "$pid" 10 || kill -KILL "$pid" 2>/dev/null || true
     fi
     rm -rf "$PATRONI_DIR"
+    # Everything this script starts names the directory on its command line (etcd,
+    # Patroni, the postmasters; a backend dies with its postmaster).
+    local left
+    left=$(pgrep -a -f -- "$PATRONI_DIR" || true)
+    if [[ -n $left ]]; then
+        echo "patroni.sh: still running after stop:" >&2
+        echo "$left" >&2
+        return 1
+    fi
 }
 
 stop_node() {
