@@ -369,12 +369,17 @@ fn print_counts(
     detail: &str,
 ) {
     println!(
-        "Patroni, {event}: deliveries {}, acks {}, nacks {}, processed {}, duplicates {}, \
+        "Patroni, {event}: deliveries {}, acks {}, nacks {} ({} injected failures, {} handler \
+         database errors, {} retries exhausted, {} inbox errors), processed {}, duplicates {}, \
          transient retries {}; effects {effects} {} messages {messages}: {} lost, {} applied \
          twice; {detail}",
         report.broker.deliveries,
         report.broker.acks,
         report.broker.nacks,
+        report.injected_failures,
+        report.handler_db_errors,
+        report.retries_exhausted,
+        report.inbox_errors,
         report.processed,
         report.duplicates,
         report.transient_retries,
@@ -408,11 +413,11 @@ const LEASE_CONSUMER: &str = "patroni.mailer";
 const PURGE_CONSUMER: &str = "patroni.purge";
 const LEASES: usize = 40;
 /// Long enough that a lease taken before the event is still live after it.
-const LEASE: Duration = Duration::from_secs(12);
+const LEASE: Duration = Duration::from_secs(15);
 const WINDOW: Duration = Duration::from_secs(60);
-/// Completed markers, one per millisecond of the last two minutes: half of them are past
-/// the window.
-const STEADY_MARKERS: i64 = 120_000;
+/// Completed markers, one per 2 ms of the last two minutes: half of them are past the
+/// window.
+const STEADY_MARKERS: i64 = 60_000;
 /// Unfinished two-phase claims from before the window: never purged.
 const OLD_UNFINISHED: i64 = 20;
 
@@ -440,16 +445,15 @@ where
     }
 }
 
-/// Markers for the purge: `STEADY_MARKERS` completed ones received one per millisecond up
-/// to now, and `OLD_UNFINISHED` unfinished leases received 110 s ago; then a copy of what
-/// is there, to check against after the purge.
+/// Markers for the purge: `STEADY_MARKERS` completed ones received one per 2 ms up to
+/// now, and `OLD_UNFINISHED` unfinished leases received 110 s ago.
 async fn fill_for_the_purge(conn: &DatabaseConnection) {
     run(
         conn,
         &format!(
             "INSERT INTO inbox (message_id, consumer, received_at, processed_at) \
              SELECT gen_random_uuid(), '{PURGE_CONSUMER}', t, t FROM \
-             (SELECT clock_timestamp() - i * interval '1 millisecond' AS t \
+             (SELECT clock_timestamp() - i * interval '2 milliseconds' AS t \
               FROM generate_series(0, {}) i) s",
             STEADY_MARKERS - 1
         ),
@@ -467,13 +471,14 @@ async fn fill_for_the_purge(conn: &DatabaseConnection) {
 }
 
 /// Leases and a purge across `event`:
-/// 1. 40 leases claimed through the stable address (replica A), 20 of them completed;
-/// 2. a slow purge (60 s window, 5 ms batches, 10 % busy) over 120,000 completed markers
+/// 1. a slow purge (60 s window, batches of 100, 1 % busy) over 60,000 completed markers
 ///    and 20 old unfinished leases, cut off by the event once it has deleted some;
+/// 2. meanwhile, right before the event, 40 leases claimed through the stable address
+///    (replica A), 20 of them completed;
 /// 3. after the event: the completed leases are `AlreadyProcessed`, the open ones `Held`
 ///    until they expire, then `TakenOver` by replica B (attempt 2), A's late completion is
-///    `StaleLease`, B's completes; the purge, resumed, deletes every expired marker and
-///    nothing it must keep.
+///    `StaleLease`, B's completes; the purge, run again at the default pace, deletes every
+///    expired marker and nothing it must keep.
 async fn leases_and_a_purge_across(event: Event) {
     let urls = Urls::from_env();
     script(&["wait-healthy", "60"]).await;
@@ -483,6 +488,32 @@ async fn leases_and_a_purge_across(event: Event) {
     let replica_a = db.connect_with(2).await;
     let options = LeaseOptions::new(LEASE).expect("a valid lease");
 
+    fill_for_the_purge(&admin).await;
+    run(
+        &admin,
+        "CREATE TABLE inbox_before AS SELECT id, received_at, processed_at FROM inbox",
+    )
+    .await;
+    let before = scalar_i64(&admin, "SELECT COUNT(*) FROM inbox").await;
+    // Batches of at most 100 rows, resting 99 times as long as each took: about a minute
+    // for the 30,000 expired markers, so the event surely cuts it off.
+    let slow = RetentionPolicy::with_window(WINDOW)
+        .and_then(|policy| policy.with_batch_size(100))
+        .and_then(|policy| Ok(policy.with_pacing(PurgePacing::default().with_busy_percent(1)?)))
+        .expect("a valid retention policy");
+    let purger = db.connect_with(1).await;
+    let interrupted = {
+        let purger = purger.clone();
+        tokio::spawn(async move { purge(&purger, &slow).await })
+    };
+    while scalar_i64(&admin, "SELECT COUNT(*) FROM inbox").await > before - 2_000 {
+        assert!(
+            !interrupted.is_finished(),
+            "the purge ended before the event"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The leases last from here: claimed right before the event, so they outlive it.
     let ids: Vec<Uuid> = (0..LEASES).map(|_| Uuid::new_v4()).collect();
     let mut held: Vec<Lease> = Vec::new();
     for (i, id) in ids.iter().enumerate() {
@@ -499,35 +530,6 @@ async fn leases_and_a_purge_across(event: Event) {
         }
     }
 
-    fill_for_the_purge(&admin).await;
-    run(
-        &admin,
-        "CREATE TABLE inbox_before AS SELECT id, received_at, processed_at FROM inbox",
-    )
-    .await;
-    let before = scalar_i64(&admin, "SELECT COUNT(*) FROM inbox").await;
-    let policy = RetentionPolicy::with_window(WINDOW)
-        .and_then(|policy| policy.with_batch_size(1_000))
-        .and_then(|policy| {
-            Ok(policy.with_pacing(
-                PurgePacing::default()
-                    .with_batch_budget(Duration::from_millis(5))?
-                    .with_busy_percent(10)?,
-            ))
-        })
-        .expect("a valid retention policy");
-    let purger = db.connect_with(1).await;
-    let interrupted = {
-        let (purger, policy) = (purger.clone(), policy.clone());
-        tokio::spawn(async move { purge(&purger, &policy).await })
-    };
-    while scalar_i64(&admin, "SELECT COUNT(*) FROM inbox").await > before - 5_000 {
-        assert!(
-            !interrupted.is_finished(),
-            "the purge ended before the event"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
     let deleted_when_hit = before - scalar_i64(&admin, "SELECT COUNT(*) FROM inbox").await;
     let handover = event.happen().await;
 
@@ -571,8 +573,10 @@ async fn leases_and_a_purge_across(event: Event) {
             "A's live lease survived the event: {claim:?}"
         );
     }
+    // The next run, at the default pace: a purge keeps no state, each run starts over.
+    let policy = RetentionPolicy::with_window(WINDOW).expect("a valid retention policy");
     let resumed = {
-        let (purger, policy) = (purger.clone(), policy.clone());
+        let purger = purger.clone();
         tokio::spawn(
             async move { patiently("the resumed purge", || purge(&purger, &policy)).await },
         )
