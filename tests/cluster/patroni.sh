@@ -17,7 +17,7 @@
 #   tests/cluster/patroni.sh stop-node NAME        # stops that node's Patroni (and its PostgreSQL)
 #   tests/cluster/patroni.sh start-node NAME       # starts it again
 #   tests/cluster/patroni.sh strict on|off         # synchronous_mode_strict, applied by the leader
-#   tests/cluster/patroni.sh rewinds               # how many pg_rewind runs succeeded
+#   tests/cluster/patroni.sh rewinds               # pg_rewind runs per node: node1=N ...
 #   tests/cluster/patroni.sh list                  # patronictl list
 #   tests/cluster/patroni.sh stop                  # stops everything, deletes the data
 #
@@ -115,6 +115,7 @@ install() {
     command -v etcd >/dev/null || missing+=(etcd-server)
     command -v haproxy >/dev/null || missing+=(haproxy)
     command -v jq >/dev/null || missing+=(jq)
+    command -v curl >/dev/null || missing+=(curl)
     command -v setpriv >/dev/null || missing+=(util-linux)
     [[ -x $PG_BIN/pg_rewind ]] || missing+=(postgresql-15)
     /usr/bin/python3 -c 'import venv, ensurepip' 2>/dev/null || missing+=(python3-venv)
@@ -363,7 +364,7 @@ start() {
         tail -5 "$PATRONI_DIR"/*.log >&2 || true
         die "the Patroni cluster did not come up; logs in $PATRONI_DIR"
     fi
-    psql -h 127.0.0.1 -p "$PROXY_PORT" -U postgres -d postgres -qAtc 'CREATE DATABASE test' >/dev/null
+    "$PG_BIN/psql" -h 127.0.0.1 -p "$PROXY_PORT" -U postgres -d postgres -qAtc 'CREATE DATABASE test' >/dev/null
     echo "patroni.sh: 3 nodes (leader $(leader), sync standby $(sync_standby)) up in $((SECONDS - started)) s" >&2
     urls
 }
@@ -480,8 +481,13 @@ strict() {
     die "synchronous_mode_strict did not become $value"
 }
 
+# "node1=N node2=N node3=N": the pg_rewind runs that succeeded on each node so far.
 rewinds() {
-    cat "$PATRONI_DIR"/node*.log 2>/dev/null | grep -c 'pg_rewind exit code=0' || true
+    local node out=()
+    for node in "${NODES[@]}"; do
+        out+=("$node=$(grep -c 'pg_rewind exit code=0' "$PATRONI_DIR/$node.log" 2>/dev/null || true)")
+    done
+    echo "${out[*]}"
 }
 
 node_arg() {
