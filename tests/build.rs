@@ -52,6 +52,11 @@ const GATES: &[Gate] = &[
         needs_one: true,
     },
     Gate {
+        var: "INBOX_TEST_PATRONI_URLS",
+        cfg: "inbox_patroni",
+        needs_one: false,
+    },
+    Gate {
         var: "INBOX_TEST_GALERA_URLS",
         cfg: "inbox_galera",
         needs_one: false,

@@ -173,6 +173,16 @@ impl TestDb {
         connect_pool(&self.url, self.backend, max_connections).await
     }
 
+    /// A pool to this database through another address of the same server or cluster,
+    /// e.g. one node's own port instead of the proxy in front of the nodes.
+    pub async fn connect_at(&self, server_url: &str, max_connections: u32) -> DatabaseConnection {
+        let url = match &self.server {
+            Some((_, name)) => replace_database(server_url, name),
+            None => self.url.clone(),
+        };
+        connect_pool(&url, self.backend, max_connections).await
+    }
+
     /// Applies the inbox migration.
     pub async fn migrate(&self) {
         let conn = self.connect().await;

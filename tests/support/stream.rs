@@ -78,6 +78,26 @@ impl Plan {
             deliveries,
         }
     }
+
+    /// The plan of a run that published only the first `deliveries` deliveries: the
+    /// messages they carry, and the failures among those. A duplicate whose second copy
+    /// was not published is delivered once.
+    pub fn truncated(&self, deliveries: usize) -> Self {
+        let deliveries: Vec<Uuid> = self.deliveries.iter().take(deliveries).copied().collect();
+        let published: HashSet<Uuid> = deliveries.iter().copied().collect();
+        let keep = |set: &HashSet<Uuid>| set.intersection(&published).copied().collect();
+        Self {
+            ids: self
+                .ids
+                .iter()
+                .filter(|id| published.contains(id))
+                .copied()
+                .collect(),
+            duplicated: keep(&self.duplicated),
+            failing: keep(&self.failing),
+            deliveries,
+        }
+    }
 }
 
 /// A seeded xorshift64: reproducible runs without a dependency.
@@ -110,6 +130,9 @@ pub struct Broker {
 
 #[derive(Default)]
 struct BrokerState {
+    /// No more deliveries will be published: once the queue is empty and nothing is in
+    /// flight, the stream has ended.
+    closed: bool,
     queue: VecDeque<Uuid>,
     in_flight: usize,
     deliveries: u64,
@@ -129,13 +152,36 @@ pub struct BrokerStats {
 }
 
 impl Broker {
+    /// A broker holding every delivery of a run from the start.
     pub fn new(deliveries: &[Uuid]) -> Arc<Self> {
         Arc::new(Self {
             state: Mutex::new(BrokerState {
+                closed: true,
                 queue: deliveries.iter().copied().collect(),
                 ..BrokerState::default()
             }),
         })
+    }
+
+    /// A broker whose deliveries arrive later ([`Broker::publish`]): the replicas wait
+    /// for more until [`Broker::close`], so a test can keep traffic flowing for as long
+    /// as something it waits for takes.
+    pub fn open() -> Arc<Self> {
+        Arc::new(Self {
+            state: Mutex::new(BrokerState::default()),
+        })
+    }
+
+    /// Appends deliveries to the queue of an open broker.
+    pub fn publish(&self, deliveries: &[Uuid]) {
+        let mut state = self.lock();
+        assert!(!state.closed, "publish after close");
+        state.queue.extend(deliveries.iter().copied());
+    }
+
+    /// Publishes nothing more: the stream ends once every delivery is settled.
+    pub fn close(&self) {
+        self.lock().closed = true;
     }
 
     fn lock(&self) -> MutexGuard<'_, BrokerState> {
@@ -144,8 +190,8 @@ impl Broker {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// The next delivery, waiting while others are in flight (they may be nacked back);
-    /// `None` once everything is settled.
+    /// The next delivery, waiting while others are in flight (they may be nacked back) or
+    /// while the broker is open; `None` once it is closed and everything is settled.
     pub async fn next(&self) -> Option<Uuid> {
         loop {
             {
@@ -155,7 +201,7 @@ impl Broker {
                     state.deliveries += 1;
                     return Some(id);
                 }
-                if state.in_flight == 0 {
+                if state.in_flight == 0 && state.closed {
                     return None;
                 }
             }
