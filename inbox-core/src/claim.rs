@@ -1,7 +1,7 @@
 use crate::backend::{
     DbErrorKind, ProcessMarker, claim_marker_statement, claim_silence_statement, classify,
-    inbox_duplicate_confirmation, marker_held_statement, marker_insert_returns_id,
-    process_marker_if_silence_bounded, roll_back, transaction_ended,
+    inbox_duplicate_confirmation, marker_held_statement, marker_insert_returns_id, roll_back,
+    transaction_ended,
 };
 use crate::batch::{BatchClaim, admit_batch, insert_batch};
 use crate::consumer::validate_claim;
@@ -540,23 +540,6 @@ pub(crate) async fn insert_marker<C: ConnectionTrait>(
         })
     };
     if let Some(process) = &process {
-        let received_at = now_micros();
-        if let Some(statement) =
-            process_marker_if_silence_bounded(backend, message_id, consumer, received_at, process)?
-        {
-            match conn.execute_raw(statement).await {
-                Ok(done) if done.rows_affected() == 1 => {
-                    return Ok(claimed(marker_id_of(
-                        done.last_insert_id(),
-                        message_id,
-                        consumer,
-                    )?));
-                }
-                // The session does not hold the bound yet: set it, then insert.
-                Ok(_) => {}
-                Err(err) => return claim_failure(conn, err, message_id, consumer).await,
-            }
-        }
         // Before the INSERT: the server reads the bound when it starts waiting for the
         // client, and from the INSERT on the transaction holds the marker's lock.
         if let Some(sql) = claim_silence_statement(backend, process.silence)? {

@@ -82,15 +82,6 @@ trait Dialect: Sync {
         None
     }
 
-    /// [`insert_process_marker`](Self::insert_process_marker) that inserts only when the
-    /// session already has the bounds [`bound_silence`](Self::bound_silence) sets for
-    /// `silence` (they stay on a pooled connection), so the steady state skips that
-    /// statement's round trip: no row inserted means set them, then insert. Same binds.
-    /// `None`: always bound first (or the INSERT carries the bound itself).
-    fn insert_process_marker_if_silence_bounded(&self, _silence: Duration) -> Option<String> {
-        None
-    }
-
     /// [`insert_marker`](Self::insert_marker) that also makes the server end the caller's
     /// transaction once its client goes silent, where the INSERT can set that for one
     /// transaction without an extra round trip. Binds: those of `insert_marker`, then the
@@ -463,29 +454,6 @@ pub(crate) fn claim_marker_statement(
         None => dialect.insert_process_marker(),
     };
     Ok(Statement::from_sql_and_values(backend, sql, values))
-}
-
-/// `Inbox::process`'s marker INSERT that inserts only when the session already holds the
-/// silence bound of `process` (see [`Dialect::insert_process_marker_if_silence_bounded`]),
-/// or `None` where the backend has no such form.
-pub(crate) fn process_marker_if_silence_bounded(
-    backend: DbBackend,
-    message_id: MessageId,
-    consumer: &str,
-    received_at: DateTime<Utc>,
-    process: &ProcessMarker,
-) -> Result<Option<Statement>, InboxError> {
-    let dialect = dialect(backend)?;
-    let Some(sql) = dialect.insert_process_marker_if_silence_bounded(process.silence) else {
-        return Ok(None);
-    };
-    let values = [
-        Value::from(message_id.as_uuid()),
-        Value::from(consumer),
-        dialect.timestamp_value(received_at),
-        Value::from(process.token),
-    ];
-    Ok(Some(Statement::from_sql_and_values(backend, sql, values)))
 }
 
 /// Whether `backend`'s marker INSERT returns the new row's id (`RETURNING "id"`: run it as

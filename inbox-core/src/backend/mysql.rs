@@ -84,17 +84,6 @@ impl Dialect for MySql {
         ))
     }
 
-    /// The session variables [`bound_silence`](Self::bound_silence) sets, compared in the
-    /// INSERT's own WHERE: a connection the pool already used for a claim skips the SET.
-    fn insert_process_marker_if_silence_bounded(&self, silence: Duration) -> Option<String> {
-        let seconds = silence.as_secs() + u64::from(silence.subsec_nanos() > 0);
-        Some(format!(
-            "INSERT INTO `inbox` (`message_id`, `consumer`, `received_at`, `claim_token`) \
-             SELECT ?, ?, ?, ? FROM DUAL WHERE @@session.net_write_timeout = {seconds} \
-             /*M!100300 AND @@session.idle_transaction_timeout = {seconds} */"
-        ))
-    }
-
     /// MySQL has no DO NOTHING, so it gets a no-op `ON DUPLICATE KEY UPDATE consumer =
     /// consumer` (never count its affected rows: sqlx reports found rows). Not `id = id`:
     /// assigning the auto-increment key in the update clause made MariaDB 10.11 hand a
