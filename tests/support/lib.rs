@@ -468,6 +468,19 @@ pub fn shuffled_deliveries(ids: &[uuid::Uuid], copies: usize, seed: u64) -> Vec<
     deliveries
 }
 
+/// The SQLSTATE of a database error, if it is one.
+pub fn sql_state(err: &sea_orm::DbErr) -> Option<String> {
+    use sea_orm::{DbErr, RuntimeErr, sqlx};
+    match err {
+        DbErr::Exec(RuntimeErr::SqlxError(sqlx_err))
+        | DbErr::Query(RuntimeErr::SqlxError(sqlx_err)) => match sqlx_err.as_ref() {
+            sqlx::Error::Database(db) => db.code().map(|code| code.into_owned()),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::replace_database;

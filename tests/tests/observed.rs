@@ -11,10 +11,11 @@
 use futures_util::TryStreamExt;
 use inbox_tests::{
     Backend, TestDb, create_accounts, credit, migrated_db, on_every_backend, run, scalar_i64,
+    sql_state,
 };
 use sea_orm::{
-    ConnectionTrait, DatabaseConnection, DbErr, RuntimeErr, Statement, StreamTrait,
-    TransactionSession, TransactionTrait, sqlx,
+    ConnectionTrait, DatabaseConnection, DbErr, Statement, StreamTrait, TransactionSession,
+    TransactionTrait,
 };
 use sea_orm_inbox::prelude::*;
 use std::sync::{Arc, Mutex};
@@ -42,17 +43,6 @@ fn count(sent: &Mutex<Vec<String>>, prefix: &str) -> usize {
         .iter()
         .filter(|sql| sql.trim_start().starts_with(prefix))
         .count()
-}
-
-fn sql_state(err: &DbErr) -> Option<String> {
-    match err {
-        DbErr::Exec(RuntimeErr::SqlxError(sqlx_err))
-        | DbErr::Query(RuntimeErr::SqlxError(sqlx_err)) => match sqlx_err.as_ref() {
-            sqlx::Error::Database(db) => db.code().map(|code| code.into_owned()),
-            _ => None,
-        },
-        _ => None,
-    }
 }
 
 /// A migrated database with account 1 and an audit table holding row 1, which an audit

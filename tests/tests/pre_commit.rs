@@ -7,9 +7,9 @@
 
 use inbox_tests::{
     Backend, TestDb, create_accounts, credit, credit_once, migrated_db, on_every_backend, run,
-    scalar_i64,
+    scalar_i64, sql_state,
 };
-use sea_orm::{ConnectionTrait, DatabaseConnection, DbErr, RuntimeErr, TransactionTrait, sqlx};
+use sea_orm::{ConnectionTrait, DatabaseConnection, DbErr, TransactionTrait};
 use sea_orm_inbox::prelude::*;
 use sea_orm_inbox::{DbErrorKind, classify};
 use std::sync::Arc;
@@ -17,18 +17,6 @@ use std::time::{Duration, Instant};
 use uuid::Uuid;
 
 const CONSUMER: &str = "billing.credit";
-
-/// The SQLSTATE of a database error, if it is one.
-fn sql_state(err: &DbErr) -> Option<String> {
-    match err {
-        DbErr::Exec(RuntimeErr::SqlxError(sqlx_err))
-        | DbErr::Query(RuntimeErr::SqlxError(sqlx_err)) => match sqlx_err.as_ref() {
-            sqlx::Error::Database(db) => db.code().map(|code| code.into_owned()),
-            _ => None,
-        },
-        _ => None,
-    }
-}
 
 /// A migrated database with account 1 and an audit table already holding row 1, which
 /// the handler's audit INSERT then violates.
