@@ -29,6 +29,8 @@ pub mod rabbitmq;
 mod retention;
 mod retry;
 mod schema;
+#[cfg(feature = "mysql")]
+mod session;
 mod silence;
 
 /// The workspace README's code blocks, compiled as doctests (`cargo test -p sea-orm-inbox
@@ -72,3 +74,5 @@ pub use sea_orm_inbox_entity::{
     CONSUMER_MAX_CHARS, DESTINATION_MAX_CHARS, INDEX_NAME, OUTBOX_MESSAGE_ID_INDEX_NAME,
     OUTBOX_TABLE_NAME, PARTITION_KEY_MAX_CHARS, RECEIVED_AT_INDEX_NAME, TABLE_NAME,
 };
+#[cfg(feature = "mysql")]
+pub use session::bound_mysql_lock_waits;

@@ -173,6 +173,16 @@ impl TestDb {
         connect_pool(&self.url, self.backend, max_connections).await
     }
 
+    /// A pool of at most `max_connections` whose options `configure` adjusts last (a
+    /// helper of the library under test, say).
+    pub async fn connect_configured(
+        &self,
+        max_connections: u32,
+        configure: impl FnOnce(&mut ConnectOptions),
+    ) -> DatabaseConnection {
+        connect_pool_with(&self.url, self.backend, max_connections, configure).await
+    }
+
     /// A pool to this database through another address of the same server or cluster,
     /// e.g. one node's own port instead of the proxy in front of the nodes.
     pub async fn connect_at(&self, server_url: &str, max_connections: u32) -> DatabaseConnection {
@@ -223,6 +233,15 @@ impl TestDb {
 /// A new pool to `url` with at most `max_connections` connections (SQLite: always 1
 /// writer).
 async fn connect_pool(url: &str, backend: Backend, max_connections: u32) -> DatabaseConnection {
+    connect_pool_with(url, backend, max_connections, |_| {}).await
+}
+
+async fn connect_pool_with(
+    url: &str,
+    backend: Backend,
+    max_connections: u32,
+    configure: impl FnOnce(&mut ConnectOptions),
+) -> DatabaseConnection {
     let mut options = ConnectOptions::new(url.to_owned());
     let max = if backend == Backend::Sqlite {
         1
@@ -237,6 +256,7 @@ async fn connect_pool(url: &str, backend: Backend, max_connections: u32) -> Data
     if backend == Backend::PgBouncer {
         for_transaction_pooler(&mut options);
     }
+    configure(&mut options);
     let conn = Database::connect(options)
         .await
         .unwrap_or_else(|e| panic!("connect to {url}: {e}"));

@@ -3,8 +3,10 @@
 //! transaction-scoped), so a redelivery ends as a transient failure (retried, then nack)
 //! within the bound, and its pooled connection is free and clean afterwards.
 //!
-//! MySQL/MariaDB bound the wait with the session's `innodb_lock_wait_timeout` and SQLite
-//! with the busy timeout, which the library does not change; `process.rs` covers both
+//! MySQL/MariaDB bound the wait with the session's `innodb_lock_wait_timeout`, which
+//! `bound_mysql_lock_waits` sets on every connection of a pool
+//! (`mysql_pool_bound_by_the_helper_ends_a_held_claim_within_the_bound`), and SQLite with
+//! the busy timeout; `process.rs` covers both
 //! (`transient_lock_failures_are_retried_in_a_fresh_transaction`). What MariaDB's timeout
 //! leaves of the transaction: `mysql_lock_wait_timeout_rolls_back_the_statement_only`.
 
@@ -203,4 +205,77 @@ async fn credit_account(txn: &impl ConnectionTrait, id: i64) -> Result<(), DbErr
     ))
     .await
     .map(|_| ())
+}
+
+/// `bound_mysql_lock_waits` sets `innodb_lock_wait_timeout` on every connection the pool
+/// opens (both of a two-connection pool read 1), and a claim held by another replica then
+/// ends as a transient 1205 after about that bound, not the server's 50 s default: retried,
+/// then nacked. Out-of-range bounds are refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[cfg_attr(not(inbox_mysql), ignore = "set INBOX_TEST_MYSQL_URL")]
+async fn mysql_pool_bound_by_the_helper_ends_a_held_claim_within_the_bound() {
+    let mut refused = sea_orm::ConnectOptions::new("mysql://unused");
+    assert!(matches!(
+        sea_orm_inbox::bound_mysql_lock_waits(&mut refused, Duration::ZERO),
+        Err(InboxError::LockTimeoutOutOfRange { .. })
+    ));
+    let db = migrated_db(Backend::MySql).await;
+    let replica = db
+        .connect_configured(2, |options| {
+            sea_orm_inbox::bound_mysql_lock_waits(options, Duration::from_secs(1))
+                .expect("within bounds");
+        })
+        .await;
+    create_accounts(&replica).await;
+    // Two transactions at once hold the pool's two connections.
+    let (first, second) = (
+        replica.begin().await.unwrap(),
+        replica.begin().await.unwrap(),
+    );
+    for txn in [&first, &second] {
+        let bound = txn
+            .query_one_raw(Statement::from_string(
+                txn.get_database_backend(),
+                "SELECT CAST(@@session.innodb_lock_wait_timeout AS SIGNED)",
+            ))
+            .await
+            .unwrap()
+            .expect("a row")
+            .try_get_by_index::<i64>(0)
+            .unwrap();
+        assert_eq!(bound, 1, "every connection of the pool");
+    }
+    drop((first, second));
+
+    let id = Uuid::new_v4();
+    let holder =
+        hold_claim_then_roll_back(&db, id, "billing.credit", Duration::from_secs(120)).await;
+    let inbox = Inbox::new("billing.credit")
+        .expect("valid name")
+        .with_retry(
+            RetryPolicy::default()
+                .max_attempts(2)
+                .backoff(Duration::from_millis(10), Duration::from_millis(50))
+                .expect("a short backoff"),
+        );
+    let started = Instant::now();
+    let result = credit_once(&inbox, &replica, id).await;
+    let waited = started.elapsed();
+    match &result {
+        Err(ProcessError::RetriesExhausted { source, .. }) => {
+            let cause = source.db_err().expect("a database cause");
+            assert_eq!(classify(cause), DbErrorKind::Transient, "{cause}");
+            assert!(cause.to_string().contains("1205"), "{cause}");
+        }
+        other => panic!("expected RetriesExhausted after two 1 s lock waits, got {other:?}"),
+    }
+    assert_eq!(Settlement::of(&result), Settlement::Nack(None));
+    // Two attempts of 1 s each; generous for a loaded machine, far below the default 50 s.
+    assert!(
+        waited < Duration::from_secs(30),
+        "the claim waited {waited:?}"
+    );
+    holder.abort();
+    replica.close().await.ok();
+    db.cleanup().await;
 }

@@ -496,8 +496,10 @@ pub(crate) enum AfterFailure {
     /// The database ended the transaction: nothing later may run in it.
     Ended,
     /// Only the statement (or the savepoint around it) failed; the transaction goes on.
+    #[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
     WentOn,
     /// The error does not tell: ask with [`transaction_ended`].
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
     Ask,
 }
 
@@ -712,6 +714,7 @@ enum BatchReturning {
     /// now or met on a unique key, on the servers that support it, and makes the INSERT
     /// return nothing on the others, which then read every id's row back (the MySQL
     /// family: the server version decides inside the clause).
+    #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
     EveryIdWhereSupported(&'static str),
 }
 
