@@ -876,7 +876,8 @@ pub enum DbErrorKind {
     OtherUniqueViolation,
     /// A failure that a fresh transaction may not meet again: serialization failure,
     /// deadlock (on Galera also a certification conflict), lock wait timeout, SQLite
-    /// busy/locked, a lost connection, or a Galera node outside the primary component.
+    /// busy/locked, a lost connection, an error during COMMIT (MySQL's 1180), or a Galera
+    /// node outside the primary component.
     /// Roll the failed transaction back before the retry: after MariaDB's lock wait timeout
     /// (1205) it is still open, with its locks and its earlier writes.
     Transient,

@@ -208,6 +208,11 @@ pub(super) fn classify(db: &dyn DatabaseError) -> Option<DbErrorKind> {
     // node is outside the primary component (it lost quorum, is joining, or rejects
     // queries); it serves again once it rejoins. 1047 without 08S01 is "unknown command".
     const ER_UNKNOWN_COM_ERROR: u16 = 1047;
+    // "Got error during COMMIT": the server rolled the transaction back. On Galera a node
+    // that lost the primary component mid-transaction answers it ("Not connected to
+    // Primary Component"), seen in the Galera soak when node 3 was killed; a fresh
+    // transaction on a node of the primary component succeeds.
+    const ER_ERROR_DURING_COMMIT: u16 = 1180;
     let err = db.try_downcast_ref::<MySqlDatabaseError>()?;
     Some(match err.number() {
         ER_UNKNOWN_COM_ERROR if err.code() == Some("08S01") => DbErrorKind::Transient,
@@ -215,6 +220,7 @@ pub(super) fn classify(db: &dyn DatabaseError) -> Option<DbErrorKind> {
         ER_DUP_ENTRY => DbErrorKind::OtherUniqueViolation,
         ER_LOCK_WAIT_TIMEOUT | ER_LOCK_DEADLOCK => DbErrorKind::Transient,
         ER_SERVER_SHUTDOWN | ER_CONNECTION_KILLED | ER_QUERY_INTERRUPTED => DbErrorKind::Transient,
+        ER_ERROR_DURING_COMMIT => DbErrorKind::Transient,
         ER_NO_SUCH_TABLE if names_inbox_table(err.message()) => DbErrorKind::MissingInboxTable,
         ER_BAD_FIELD_ERROR => DbErrorKind::MissingColumn,
         _ => DbErrorKind::Other,
