@@ -488,7 +488,7 @@ async fn fill_for_the_purge(conn: &DatabaseConnection) {
 }
 
 /// Leases and a purge across `event`:
-/// 1. a slow purge (60 s window, batches of 100, 1 % busy) over 60,000 completed markers
+/// 1. a slow purge (60 s window, batches of 10, 1 % busy) over 60,000 completed markers
 ///    and 20 old unfinished leases, cut off by the event once it has deleted some;
 /// 2. meanwhile, right before the event, 40 leases claimed through the stable address
 ///    (replica A), 20 of them completed;
@@ -512,10 +512,13 @@ async fn leases_and_a_purge_across(event: Event) {
     )
     .await;
     let before = scalar_i64(&admin, "SELECT COUNT(*) FROM inbox").await;
-    // Batches of at most 100 rows, resting 99 times as long as each took: about a minute
-    // for the 30,000 expired markers, so the event surely cuts it off.
+    // Batches of at most 10 rows, resting 99 times as long as each took (the pacing caps
+    // a rest): several minutes for the 30,000 expired markers, so the event surely cuts it
+    // off. (With batches of 100 it took 33 s on a quiet machine and once ended before the
+    // switchover came; the purge fails at its first batch in the event's window without a
+    // writable primary, a few seconds at most, so its length does not lengthen the test.)
     let slow = RetentionPolicy::with_window(WINDOW)
-        .and_then(|policy| policy.with_batch_size(100))
+        .and_then(|policy| policy.with_batch_size(10))
         .and_then(|policy| Ok(policy.with_pacing(PurgePacing::default().with_busy_percent(1)?)))
         .expect("a valid retention policy");
     let purger = db.connect_with(1).await;
