@@ -602,6 +602,15 @@ mod tests {
                 "re-run the whole batch in a new transaction or nack it",
             ),
             (
+                InboxError::ClaimLost {
+                    message_ids: vec![MessageId::from(uuid::Uuid::from_u128(7))],
+                    consumer: "billing".into(),
+                    source: None,
+                }
+                .to_string(),
+                "claiming message 00000000-0000-0000-0000-000000000007 for consumer \"billing\"",
+            ),
+            (
                 InboxError::InvalidAdmissionFloor {
                     margin: Duration::from_secs(7200),
                     window: Duration::from_secs(3600),
