@@ -2,6 +2,12 @@
 
 use chrono::{DateTime, Timelike, Utc};
 
+/// The current UTC time cut to microseconds, the precision every backend stores, so a
+/// value read back equals the value written.
+pub(crate) fn now_micros() -> DateTime<Utc> {
+    truncate_to_micros(Utc::now())
+}
+
 /// `at` cut to whole microseconds, the finest precision the timestamp columns store
 /// (PostgreSQL's `timestamptz`, MySQL/MariaDB's `datetime(6)`), so a value the library
 /// reports equals the value the database stored and later reads back.

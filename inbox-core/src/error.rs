@@ -205,21 +205,29 @@ pub enum InboxError {
         attempt: u32,
     },
 
-    /// Before COMMIT, the claim's transaction no longer held its marker: the database had
-    /// already ended the transaction (PostgreSQL aborts it after any failed statement and
-    /// then answers COMMIT with ROLLBACK; InnoDB rolls it back on a deadlock, and on a
-    /// lock wait timeout only with `innodb_rollback_on_timeout = ON`), yet the handler went
-    /// on and returned `Ok`. Nothing of the claim was committed.
+    /// Before COMMIT, the claim's transaction could not prove it still held its markers,
+    /// of one message or of a batch: the database had already ended the transaction
+    /// (PostgreSQL aborts it after any failed statement and then answers COMMIT with
+    /// ROLLBACK; InnoDB rolls it back on a deadlock, on a Galera certification conflict,
+    /// and on a lock wait timeout only with `innodb_rollback_on_timeout = ON`), yet the
+    /// caller went on; or the check itself failed (`source`, which
+    /// [`classify`](crate::classify) tells transient or not). The transaction was rolled
+    /// back: nothing of the claim was committed.
     #[error(
-        "the transaction claiming message {message_id} for consumer {consumer:?} lost its marker before COMMIT: a statement in it failed and the database rolled the transaction back, but the handler went on{}. Nothing of the claim was committed: nack the message so the broker redelivers it, and let the handler return its database errors instead of swallowing them",
+        "the transaction claiming {} for consumer {consumer:?} could not prove its markers before COMMIT{}: the database ends a transaction on a failed statement (PostgreSQL), a deadlock or a Galera certification conflict, and the caller went on. Nothing of the claim was committed: nack the message so the broker redelivers it (for a batch: re-run the whole batch in a new transaction or nack it), and return database errors at the first failed statement instead of swallowing them (on MySQL/MariaDB the statements after the end ran outside the transaction and committed on their own)",
+        claimed(.message_ids),
         .source.as_ref().map(|err| format!(" (the check said: {err})")).unwrap_or_default()
     )]
     ClaimLost {
-        /// The message whose claim was lost.
-        message_id: MessageId,
-        /// The consumer that claimed it.
+        /// The messages whose claims were lost: the one message of
+        /// [`claim_message`](crate::InboxTransactionExt::claim_message) or
+        /// [`Inbox::process`](crate::Inbox::process), or every id a batch newly claimed
+        /// (none for a batch that claimed no new id).
+        message_ids: Vec<MessageId>,
+        /// The consumer that claimed them.
         consumer: String,
-        /// The error the check met (PostgreSQL: 25P02), if it did not simply find no row.
+        /// The error the check met (PostgreSQL: 25P02; a lost connection), if it did not
+        /// simply find the marker gone.
         #[source]
         source: Option<DbErr>,
     },
@@ -237,26 +245,6 @@ pub enum InboxError {
         message_id: MessageId,
         /// The consumer that claimed it.
         consumer: String,
-    },
-
-    /// Before COMMIT, a batch claim's transaction no longer held the markers the batch
-    /// claimed: the database had already ended the transaction (MySQL/MariaDB roll it back
-    /// on a deadlock or a Galera certification conflict, and run later statements outside
-    /// it; PostgreSQL aborts it after any failed statement), yet the caller went on.
-    /// Nothing of the batch was committed by this transaction.
-    #[error(
-        "the transaction claiming a batch of {claimed} messages for consumer {consumer:?} no longer held their markers before COMMIT: the database had ended it (a deadlock, a Galera certification conflict, or a failed statement on PostgreSQL) and the caller went on{}. Nothing of the batch was committed: re-run the whole batch in a new transaction or nack it, and stop at the first failed statement (on MySQL/MariaDB the statements after the abort ran outside the transaction and committed on their own)",
-        .source.as_ref().map(|err| format!(" (the check said: {err})")).unwrap_or_default()
-    )]
-    BatchClaimLost {
-        /// The consumer of the batch.
-        consumer: String,
-        /// How many ids the batch claimed.
-        claimed: usize,
-        /// The error the check met (e.g. 1213 or PostgreSQL's 25P02), if it did not
-        /// simply find the marker gone.
-        #[source]
-        source: Option<DbErr>,
     },
 
     /// A claim lock timeout outside the accepted range.
@@ -432,7 +420,6 @@ impl InboxError {
             }
             Self::ClaimLost { .. }
             | Self::EndedByDatabase { .. }
-            | Self::BatchClaimLost { .. }
             | Self::StaleLease { .. }
             | Self::DatabaseUnresponsive { .. }
             | Self::DatabaseSilent { .. }
@@ -448,7 +435,6 @@ impl InboxError {
             | Self::Database { source, .. }
             | Self::Query { source, .. } => Some(source),
             Self::ClaimLost { source, .. } => source.as_ref(),
-            Self::BatchClaimLost { source, .. } => source.as_ref(),
             Self::EmptyConsumer
             | Self::ConsumerNotTrimmed { .. }
             | Self::ConsumerContainsNul { .. }
@@ -474,6 +460,14 @@ impl InboxError {
             | Self::NoTokioRuntime
             | Self::PurgerStopped { .. } => None,
         }
+    }
+}
+
+/// The claim an [`InboxError::ClaimLost`] names: its one message, or a batch by its size.
+fn claimed(message_ids: &[MessageId]) -> String {
+    match message_ids {
+        [message_id] => format!("message {message_id}"),
+        ids => format!("a batch of {} new messages", ids.len()),
     }
 }
 
@@ -599,13 +593,22 @@ mod tests {
                 "choose one well below the broker's redelivery timeout",
             ),
             (
-                InboxError::BatchClaimLost {
+                InboxError::ClaimLost {
+                    message_ids: vec![MessageId::from(uuid::Uuid::from_u128(7)); 3],
                     consumer: "projector".into(),
-                    claimed: 3,
                     source: None,
                 }
                 .to_string(),
                 "re-run the whole batch in a new transaction or nack it",
+            ),
+            (
+                InboxError::ClaimLost {
+                    message_ids: vec![MessageId::from(uuid::Uuid::from_u128(7))],
+                    consumer: "billing".into(),
+                    source: None,
+                }
+                .to_string(),
+                "claiming message 00000000-0000-0000-0000-000000000007 for consumer \"billing\"",
             ),
             (
                 InboxError::InvalidAdmissionFloor {

@@ -6,7 +6,6 @@ compile_error!("enable at least one of sea-orm-inbox's backend features: postgre
 
 mod admission;
 mod backend;
-mod batch;
 mod cause;
 mod claim;
 mod clock;
@@ -42,8 +41,7 @@ pub struct WorkspaceReadme;
 
 pub use admission::{AdmissionFloor, Delivery, Refusal};
 pub use backend::{CLAIM_TRANSACTION, DbErrorKind, classify, is_inbox_duplicate, timestamp_value};
-pub use batch::{BatchClaim, MAX_CLAIM_BATCH};
-pub use claim::{Claim, ClaimedMessage, InboxTransactionExt};
+pub use claim::{BatchClaim, Claim, ClaimedMessage, InboxTransactionExt, MAX_CLAIM_BATCH};
 pub use error::InboxError;
 pub use inbox::{BatchOutcome, HandlerFuture, Inbox};
 pub use lease::{

@@ -391,7 +391,7 @@ mod tests {
             );
         }
         let lost: Processed = Err(ProcessError::Inbox(InboxError::ClaimLost {
-            message_id: MessageId::from_uuid(uuid::Uuid::from_u128(7)),
+            message_ids: vec![MessageId::from_uuid(uuid::Uuid::from_u128(7))],
             consumer: "billing".into(),
             source: None,
         }));

@@ -204,7 +204,7 @@ async fn claim_functions_refuse_before_the_floor(backend: Backend) {
         .claim_batch([late(Uuid::new_v4())], CONSUMER)
         .await
         .expect("claim the batch");
-    assert!(all_refused.claimed.is_empty() && all_refused.already_claimed.is_empty());
+    assert!(all_refused.claimed.is_empty() && all_refused.duplicates.is_empty());
     assert_eq!(all_refused.refused.len(), 1);
     all_refused.commit(txn).await.expect("commit nothing");
 

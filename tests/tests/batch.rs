@@ -30,7 +30,7 @@ async fn claim_and_commit(db: &DatabaseConnection, ids: &[Uuid]) -> Committed {
             Ok(batch) => {
                 let claimed = Committed {
                     claimed: batch.claimed.clone(),
-                    already_claimed: batch.already_claimed.clone(),
+                    already_claimed: batch.duplicates.clone(),
                 };
                 batch
                     .commit(txn)
@@ -137,7 +137,7 @@ async fn batch_reports_new_and_old_ids_and_rolls_back_with_the_transaction(backe
     let batch = txn.claim_batch(input, CONSUMER).await.unwrap();
     let expected: Vec<MessageId> = ids.iter().copied().filter(|id| *id != ids[1]).collect();
     assert_eq!(batch.claimed, expected);
-    assert_eq!(batch.already_claimed, [ids[1]]);
+    assert_eq!(batch.duplicates, [ids[1]]);
     assert!(batch.is_claimed(ids[0]) && !batch.is_claimed(ids[1]));
     assert!(
         txn.claim_message(Uuid::new_v4(), CONSUMER)
@@ -282,7 +282,7 @@ async fn batch_commit_is_ok_only_when_the_markers_committed(backend: Backend) {
         Ok(()) => assert_eq!(markers, 2, "Ok means both markers committed"),
         Err(err) => {
             assert!(
-                matches!(err, InboxError::BatchClaimLost { claimed: 2, .. }),
+                matches!(err, InboxError::ClaimLost { ref message_ids, .. } if message_ids.len() == 2),
                 "{err}"
             );
             assert_eq!(markers, 0, "refused: nothing committed");
@@ -350,7 +350,7 @@ async fn a_batch_claim_is_one_statement_where_the_server_returns_its_rows(backen
     statements.store(0, Ordering::Relaxed);
     let batch = txn.claim_batch(ids.clone(), CONSUMER).await.unwrap();
     assert_eq!(statements.load(Ordering::Relaxed), expected, "{backend:?}");
-    assert_eq!(batch.already_claimed, ids[..2]);
+    assert_eq!(batch.duplicates, ids[..2]);
     assert_eq!(batch.claimed, ids[2..]);
     batch.commit(txn).await.unwrap();
     assert_eq!(scalar_i64(&conn, "SELECT COUNT(*) FROM inbox").await, 6);

@@ -264,7 +264,7 @@ async fn claimed_message_commit_after_rollback(backend: Backend) {
     ordinary_traffic_commits(db, conn, id).await;
 }
 
-/// `BatchClaim::commit` after the database ended the transaction: `BatchClaimLost`, and
+/// `BatchClaim::commit` after the database ended the transaction: `ClaimLost`, and
 /// the connection goes back to the pool clean.
 async fn batch_commit_after_rollback(backend: Backend) {
     let (db, conn) = one_connection_with_overdraft_trigger(backend).await;
@@ -279,7 +279,7 @@ async fn batch_commit_after_rollback(backend: Backend) {
     txn.execute_unprepared("ROLLBACK").await.expect("ROLLBACK");
     let result = batch.commit(txn).await;
     assert!(
-        matches!(result, Err(InboxError::BatchClaimLost { .. })),
+        matches!(result, Err(InboxError::ClaimLost { .. })),
         "{result:?}"
     );
     ordinary_traffic_commits(db, conn, id).await;
@@ -307,7 +307,7 @@ async fn batch_without_new_claims_commit_after_rollback(backend: Backend) {
     let result = batch.commit(txn).await;
     if backend == Backend::Sqlite {
         assert!(
-            matches!(result, Err(InboxError::BatchClaimLost { claimed: 0, .. })),
+            matches!(result, Err(InboxError::ClaimLost { ref message_ids, .. }) if message_ids.is_empty()),
             "{result:?}"
         );
     }

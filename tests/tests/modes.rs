@@ -43,10 +43,7 @@ async fn unfinished_lease_is_claimed_for_every_mode(backend: Backend) {
         .expect("begin");
     let fresh = MessageId::from_uuid(Uuid::new_v4());
     let batch = txn.claim_batch([id, fresh], CONSUMER).await.expect("batch");
-    assert_eq!(
-        (batch.claimed, batch.already_claimed),
-        (vec![fresh], vec![id])
-    );
+    assert_eq!((batch.claimed, batch.duplicates), (vec![fresh], vec![id]));
     txn.rollback().await.expect("rollback");
 
     let inbox = Inbox::new(CONSUMER).expect("valid name");

@@ -302,7 +302,7 @@ async fn overlapping_batches_apply_each_id_once(backend: Backend) {
 }
 
 /// PostgreSQL: a batch handler that swallows a failed statement and goes on gets
-/// `BatchClaimLost` naming it, its later writes never sent and nothing committed; on the
+/// `ClaimLost` naming it, its later writes never sent and nothing committed; on the
 /// other backends the failed statement alone is undone and the batch commits.
 async fn batch_handler_going_on_after_a_failure(backend: Backend) {
     let (db, conn, mut handler_pool) = setup(backend).await;
@@ -327,7 +327,7 @@ async fn batch_handler_going_on_after_a_failure(backend: Backend) {
             assert!(
                 matches!(
                     &result,
-                    Err(ProcessError::Inbox(InboxError::BatchClaimLost {
+                    Err(ProcessError::Inbox(InboxError::ClaimLost {
                         source: Some(_),
                         ..
                     }))

@@ -701,10 +701,7 @@ async fn a_batch_commit_reply_lost_returns_in_doubt_and_the_redelivery_finds_it_
         .await
         .expect("B's claim hung")
         .expect("B claims");
-    assert!(
-        b.claimed.is_empty() && b.already_claimed.len() == 2,
-        "{b:?}"
-    );
+    assert!(b.claimed.is_empty() && b.duplicates.len() == 2, "{b:?}");
     drop(txn);
     assert_eq!(fixture.balance().await, 2, "the batch committed once");
     assert_eq!(fixture.markers().await, 2);

@@ -45,7 +45,7 @@ async fn every_public_function_sends_its_statements_in_transactions(backend: Bac
     let txn = conn.begin_with_options(CLAIM_TRANSACTION).await.unwrap();
     let batch = txn.claim_batch([id, new], "walk.claim").await.unwrap();
     assert_eq!(batch.claimed, vec![MessageId::from(new)]);
-    assert_eq!(batch.already_claimed, vec![MessageId::from(id)]);
+    assert_eq!(batch.duplicates, vec![MessageId::from(id)]);
     batch.commit(txn).await.unwrap();
 
     // The whole protocol, then a redelivery.

@@ -9,7 +9,7 @@ use uuid::Uuid;
 const CONSUMER: &str = "projector";
 
 /// The database ends the batch's transaction (a raw `ROLLBACK`), the caller empties the
-/// public `claimed` list and commits: still `BatchClaimLost`, nothing committed.
+/// public `claimed` list and commits: still `ClaimLost`, nothing committed.
 async fn emptied_claimed_list_keeps_the_batch_proof(backend: Backend) {
     let db = migrated_db(backend).await;
     let conn = db.connect().await;
@@ -25,7 +25,7 @@ async fn emptied_claimed_list_keeps_the_batch_proof(backend: Backend) {
     assert_eq!(taken.len(), 2);
     let result = batch.commit(txn).await;
     assert!(
-        matches!(result, Err(InboxError::BatchClaimLost { .. })),
+        matches!(result, Err(InboxError::ClaimLost { .. })),
         "{result:?}"
     );
     assert_eq!(scalar_i64(&conn, "SELECT COUNT(*) FROM inbox").await, 0);

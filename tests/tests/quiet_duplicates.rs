@@ -87,7 +87,7 @@ async fn duplicates_make_postgres_raise_no_error() {
         .claim_batch([id, Uuid::new_v4()], "quiet.claim")
         .await
         .unwrap();
-    assert_eq!(batch.already_claimed, vec![MessageId::from(id)]);
+    assert_eq!(batch.duplicates, vec![MessageId::from(id)]);
     batch.commit(txn).await.unwrap();
     let options = LeaseOptions::new(Duration::from_secs(30)).unwrap();
     assert_eq!(

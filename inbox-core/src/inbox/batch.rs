@@ -2,13 +2,13 @@
 //! observed transaction, with the rules of [`Inbox::process`].
 
 use super::{AttemptError, Inbox, sort_inbox_error};
-use crate::backend::{CLAIM_TRANSACTION, DbErrorKind, classify, ends_transactions_silently};
+use crate::backend::CLAIM_TRANSACTION;
 use crate::metrics::{Counter, facade};
-use crate::observed::{ObservedTransaction, Verdict};
+use crate::observed::ObservedTransaction;
 use crate::{
     Delivery, HandlerFuture, InboxError, InboxTransactionExt, MessageId, ProcessError, Refusal,
 };
-use sea_orm::{ConnectionTrait, DatabaseConnection, DbErr, TransactionTrait};
+use sea_orm::{DatabaseConnection, TransactionTrait};
 use std::time::Instant;
 use tracing::Instrument;
 
@@ -76,7 +76,7 @@ impl Inbox {
     /// # Errors
     /// As [`process`](Self::process): [`ProcessError::Handler`],
     /// [`ProcessError::Inbox`] ([`InboxError::EmptyBatch`], [`InboxError::BatchTooLarge`],
-    /// [`InboxError::NilMessageId`] before any SQL runs, [`InboxError::BatchClaimLost`]
+    /// [`InboxError::NilMessageId`] before any SQL runs, [`InboxError::ClaimLost`]
     /// when the handler returned `Ok` after a statement that ended the transaction), and
     /// [`ProcessError::RetriesExhausted`]. Nack (do not commit the offset of) the whole
     /// batch: nothing of it was committed by the failed attempt.
@@ -158,7 +158,7 @@ impl Inbox {
                 return Err(match err {
                     // The read-back missed the batch's rows after a silent brute-force
                     // abort: the database's doing, retried like a conflict.
-                    err @ InboxError::BatchClaimLost { source: None, .. } => {
+                    err @ InboxError::ClaimLost { source: None, .. } => {
                         AttemptError::Transient(err)
                     }
                     err => sort_inbox_error(err),
@@ -170,75 +170,28 @@ impl Inbox {
             return Ok(BatchOutcome {
                 value: None,
                 processed: Vec::new(),
-                duplicates: batch.already_claimed,
+                duplicates: batch.duplicates,
                 refused: batch.refused,
             });
         }
         let observed = ObservedTransaction::new(txn);
-        let value = match self
+        let returned = self
             .bounded(
                 bound,
                 named,
                 "the handler",
                 handler(&observed, &batch.claimed),
             )
-            .await?
-        {
-            Ok(value) => value,
-            Err(err) => {
-                let verdict = observed.verdict();
-                self.roll_back(bound, named, observed.into_inner()).await;
-                return Err(Self::handler_failure(err, &verdict));
-            }
-        };
-        let verdict = observed.verdict();
-        let txn = observed.into_inner();
-        let backend = txn.get_database_backend();
-        let claimed = batch.claimed.len();
-        let processed = batch.claimed.clone();
-        let (duplicates, refused) = (batch.already_claimed.clone(), batch.refused.clone());
-        let lost = |source: Option<DbErr>| InboxError::BatchClaimLost {
-            consumer: self.consumer.to_string(),
-            claimed,
-            source,
-        };
-        let committed = match verdict {
-            Verdict::Ended(ending) => {
-                self.roll_back(bound, named, txn).await;
-                let transient = classify(&ending) == DbErrorKind::Transient;
-                let err = lost(Some(ending));
-                return Err(if transient {
-                    AttemptError::Transient(err)
-                } else {
-                    AttemptError::Fatal(err)
-                });
-            }
-            Verdict::Clean if !ends_transactions_silently(backend) => self
-                .bounded(bound, named, "COMMIT", txn.commit())
-                .await?
-                .map_err(|err| InboxError::Database {
-                    message_id: named,
-                    consumer: self.consumer.to_string(),
-                    source: err,
-                }),
-            Verdict::Clean => match batch.commit(txn).await {
-                // No statement failed: the database ended the transaction on its own.
-                Err(InboxError::BatchClaimLost { source: None, .. }) => {
-                    return Err(AttemptError::Transient(InboxError::EndedByDatabase {
-                        message_id: named,
-                        consumer: self.consumer.to_string(),
-                    }));
-                }
-                other => other,
-            },
-            Verdict::ProofNeeded => batch.commit(txn).await,
-        };
-        committed.map_err(sort_inbox_error)?;
+            .await?;
+        let (value, txn) = self
+            .conclude(bound, named, observed, returned, &batch.held())
+            .await?;
+        self.commit_attempt(bound, named, txn).await?;
         Ok(BatchOutcome {
             value: Some(value),
-            processed,
-            duplicates,
-            refused,
+            processed: batch.claimed,
+            duplicates: batch.duplicates,
+            refused: batch.refused,
         })
     }
 

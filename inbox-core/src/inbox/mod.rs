@@ -2,7 +2,7 @@ use crate::backend::{
     CLAIM_TRANSACTION, DbErrorKind, ProcessMarker, classify, ends_transactions_silently, roll_back,
 };
 use crate::cause::db_cause;
-use crate::claim::{ensure_marker_held, insert_marker, marker_token};
+use crate::claim::{Held, insert_marker, marker_token};
 use crate::consumer::{validate_claim, validate_consumer};
 use crate::metrics::{Counter, InboxMetrics, facade};
 use crate::observed::{ObservedTransaction, Verdict};
@@ -545,73 +545,98 @@ impl Inbox {
             }
         };
         let observed = ObservedTransaction::new(txn);
-        let value = match self
+        let returned = self
             .bounded(bound, message_id, "the handler", handler(&observed))
-            .await?
-        {
-            Ok(value) => value,
-            Err(err) => {
-                let verdict = observed.verdict();
-                self.roll_back(bound, message_id, observed.into_inner())
-                    .await;
-                return Err(Self::handler_failure(err, &verdict));
-            }
-        };
-        let verdict = observed.verdict();
-        let txn = observed.into_inner();
-        let proof = match verdict {
-            Verdict::Ended(ending) => {
-                self.roll_back(bound, message_id, txn).await;
-                return Err(self.ended_attempt(message_id, ending));
-            }
-            // Every statement succeeded in the transaction: it holds the marker, unless the
-            // server can end a transaction without failing a statement.
-            Verdict::Clean if ends_transactions_silently(txn.get_database_backend()) => {
-                Some(Proof::AgainstSilentEnd)
-            }
-            Verdict::Clean => None,
-            Verdict::ProofNeeded => Some(Proof::AfterHandlerFailure),
-        };
-        if let Some(proof) = proof {
-            let held = self
-                .bounded(
-                    bound,
-                    message_id,
-                    "the pre-commit check",
-                    ensure_marker_held(&txn, &claimed),
-                )
-                .await?;
-            if let Err(err) = held {
-                self.roll_back(bound, message_id, txn).await;
-                return Err(match (proof, err) {
-                    // No statement failed: the database ended the transaction on its own.
-                    (Proof::AgainstSilentEnd, InboxError::ClaimLost { source: None, .. }) => {
-                        AttemptError::Transient(InboxError::EndedByDatabase {
-                            message_id,
-                            consumer: self.consumer.to_string(),
-                        })
-                    }
-                    (_, err) => sort_inbox_error(err),
-                });
-            }
-        }
-        let committed = self
-            .bounded(bound, message_id, "COMMIT", txn.commit())
-            .await;
-        if let Err(err) =
-            committed.and_then(|done| done.map_err(|err| self.database_failure(message_id, err)))
-        {
+            .await?;
+        let held = claimed.held();
+        let (value, txn) = self
+            .conclude(bound, message_id, observed, returned, &held)
+            .await?;
+        if let Err(err) = self.commit_attempt(bound, message_id, txn).await {
             // The COMMIT may have landed with its reply lost, or be lost in a partition:
             // keep the value for the retry that finds out.
             call.in_doubt = Some(value);
             return Err(match err {
                 AttemptError::Fatal(err @ InboxError::DatabaseUnresponsive { .. }) => {
-                    AttemptError::Transient(commit_in_doubt(err))
+                    AttemptError::Transient(err)
                 }
                 err => err,
             });
         }
         Ok(Outcome::Processed(value))
+    }
+
+    /// The end of an attempt whose handler returned `returned` through `observed`, the
+    /// claim's transaction, before its COMMIT: a failed handler or a transaction the
+    /// database ended is rolled back; a claim whose transaction may have lost its marker is
+    /// proven (`held`). Gives back the handler's value and the transaction to commit.
+    async fn conclude<T, E: 'static>(
+        &self,
+        bound: Option<Duration>,
+        named: MessageId,
+        observed: ObservedTransaction,
+        returned: Result<T, E>,
+        held: &Held<'_>,
+    ) -> Result<(T, DatabaseTransaction), AttemptError<E>> {
+        let verdict = observed.verdict();
+        let txn = observed.into_inner();
+        let value = match returned {
+            Ok(value) => value,
+            Err(err) => {
+                self.roll_back(bound, named, txn).await;
+                return Err(Self::handler_failure(err, &verdict));
+            }
+        };
+        let proof = match verdict {
+            // The handler returned `Ok` after a statement on which the database ended the
+            // transaction: retried when that failure was transient (a deadlock, a lost
+            // connection), `ClaimLost` (the handler went on after it) otherwise.
+            Verdict::Ended(ending) => {
+                self.roll_back(bound, named, txn).await;
+                return Err(sort_inbox_error(held.lost(Some(ending))));
+            }
+            // Every statement succeeded in the transaction: it holds the marker, unless the
+            // server can end a transaction without failing a statement.
+            Verdict::Clean if ends_transactions_silently(txn.get_database_backend()) => {
+                Proof::AgainstSilentEnd
+            }
+            Verdict::Clean => return Ok((value, txn)),
+            Verdict::ProofNeeded => Proof::AfterHandlerFailure,
+        };
+        let proven = self
+            .bounded(bound, named, "the pre-commit check", held.prove(&txn))
+            .await?;
+        match proven {
+            Ok(()) => Ok((value, txn)),
+            Err(err) => {
+                self.roll_back(bound, named, txn).await;
+                Err(match (proof, err) {
+                    // No statement failed: the database ended the transaction on its own.
+                    (Proof::AgainstSilentEnd, InboxError::ClaimLost { source: None, .. }) => {
+                        AttemptError::Transient(InboxError::EndedByDatabase {
+                            message_id: named,
+                            consumer: self.consumer.to_string(),
+                        })
+                    }
+                    (_, err) => sort_inbox_error(err),
+                })
+            }
+        }
+    }
+
+    /// Commits an attempt's transaction within `bound`. An unanswered COMMIT may have
+    /// landed: its error says so.
+    async fn commit_attempt<E>(
+        &self,
+        bound: Option<Duration>,
+        named: MessageId,
+        txn: DatabaseTransaction,
+    ) -> Result<(), AttemptError<E>> {
+        match self.bounded(bound, named, "COMMIT", txn.commit()).await {
+            Ok(committed) => committed.map_err(|err| self.database_failure(named, err)),
+            Err(AttemptError::Fatal(err)) => Err(AttemptError::Fatal(commit_in_doubt(err))),
+            Err(err) => Err(err),
+        }
     }
 
     /// The bound on each step of an attempt on `db`: the partition timeout, or none where
@@ -705,21 +730,6 @@ impl Inbox {
         match transient.map(ToString::to_string) {
             Some(cause) => AttemptError::HandlerTransient { err, cause },
             None => AttemptError::Handler(err),
-        }
-    }
-
-    /// The attempt whose handler returned `Ok` after a statement on which the database
-    /// ended the transaction: retried when that failure was transient (a deadlock, a lost
-    /// connection), `ClaimLost` (the handler went on after it) otherwise. Never committed.
-    fn ended_attempt<E>(&self, message_id: MessageId, ending: DbErr) -> AttemptError<E> {
-        let lost = InboxError::ClaimLost {
-            message_id,
-            consumer: self.consumer.to_string(),
-            source: Some(ending),
-        };
-        match lost.db_err().map(classify) {
-            Some(DbErrorKind::Transient) => AttemptError::Transient(lost),
-            _ => AttemptError::Fatal(lost),
         }
     }
 

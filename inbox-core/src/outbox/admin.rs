@@ -3,7 +3,7 @@ use super::message::DeadMessage;
 use super::relay::bounded;
 use crate::MessageId;
 use crate::backend::outbox::{backlog_statement, purge_sent_statement, requeue_statement};
-use crate::claim::now_micros;
+use crate::clock::now_micros;
 use chrono::{DateTime, Utc};
 use sea_orm::{
     ColumnTrait, ConnectionTrait, DatabaseConnection, DbErr, EntityTrait, QueryFilter, QueryOrder,

@@ -3,7 +3,7 @@ use super::message::OutgoingMessage;
 use crate::Inbox;
 use crate::MessageId;
 use crate::backend::outbox::{OutboxRow, insert_statement};
-use crate::claim::now_micros;
+use crate::clock::now_micros;
 use crate::silence::within;
 use sea_orm::ConnectionTrait;
 use std::future::Future;

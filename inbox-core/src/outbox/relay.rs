@@ -5,7 +5,7 @@ use crate::backend::outbox::{
     Failure, claim_statement, claim_transaction, lease_statement, mark_failed_statement,
     mark_sent_statement, release_statement,
 };
-use crate::claim::now_micros;
+use crate::clock::now_micros;
 use crate::metrics::facade;
 use crate::silence::within;
 use chrono::{DateTime, Utc};

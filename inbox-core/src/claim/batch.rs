@@ -1,17 +1,15 @@
 //! Claiming many messages for one consumer in one statement (Kafka-style batches).
 
-use crate::backend::{
-    BatchClaimSql, batch_claim_sql, batch_marker_held_sql, roll_back, silently_ended,
-    timestamp_value, transaction_ended,
-};
-use crate::claim::now_micros;
+use super::held::{Held, Step};
+use crate::backend::{BatchClaimSql, batch_claim_sql, silently_ended, timestamp_value};
+use crate::clock::now_micros;
 use crate::consumer::validate_consumer;
-use crate::silence::answered_on;
 use crate::{Delivery, InboxError, MessageId, Refusal};
 use chrono::{DateTime, Utc};
 use sea_orm::{ConnectionTrait, DatabaseTransaction, DbErr, QueryResult, Statement, Value};
 use sea_orm_inbox_entity::INDEX_NAME;
 use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
 use uuid::Uuid;
 
 /// The most distinct message ids one [`claim_batch`](crate::InboxTransactionExt::claim_batch)
@@ -19,8 +17,8 @@ use uuid::Uuid;
 pub const MAX_CLAIM_BATCH: usize = 1000;
 
 /// The outcome of [`claim_batch`](crate::InboxTransactionExt::claim_batch): which ids this
-/// transaction claimed, which a committed transaction had claimed before, and which the
-/// admission floor refused. Each list is sorted and holds every distinct id of the batch
+/// transaction claimed, which are duplicates (a committed transaction claimed them before),
+/// and which the admission floor refused. Each list is sorted and holds every distinct id of the batch
 /// exactly once between them.
 ///
 /// Commit the work with [`commit`](Self::commit), which first proves the transaction still
@@ -42,16 +40,17 @@ pub const MAX_CLAIM_BATCH: usize = 1000;
 pub struct BatchClaim {
     /// Newly claimed by this transaction: process these, then commit.
     pub claimed: Vec<MessageId>,
-    /// Claimed before by a committed transaction: skip them (they are done).
-    pub already_claimed: Vec<MessageId>,
+    /// Claimed before by a committed transaction: skip them (they are done), as for
+    /// [`Claim::Duplicate`](crate::Claim::Duplicate).
+    pub duplicates: Vec<MessageId>,
     /// Refused by their [admission floor](crate::AdmissionFloor) before any SQL ran, and
     /// not claimed: dead-letter them (their markers may already be purged).
     pub refused: Vec<(MessageId, Refusal)>,
     consumer: String,
     tag: Uuid,
-    /// One marker this transaction inserted and how many it inserted, kept apart from the
-    /// public lists so a caller who changes them cannot turn the proof off.
-    inserted: Option<(MessageId, usize)>,
+    /// The ids whose markers this transaction inserted, kept apart from the public lists so
+    /// a caller who changes them cannot turn the proof off.
+    inserted: Vec<MessageId>,
 }
 
 impl BatchClaim {
@@ -87,8 +86,8 @@ impl BatchClaim {
     /// [`InboxError::DatabaseSilent`] when the database went silent: nack the batch. After
     /// the COMMIT (operation `the batch's COMMIT, in doubt...`) the batch may have
     /// committed, its reply lost: the redelivery's claim tells, its committed ids coming
-    /// back in `already_claimed`.
-    /// [`InboxError::BatchClaimLost`] (rolled back; nothing of the batch committed) when
+    /// back as `duplicates`.
+    /// [`InboxError::ClaimLost`] (rolled back; nothing of the batch committed) when
     /// the marker is missing or the check itself fails, or on SQLite when the database
     /// already ended the transaction of a batch that claimed nothing; [`InboxError::Database`] when
     /// COMMIT fails (a 1213 from a Galera certification conflict is transient: re-run the
@@ -116,66 +115,31 @@ impl BatchClaim {
         let named = self
             .claimed
             .first()
-            .or(self.already_claimed.first())
+            .or(self.duplicates.first())
             .copied()
             .unwrap_or_else(|| MessageId::from_uuid(Uuid::nil()));
-        let backend = txn.get_database_backend();
-        // An unanswered check returns at once: a ROLLBACK the silent database would not
-        // answer either is not awaited, dropping the transaction gives its connection up.
-        let check = "the batch's claim check";
-        let (lost, inserted) = match self.inserted {
-            Some((marker, inserted)) => {
-                let sql = batch_marker_held_sql(backend)?;
-                let count = self.marker_count(&txn, sql, marker);
-                let lost = match answered_on(backend, check, count).await? {
-                    Ok(1) => None,
-                    Ok(_) => Some(None),
-                    Err(err) => Some(Some(err)),
-                };
-                (lost, inserted)
-            }
-            // No marker to read; where a COMMIT outside a transaction fails and would strand
-            // the connection inside sqlx's count (SQLite), ask whether it is still open.
-            None => match answered_on(backend, check, transaction_ended(&txn)).await? {
-                Ok(false) => (None, 0),
-                Ok(true) => (Some(None), 0),
-                Err(err) => (Some(Some(err)), 0),
-            },
-        };
-        if let Some(source) = lost {
-            roll_back(txn).await;
-            return Err(InboxError::BatchClaimLost {
-                consumer: self.consumer,
-                claimed: inserted,
-                source,
-            });
-        }
-        answered_on(backend, IN_DOUBT_COMMIT, txn.commit())
-            .await?
-            .map_err(|err| InboxError::from_claim(err, named, &self.consumer))
+        let failed = |err| InboxError::from_claim(err, named, &self.consumer);
+        self.held().commit(txn, silent, failed).await
     }
 
-    async fn marker_count(
-        &self,
-        txn: &DatabaseTransaction,
-        sql: String,
-        marker: MessageId,
-    ) -> Result<i64, DbErr> {
-        let values = [
-            Value::from(marker.as_uuid()),
-            Value::from(self.consumer.as_str()),
-            Value::from(self.tag),
-        ];
-        let backend = txn.get_database_backend();
-        txn.query_one_raw(Statement::from_sql_and_values(backend, sql, values))
-            .await?
-            .ok_or_else(|| DbErr::RecordNotFound("the count of the batch's marker".into()))?
-            .try_get_by_index(0)
+    /// What the proof reads: one of the markers this transaction inserted, or without one,
+    /// whether the transaction is still open.
+    pub(crate) fn held(&self) -> Held<'_> {
+        Held::tagged(&self.consumer, &self.inserted, self.tag)
     }
 }
 
+/// The error of a step of [`BatchClaim::commit`] that got no answer within `waited`.
+fn silent(step: Step, waited: Duration) -> InboxError {
+    let operation = match step {
+        Step::Proof => "the batch's claim check",
+        Step::Commit => IN_DOUBT_COMMIT,
+    };
+    InboxError::DatabaseSilent { operation, waited }
+}
+
 /// The operation of a batch's COMMIT that went unanswered: it may have committed.
-const IN_DOUBT_COMMIT: &str = "the batch's COMMIT, in doubt (the batch may have committed: its redelivery's claim tells, committed ids come back already_claimed),";
+const IN_DOUBT_COMMIT: &str = "the batch's COMMIT, in doubt (the batch may have committed: its redelivery's claim tells, committed ids come back as duplicates),";
 
 /// Checks the input and returns the distinct ids in ascending order: every replica then
 /// inserts, and so locks index entries, in the same order, which rules out the deadlock
@@ -249,11 +213,11 @@ pub(crate) async fn insert_batch<C: ConnectionTrait>(
         // Every delivery was refused: nothing to insert.
         return Ok(BatchClaim {
             claimed: Vec::new(),
-            already_claimed: Vec::new(),
+            duplicates: Vec::new(),
             refused,
             consumer: consumer.to_owned(),
             tag,
-            inserted: None,
+            inserted: Vec::new(),
         });
     };
     let backend = conn.get_database_backend();
@@ -286,18 +250,14 @@ pub(crate) async fn insert_batch<C: ConnectionTrait>(
         .map(BatchRow::read)
         .collect::<Result<Vec<_>, _>>()
         .map_err(fail)?;
-    let claim = match sort_out(ids, consumer, tag, &rows, read) {
+    let claim = match sort_out(&ids, consumer, tag, &rows, read) {
         Ok(claim) => claim,
         // A row missing from the read-back: either another unique key took it, or the
         // server ended the transaction between the INSERT and the read, which then ran on
         // its own and saw none of the INSERT's rows (a Galera brute-force abort).
         Err(problem) => {
             return Err(match silently_ended(conn).await {
-                Ok(true) => InboxError::BatchClaimLost {
-                    consumer: consumer.to_owned(),
-                    claimed: 0,
-                    source: None,
-                },
+                Ok(true) => Held::tagged(consumer, &ids, tag).lost(None),
                 Ok(false) => fail(DbErr::Custom(format!(
                     "{problem}: a batch row conflicted on a unique key other than {INDEX_NAME}, so the message was not claimed. Roll back; a unique index on the inbox table besides the inbox's own must go"
                 ))),
@@ -371,12 +331,12 @@ impl BatchRow {
     }
 }
 
-/// Splits the sorted batch `ids` into claimed and already claimed from the rows read back,
+/// Splits the sorted batch `ids` into claimed and duplicates from the rows read back,
 /// or says which row does not fit: a row of another message or consumer, two rows of one
 /// id, a row `read` cannot hold, or (when every id was read) an id with no row. Each means
 /// a conflict on another key made the INSERT skip a row it never wrote.
 fn sort_out(
-    ids: Vec<MessageId>,
+    ids: &[MessageId],
     consumer: &str,
     tag: Uuid,
     rows: &[BatchRow],
@@ -417,12 +377,12 @@ fn sort_out(
             "the batch found no row of message {missing} for consumer {consumer:?} after its insert"
         ));
     }
-    let (claimed, already_claimed): (Vec<_>, _) =
-        ids.into_iter().partition(|id| inserted.contains(id));
+    let (claimed, duplicates): (Vec<_>, _) =
+        ids.iter().copied().partition(|id| inserted.contains(id));
     Ok(BatchClaim {
-        inserted: claimed.first().map(|&first| (first, claimed.len())),
+        inserted: claimed.clone(),
         claimed,
-        already_claimed,
+        duplicates,
         refused: Vec::new(),
         consumer: consumer.to_owned(),
         tag,
@@ -453,16 +413,9 @@ mod tests {
             row(2, "c", None),
             row(3, "c", Some(Uuid::new_v4())),
         ];
-        let batch = sort_out(
-            vec![id(1), id(2), id(3)],
-            "c",
-            tag,
-            &rows,
-            RowsRead::EveryId,
-        )
-        .unwrap();
+        let batch = sort_out(&[id(1), id(2), id(3)], "c", tag, &rows, RowsRead::EveryId).unwrap();
         assert_eq!(batch.claimed, [id(1)]);
-        assert_eq!(batch.already_claimed, [id(2), id(3)]);
+        assert_eq!(batch.duplicates, [id(2), id(3)]);
     }
 
     #[test]
@@ -472,22 +425,22 @@ mod tests {
         let ours = |n| row(n, "c", Some(tag));
         for read in [RowsRead::InsertedOnly, RowsRead::EveryId] {
             let other_consumer = [ours(1), row(2, "d", None)];
-            assert!(sort_out(ids(), "c", tag, &other_consumer, read).is_err());
+            assert!(sort_out(&ids(), "c", tag, &other_consumer, read).is_err());
             let other_message = [ours(1), ours(3)];
-            assert!(sort_out(ids(), "c", tag, &other_message, read).is_err());
+            assert!(sort_out(&ids(), "c", tag, &other_message, read).is_err());
             let twice = [ours(1), ours(1)];
-            assert!(sort_out(ids(), "c", tag, &twice, read).is_err());
+            assert!(sort_out(&ids(), "c", tag, &twice, read).is_err());
         }
         let missing = [ours(1)];
-        assert!(sort_out(ids(), "c", tag, &missing, RowsRead::EveryId).is_err());
+        assert!(sort_out(&ids(), "c", tag, &missing, RowsRead::EveryId).is_err());
         assert_eq!(
-            sort_out(ids(), "c", tag, &missing, RowsRead::InsertedOnly)
+            sort_out(&ids(), "c", tag, &missing, RowsRead::InsertedOnly)
                 .unwrap()
-                .already_claimed,
+                .duplicates,
             [id(2)]
         );
         let untagged = [row(1, "c", None)];
-        assert!(sort_out(ids(), "c", tag, &untagged, RowsRead::InsertedOnly).is_err());
+        assert!(sort_out(&ids(), "c", tag, &untagged, RowsRead::InsertedOnly).is_err());
     }
 
     #[test]

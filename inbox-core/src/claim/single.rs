@@ -1,0 +1,338 @@
+//! The claim of one message: the marker INSERT and the [`ClaimedMessage`] that commits it.
+
+use super::Claim;
+use super::held::{Held, Step};
+use crate::backend::{
+    DbErrorKind, ProcessMarker, claim_marker_statement, claim_silence_statement, classify,
+    inbox_duplicate_confirmation, marker_insert_returns_id,
+};
+use crate::clock::now_micros;
+use crate::consumer::validate_claim;
+use crate::silence::within;
+use crate::{Inbox, InboxError, MessageId};
+use sea_orm::{
+    ColumnTrait, ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, EntityTrait, QueryFilter,
+    QuerySelect,
+};
+use sea_orm_inbox_entity::inbox;
+use std::future::Future;
+use std::time::Duration;
+use uuid::Uuid;
+
+/// The marker this transaction inserted: proof of a won claim, and the way to commit it.
+///
+/// A transaction can lose its marker before COMMIT without the caller noticing: on
+/// PostgreSQL any failed statement aborts the transaction, and a later `COMMIT` answers
+/// `ROLLBACK` without an error; on MySQL/MariaDB a deadlock (1213) rolls the whole
+/// transaction back, marker included, and the statements after it run outside it. (A lock
+/// wait timeout, 1205, rolls back only the statement that waited, unless the server runs
+/// with `innodb_rollback_on_timeout = ON`: the marker and the earlier writes stay.) A
+/// handler that swallows such an error and commits has committed nothing of the claim,
+/// and acking the message then loses it. [`commit`](Self::commit) first proves that the
+/// transaction still holds the marker (one primary-key read through the transaction), and
+/// fails with [`InboxError::ClaimLost`] (nack) instead of committing otherwise.
+///
+/// What the check cannot undo: statements that ran *outside* the transaction after the
+/// database ended it. On MySQL/MariaDB with the default `autocommit = 1`, the statements
+/// the handler runs after InnoDB rolled its transaction back on a deadlock commit one by
+/// one, and stay committed although the message is nacked (measured on MariaDB 10.11).
+/// On a pool whose connections run with `autocommit = 0` (for example `SET SESSION
+/// autocommit = 0` in an after-connect hook of a pool used only for handlers) they start a
+/// new transaction instead, which the rollback after the failed check undoes; the library
+/// does not switch autocommit itself, as that costs two round trips per message on a
+/// shared pool. Return database errors from the handler instead of swallowing them.
+///
+/// ```
+/// use sea_orm_inbox::prelude::*;
+/// use sea_orm::{ConnectionTrait, TransactionTrait};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// # use sea_orm_migration::MigratorTrait;
+/// # let db = sea_orm::Database::connect("sqlite::memory:").await?;
+/// # sea_orm_inbox_migration::Migrator::up(&db, None).await?;
+/// let txn = db.begin_with_options(CLAIM_TRANSACTION).await?;
+/// match txn.claim_message(uuid::Uuid::new_v4(), "billing.credit").await? {
+///     Claim::Claimed(claimed) => {
+///         // business writes through `txn`
+///         claimed.commit(txn).await?; // proves the marker is still held, then commits
+///     }
+///     Claim::Duplicate => txn.rollback().await?,
+///     Claim::Refused(_) => txn.rollback().await?, // dead-letter: sent before the floor
+/// }
+/// # Ok(()) }
+/// ```
+///
+/// The claim must be matched: a [`Claim`] is not a `ClaimedMessage`, so ignoring the
+/// duplicate case does not compile.
+///
+/// ```compile_fail
+/// use sea_orm_inbox::prelude::*;
+/// # async fn handler(txn: sea_orm::DatabaseTransaction) -> Result<(), InboxError> {
+/// let claimed: ClaimedMessage = txn.claim_message(uuid::Uuid::new_v4(), "billing").await?;
+/// claimed.commit(txn).await
+/// # }
+/// ```
+///
+/// A `ClaimedMessage` is the proof of one transaction's claim: only a claim makes one and
+/// [`commit`](Self::commit) consumes it. It is not `Clone` (nor is [`Claim`]): a committed
+/// marker is visible to every later transaction, so a copy would let a second transaction
+/// pass the check and apply its writes under the marker the first one committed.
+///
+/// ```compile_fail
+/// use sea_orm_inbox::prelude::*;
+/// # async fn twice(claimed: ClaimedMessage, a: sea_orm::DatabaseTransaction, b: sea_orm::DatabaseTransaction) {
+/// let copy = claimed.clone();
+/// claimed.commit(a).await;
+/// copy.commit(b).await; // would apply b's writes under the marker a committed
+/// # }
+/// ```
+#[must_use = "commit the work with ClaimedMessage::commit, which proves the marker is still held"]
+#[derive(Debug, PartialEq, Eq, Hash)]
+pub struct ClaimedMessage {
+    message_id: MessageId,
+    consumer: String,
+    marker_id: i64,
+    /// The `claim_token` the marker was written with (by `Inbox::process` only), which the
+    /// proof checks too.
+    token: Option<Uuid>,
+}
+
+impl ClaimedMessage {
+    /// The claimed message.
+    pub fn message_id(&self) -> MessageId {
+        self.message_id
+    }
+
+    /// The consumer that claimed it.
+    pub fn consumer(&self) -> &str {
+        &self.consumer
+    }
+
+    /// The `id` of the marker row this transaction inserted.
+    pub fn marker_id(&self) -> i64 {
+        self.marker_id
+    }
+
+    /// Proves that `txn` still holds this marker: call it last before committing when you
+    /// commit yourself ([`commit`](Self::commit) calls it for you).
+    ///
+    /// On SQLite it also asks whether the transaction is still open (a `BEGIN`, which fails
+    /// inside one): SQLite gives a rolled-back marker's id to the next insert, so after the
+    /// database ended this transaction another replica's marker for the same message can
+    /// carry the same id.
+    ///
+    /// # Errors
+    /// [`InboxError::ClaimLost`] when the database ended the transaction (PostgreSQL
+    /// aborted it after a failed statement; InnoDB rolled it back on a deadlock) or the
+    /// check itself failed (its `source`: a lost connection is transient): roll back and
+    /// nack.
+    ///
+    /// It waits at most [`Inbox::DEFAULT_PARTITION_TIMEOUT`](crate::Inbox::DEFAULT_PARTITION_TIMEOUT)
+    /// for the database (PostgreSQL, MySQL/MariaDB), then fails with
+    /// [`InboxError::DatabaseUnresponsive`] (step `the claim check`): drop the transaction
+    /// and nack.
+    pub async fn ensure_held(&self, txn: &DatabaseTransaction) -> Result<(), InboxError> {
+        let backend = txn.get_database_backend();
+        within(
+            backend,
+            Inbox::DEFAULT_PARTITION_TIMEOUT,
+            self.held().prove(txn),
+        )
+        .await
+        .map_err(|waited| self.unanswered(Step::Proof, waited))?
+    }
+
+    /// Proves that `txn` still holds this marker, then commits it.
+    ///
+    /// Each of the two statements waits at most
+    /// [`Inbox::DEFAULT_PARTITION_TIMEOUT`](crate::Inbox::DEFAULT_PARTITION_TIMEOUT) for
+    /// the database (PostgreSQL, MySQL/MariaDB; there is no option to change it), so a
+    /// network partition cannot hang the caller.
+    ///
+    /// # Errors
+    /// [`InboxError::ClaimLost`] (the transaction is rolled back; nothing was committed) or
+    /// [`InboxError::Database`] (the COMMIT failed): nack the message.
+    /// [`InboxError::DatabaseUnresponsive`] when the database went silent: nack. With
+    /// `commit_in_doubt` (step `COMMIT`) the COMMIT may have committed, its reply lost: the
+    /// redelivery's claim tells, [`Claim::Duplicate`] if it did.
+    pub async fn commit(self, txn: DatabaseTransaction) -> Result<(), InboxError> {
+        let failed = |source| InboxError::Database {
+            message_id: self.message_id,
+            consumer: self.consumer.clone(),
+            source,
+        };
+        let silent = |step, waited| self.unanswered(step, waited);
+        self.held().commit(txn, silent, failed).await
+    }
+
+    /// What the proof reads: this claim's marker row.
+    pub(crate) fn held(&self) -> Held<'_> {
+        Held::row(&self.consumer, self.message_id, self.marker_id, self.token)
+    }
+
+    /// The error of a step of the commit that got no answer within `waited`.
+    fn unanswered(&self, step: Step, waited: Duration) -> InboxError {
+        let (step, commit_in_doubt) = match step {
+            Step::Proof => ("the claim check", false),
+            Step::Commit => ("COMMIT", true),
+        };
+        unresponsive(
+            self.message_id,
+            &self.consumer,
+            step,
+            commit_in_doubt,
+            waited,
+        )
+    }
+}
+
+/// Awaits `future`, a statement of a claim of `message_id` for `consumer` in a caller's
+/// transaction, at most [`Inbox::DEFAULT_PARTITION_TIMEOUT`], and reports
+/// [`InboxError::DatabaseUnresponsive`] for `step` past it.
+pub(super) async fn unresponsive_within<F: Future>(
+    backend: DbBackend,
+    message_id: MessageId,
+    consumer: &str,
+    step: &'static str,
+    future: F,
+) -> Result<F::Output, InboxError> {
+    within(backend, Inbox::DEFAULT_PARTITION_TIMEOUT, future)
+        .await
+        .map_err(|waited| unresponsive(message_id, consumer, step, false, waited))
+}
+
+/// The error of `step` of a claim of `message_id` for `consumer` in a caller's
+/// transaction that got no answer within `waited`.
+fn unresponsive(
+    message_id: MessageId,
+    consumer: &str,
+    step: &'static str,
+    commit_in_doubt: bool,
+    waited: Duration,
+) -> InboxError {
+    InboxError::DatabaseUnresponsive {
+        message_id,
+        consumer: consumer.to_owned(),
+        step,
+        waited,
+        commit_in_doubt,
+    }
+}
+
+/// The claim itself, for any connection the crate has already proven is a transaction.
+/// With `process` (from `Inbox::process`) the marker carries the call's token in
+/// `claim_token` (see [`marker_token`]), bounds its lock wait where the backend allows it
+/// per transaction (see [`claim_marker_statement`]), and makes the server end the
+/// transaction once the client goes silent (see [`claim_silence_statement`]).
+pub(crate) async fn insert_marker<C: ConnectionTrait>(
+    conn: &C,
+    message_id: MessageId,
+    consumer: &str,
+    process: Option<ProcessMarker>,
+) -> Result<Claim, InboxError> {
+    validate_claim(message_id, consumer)?;
+    let backend = conn.get_database_backend();
+    let token = process.as_ref().map(|process| process.token);
+    let claimed = |marker_id| {
+        Claim::Claimed(ClaimedMessage {
+            message_id,
+            consumer: consumer.to_owned(),
+            marker_id,
+            token,
+        })
+    };
+    if let Some(process) = &process {
+        // Before the INSERT: the server reads the bound when it starts waiting for the
+        // client, and from the INSERT on the transaction holds the marker's lock.
+        if let Some(sql) = claim_silence_statement(backend, process.silence)? {
+            conn.execute_unprepared(&sql)
+                .await
+                .map_err(|err| InboxError::from_claim(err, message_id, consumer))?;
+        }
+    }
+    let statement = claim_marker_statement(backend, message_id, consumer, now_micros(), process)?;
+    let marker_id = if marker_insert_returns_id(backend)? {
+        match conn.query_one_raw(statement).await {
+            Ok(Some(row)) => row.try_get_by_index::<i64>(0),
+            // The conflict clause met the marker of a committed claim.
+            Ok(None) => return Ok(Claim::Duplicate),
+            Err(err) => return claim_failure(conn, err, message_id, consumer).await,
+        }
+    } else {
+        match conn.execute_raw(statement).await {
+            Ok(done) => {
+                return Ok(claimed(marker_id_of(
+                    done.last_insert_id(),
+                    message_id,
+                    consumer,
+                )?));
+            }
+            Err(err) => return claim_failure(conn, err, message_id, consumer).await,
+        }
+    }
+    .map_err(|err| InboxError::from_claim(err, message_id, consumer))?;
+    Ok(claimed(marker_id))
+}
+
+/// The marker id the driver reported for the INSERT (MySQL's `LAST_INSERT_ID`, SQLite's
+/// rowid), as the bigint the table stores.
+fn marker_id_of(
+    last_insert_id: u64,
+    message_id: MessageId,
+    consumer: &str,
+) -> Result<i64, InboxError> {
+    i64::try_from(last_insert_id).map_err(|_| {
+        InboxError::from_claim(
+            DbErr::Custom(format!(
+                "the marker id {last_insert_id} does not fit a bigint"
+            )),
+            message_id,
+            consumer,
+        )
+    })
+}
+
+/// The `claim_token` of the committed marker of `(message_id, consumer)`: `None` when there
+/// is no marker or it carries no token. Who wrote a marker, for a caller that lost the
+/// reply to its own COMMIT. It takes a transaction, never a pool: behind a transaction
+/// pooler a statement with bound values outside one fails with 26000.
+pub(crate) async fn marker_token(
+    conn: &DatabaseTransaction,
+    message_id: MessageId,
+    consumer: &str,
+) -> Result<Option<Uuid>, DbErr> {
+    let token = inbox::Entity::find()
+        .select_only()
+        .column(inbox::Column::ClaimToken)
+        .filter(inbox::Column::MessageId.eq(message_id.as_uuid()))
+        .filter(inbox::Column::Consumer.eq(consumer))
+        .into_tuple::<Option<Uuid>>()
+        .one(conn)
+        .await?;
+    Ok(token.flatten())
+}
+
+/// What a failed marker INSERT means: `Duplicate` only when the violated index is the
+/// inbox's, confirmed through `conn` (the claim's transaction, still usable after a
+/// duplicate on the backends that need the check) where the error cannot tell.
+async fn claim_failure<C: ConnectionTrait>(
+    conn: &C,
+    err: DbErr,
+    message_id: MessageId,
+    consumer: &str,
+) -> Result<Claim, InboxError> {
+    if classify(&err) != DbErrorKind::InboxDuplicate {
+        return Err(InboxError::from_claim(err, message_id, consumer));
+    }
+    let backend = conn.get_database_backend();
+    let Some(confirmation) = inbox_duplicate_confirmation(backend, message_id, consumer)? else {
+        return Ok(Claim::Duplicate);
+    };
+    match conn.query_one_raw(confirmation).await {
+        Ok(Some(_)) => Ok(Claim::Duplicate),
+        // No marker: the index was a namesake on another table (the error's advice says so).
+        Ok(None) => Err(InboxError::from_claim(err, message_id, consumer)),
+        Err(read) => Err(InboxError::from_claim(read, message_id, consumer)),
+    }
+}
