@@ -387,7 +387,7 @@ pub enum LeaseClaim {
 /// and decides: processed, parked, held by a live lease, or expired. An expired lease is
 /// taken over (attempt + 1, a new fencing token) or, if it was the last allowed attempt,
 /// parked as dead. A transient failure (deadlock, busy SQLite, a lost connection) retries
-/// the transaction.
+/// the transaction as the options' [`RetryPolicy`] says ([`LeaseOptions::with_retry`]).
 ///
 /// One call writes one fencing token, whatever its retries: when a COMMIT lands but its
 /// reply is lost (the connection dies in the middle of it), the retry finds the row
