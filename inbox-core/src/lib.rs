@@ -46,7 +46,7 @@ pub use error::InboxError;
 pub use inbox::{BatchOutcome, HandlerFuture, Inbox};
 pub use lease::{
     ClaimToken, DeadClaim, ExpiredLease, Lease, LeaseClaim, LeaseOptions, claim_lease,
-    claim_lease_with_token, complete_lease, list_dead_claims, list_expired_leases, release_lease,
+    claim_lease_with_token, list_dead_claims, list_expired_leases,
 };
 pub use message_id::{MESSAGE_ID_NAMESPACE, MessageId};
 pub use metrics::{InboxMetrics, MetricsSnapshot, metric_names};

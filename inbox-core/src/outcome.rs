@@ -202,7 +202,7 @@ impl Settlement {
 
     /// The settlement for a [`claim_lease`](crate::claim_lease) that did not give this
     /// delivery the side effect, or `None` when it did ([`LeaseClaim::Claimed`],
-    /// [`LeaseClaim::TakenOver`]: call the side effect, [`complete_lease`](crate::complete_lease),
+    /// [`LeaseClaim::TakenOver`]: call the side effect, [`Lease::complete`](crate::Lease::complete),
     /// then ack).
     ///
     /// A lease another claimant holds ([`LeaseClaim::Held`]) is nacked with a delay until
@@ -215,7 +215,7 @@ impl Settlement {
     fn of_lease_at(claim: &LeaseClaim, now: DateTime<Utc>) -> Option<Self> {
         match claim {
             LeaseClaim::Claimed(_) | LeaseClaim::TakenOver(_) => None,
-            LeaseClaim::AlreadyProcessed | LeaseClaim::Dead(_) => Some(Settlement::Ack),
+            LeaseClaim::Duplicate | LeaseClaim::Dead(_) => Some(Settlement::Ack),
             LeaseClaim::Held { lease_until, .. } => {
                 let left = (*lease_until - now).to_std().unwrap_or(Duration::ZERO);
                 Some(Settlement::Nack(Some(left)))
@@ -430,7 +430,7 @@ mod tests {
             Some(Settlement::Nack(Some(Duration::ZERO)))
         );
         assert_eq!(
-            Settlement::of_lease_at(&LeaseClaim::AlreadyProcessed, now),
+            Settlement::of_lease_at(&LeaseClaim::Duplicate, now),
             Some(Settlement::Ack)
         );
     }

@@ -1,5 +1,6 @@
 use crate::InboxError;
 use std::collections::hash_map::RandomState;
+use std::future::Future;
 use std::hash::{BuildHasher, Hasher};
 use std::time::Duration;
 
@@ -40,6 +41,14 @@ impl Default for RetryPolicy {
 }
 
 impl RetryPolicy {
+    /// The default of the lease calls
+    /// ([`LeaseOptions::DEFAULT_RETRY`](crate::LeaseOptions::DEFAULT_RETRY)).
+    pub(crate) const SHORT_TRANSACTIONS: Self = Self {
+        max_attempts: 5,
+        initial_backoff: Duration::from_millis(5),
+        max_backoff: Duration::from_millis(20),
+    };
+
     /// Never retries: the first transient failure is returned.
     pub fn no_retry() -> Self {
         Self::default().max_attempts(1)
@@ -93,6 +102,31 @@ impl RetryPolicy {
             .min(self.max_backoff);
         cap.mul_f64(random_unit())
     }
+
+    /// Runs `attempt` until it succeeds, fails with an error `transient` does not accept,
+    /// or has run [`attempts`](Self::attempts) times, sleeping
+    /// [`delay_before`](Self::delay_before) the next attempt in between. Each attempt must
+    /// start from scratch (a fresh transaction): the failed one is never reused.
+    pub(crate) async fn run<T, E, F, Fut>(
+        &self,
+        mut attempt: F,
+        transient: impl Fn(&E) -> bool,
+    ) -> Result<T, E>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+    {
+        let mut made = 1;
+        loop {
+            match attempt().await {
+                Err(err) if made < self.max_attempts && transient(&err) => {
+                    made += 1;
+                    tokio::time::sleep(self.delay_before(made)).await;
+                }
+                result => return result,
+            }
+        }
+    }
 }
 
 /// A uniformly distributed number in `[0, 1)`, from the process's random hasher keys.
@@ -140,6 +174,59 @@ mod tests {
             .backoff(RetryPolicy::MAX_BACKOFF, RetryPolicy::MAX_BACKOFF)
             .expect("the maximum itself");
         assert!(longest.delay_before(30) <= RetryPolicy::MAX_BACKOFF);
+    }
+
+    /// Counts the attempts `run` makes when every one fails with `fail`, `transient`
+    /// accepting odd numbers.
+    async fn attempts_made(policy: RetryPolicy, fail: u32) -> u32 {
+        let mut made = 0;
+        let result: Result<(), u32> = policy
+            .run(
+                || {
+                    made += 1;
+                    async move { Err(fail) }
+                },
+                |err| err % 2 == 1,
+            )
+            .await;
+        assert_eq!(result, Err(fail));
+        made
+    }
+
+    #[tokio::test]
+    async fn run_retries_transient_failures_up_to_the_attempts() {
+        let policy = RetryPolicy::default()
+            .max_attempts(4)
+            .backoff(Duration::from_micros(1), Duration::from_micros(1))
+            .expect("a short backoff");
+        assert_eq!(attempts_made(policy, 1).await, 4);
+        assert_eq!(attempts_made(policy, 2).await, 1, "not transient");
+        assert_eq!(attempts_made(RetryPolicy::no_retry(), 1).await, 1);
+    }
+
+    #[tokio::test]
+    async fn run_stops_at_the_first_success() {
+        let mut made = 0;
+        let result: Result<u32, u32> = RetryPolicy::default()
+            .run(
+                || {
+                    made += 1;
+                    let now = made;
+                    async move { if now < 3 { Err(1) } else { Ok(now) } }
+                },
+                |_| true,
+            )
+            .await;
+        assert_eq!(result, Ok(3));
+    }
+
+    #[test]
+    fn the_short_transaction_policy_waits_at_most_20_ms_between_attempts() {
+        let policy = RetryPolicy::SHORT_TRANSACTIONS;
+        assert_eq!(policy.attempts(), 5);
+        for (next, cap_ms) in [(2, 5), (3, 10), (4, 20), (5, 20)] {
+            assert!(policy.delay_before(next) <= Duration::from_millis(cap_ms));
+        }
     }
 
     #[test]

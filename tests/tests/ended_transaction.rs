@@ -377,7 +377,7 @@ async fn refused_lease_claim_ends_the_transaction(backend: Backend) {
     ordinary_traffic_commits(db, conn, Uuid::new_v4()).await;
 }
 
-/// A trigger refuses the UPDATE of `complete_lease` (a statement in a transaction of its
+/// A trigger refuses the UPDATE of `Lease::complete` (a statement in a transaction of its
 /// own).
 async fn refused_lease_completion_ends_the_transaction(backend: Backend) {
     let (db, conn) = one_connection_with_overdraft_trigger(backend).await;
@@ -387,7 +387,7 @@ async fn refused_lease_completion_ends_the_transaction(backend: Backend) {
     let Ok(LeaseClaim::Claimed(lease)) = claim else {
         panic!("a fresh lease is claimed: {claim:?}");
     };
-    let result = complete_lease(&conn, &lease).await;
+    let result = lease.complete(&conn).await;
     assert!(result.is_err() && refused(&result), "{result:?}");
     // The unfinished lease is one more row in the inbox, with no credit.
     traffic_commits(db, conn, Uuid::new_v4(), true, (4, 3)).await;

@@ -604,21 +604,21 @@ async fn leases_are_taken_over_across_nodes() {
         assert_eq!(current.idempotency_key(), crashed.idempotency_key());
         assert!(
             matches!(
-                complete_lease(&first, &crashed).await,
+                crashed.complete(&first).await,
                 Err(InboxError::StaleLease { .. })
             ),
             "round {round}: the crashed claimant cannot finish over the new one"
         );
-        complete_lease(&second, &current).await.unwrap();
+        current.complete(&second).await.unwrap();
         match claim_lease(&first, id, "mailer", &options).await.unwrap() {
-            LeaseClaim::AlreadyProcessed => {}
+            LeaseClaim::Duplicate => {}
             LeaseClaim::Held { .. } => stale_held += 1,
             other => panic!("round {round}: after completion: {other:?}"),
         }
     }
     println!(
         "Galera leases: {ROUNDS} cross-node takeovers; a claim right after another node's \
-         completion read Held (stale) {stale_held} times, AlreadyProcessed otherwise"
+         completion read Held (stale) {stale_held} times, Duplicate otherwise"
     );
     for conn in [first, second] {
         conn.close().await.ok();
@@ -651,7 +651,7 @@ async fn lease_completion_and_takeover_race_across_nodes() {
             let (conn, barrier) = (Arc::clone(&first), Arc::clone(&barrier));
             tokio::spawn(async move {
                 barrier.wait().await;
-                complete_lease(&conn, &lease).await
+                lease.complete(&conn).await
             })
         };
         let take_over = {
@@ -664,7 +664,7 @@ async fn lease_completion_and_takeover_race_across_nodes() {
         let completion = complete.await.unwrap();
         let claim = take_over.await.unwrap().unwrap();
         match (&completion, &claim) {
-            (Ok(()), LeaseClaim::AlreadyProcessed) => completed += 1,
+            (Ok(()), LeaseClaim::Duplicate) => completed += 1,
             (Err(InboxError::StaleLease { .. }), LeaseClaim::TakenOver(_)) => taken_over += 1,
             other => panic!("round {round}: both or neither won: {other:?}"),
         }

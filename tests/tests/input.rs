@@ -11,7 +11,7 @@ use sea_orm::{
 use sea_orm_inbox::prelude::*;
 use sea_orm_inbox::{
     ClaimToken, LeaseClaim, LeaseOptions, claim_lease, claim_lease_with_token, list_dead_claims,
-    list_expired_leases, release_lease,
+    list_expired_leases,
 };
 use sea_orm_inbox_entity::inbox;
 use std::time::{Duration, Instant};
@@ -101,7 +101,7 @@ async fn listings_refuse_what_claims_refuse_and_compare_names_exactly(backend: B
     else {
         panic!("a new message is claimed")
     };
-    release_lease(&conn, &lease).await.expect("release");
+    lease.release(&conn).await.expect("release");
     tokio::time::sleep(Duration::from_millis(10)).await;
 
     let expired = list_expired_leases(&conn, Some(CONSUMER), 10)

@@ -6,7 +6,7 @@ use inbox_tests::{Backend, migrated_db, on_every_backend, on_pgbouncer, scalar_i
 use sea_orm::{ColumnTrait, DatabaseConnection, EntityTrait, QueryFilter, TransactionTrait};
 use sea_orm_inbox::{
     ClaimToken, InboxError, Lease, LeaseClaim, LeaseOptions, MessageId, Settlement, claim_lease,
-    claim_lease_with_token, complete_lease, list_dead_claims, list_expired_leases, release_lease,
+    claim_lease_with_token, list_dead_claims, list_expired_leases,
 };
 use sea_orm_inbox_entity::inbox;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -68,10 +68,10 @@ async fn two_replicas_race_a_two_phase_claim_and_call_once(backend: Backend) {
                     match claim {
                         LeaseClaim::Claimed(lease) => {
                             calls.fetch_add(1, Ordering::SeqCst); // the external call
-                            complete_lease(&replica, &lease).await.expect("complete");
+                            lease.complete(&replica).await.expect("complete");
                             true
                         }
-                        LeaseClaim::Held { .. } | LeaseClaim::AlreadyProcessed => false,
+                        LeaseClaim::Held { .. } | LeaseClaim::Duplicate => false,
                         other => panic!("round {round}: unexpected {other:?}"),
                     }
                 })
@@ -91,7 +91,7 @@ async fn two_replicas_race_a_two_phase_claim_and_call_once(backend: Backend) {
             claim_lease(&replicas[0], id, CONSUMER, &options)
                 .await
                 .expect("claim after completion"),
-            LeaseClaim::AlreadyProcessed
+            LeaseClaim::Duplicate
         );
     }
     assert_eq!(
@@ -156,10 +156,10 @@ async fn crashed_claimant_is_taken_over_and_its_late_completion_rejected(backend
         .lock()
         .unwrap()
         .push(lease_b.idempotency_key());
-    complete_lease(&b, &lease_b).await.expect("B completes");
+    lease_b.complete(&b).await.expect("B completes");
 
     // A wakes up and tries to record its outcome: fenced off.
-    match complete_lease(&a, &lease_a).await {
+    match lease_a.complete(&a).await {
         Err(InboxError::StaleLease {
             message_id,
             attempt,
@@ -179,7 +179,7 @@ async fn crashed_claimant_is_taken_over_and_its_late_completion_rejected(backend
     assert_eq!(saved.claim_token, Some(lease_b.fencing_token()));
     assert_eq!(
         claim_lease(&a, id, CONSUMER, &options).await.unwrap(),
-        LeaseClaim::AlreadyProcessed
+        LeaseClaim::Duplicate
     );
     a.close().await.ok();
     b.close().await.ok();
@@ -193,17 +193,19 @@ async fn expired_lease_nobody_took_over_still_completes(backend: Backend) {
     let id = MessageId::from_uuid(Uuid::new_v4());
     let lease = leased(claim_lease(&conn, id, CONSUMER, &options).await.unwrap());
     wait_past(lease.lease_until()).await;
-    complete_lease(&conn, &lease)
+    lease
+        .complete(&conn)
         .await
         .expect("no takeover happened: the token still holds");
-    complete_lease(&conn, &lease)
+    lease
+        .complete(&conn)
         .await
         .expect("a repeated completion by the holder is idempotent");
     conn.close().await.ok();
     db.cleanup().await;
 }
 
-/// Issue 8, defect 4: a completion whose reply was lost is retried (by `complete_lease`'s
+/// Issue 8, defect 4: a completion whose reply was lost is retried (by `Lease::complete`'s
 /// own transient retry, or by the caller) after it committed. The holder's repeat must be
 /// `Ok` and keep the first `processed_at`; a stale token stays `StaleLease` before and
 /// after the holder completes, and a release after completion stays refused.
@@ -221,22 +223,21 @@ async fn completion_is_idempotent_for_its_holder_only(backend: Backend) {
     let is_stale = |result: Result<(), InboxError>| {
         matches!(result, Err(InboxError::StaleLease { attempt: 1, .. }))
     };
-    assert!(is_stale(complete_lease(&conn, &stale).await), "before");
+    assert!(is_stale(stale.complete(&conn).await), "before");
 
-    complete_lease(&conn, &holder)
-        .await
-        .expect("the holder completes");
+    holder.complete(&conn).await.expect("the holder completes");
     let first = row(&conn, id).await.processed_at;
     assert!(first.is_some());
-    complete_lease(&conn, &holder)
+    holder
+        .complete(&conn)
         .await
         .expect("the holder's repeated completion (after a lost reply) is Ok");
     assert_eq!(row(&conn, id).await.processed_at, first, "kept the first");
 
-    assert!(is_stale(complete_lease(&conn, &stale).await), "after");
+    assert!(is_stale(stale.complete(&conn).await), "after");
     assert!(
         matches!(
-            release_lease(&conn, &holder).await,
+            holder.release(&conn).await,
             Err(InboxError::StaleLease { attempt: 2, .. })
         ),
         "a completed lease cannot be given back"
@@ -280,7 +281,7 @@ async fn claims_are_parked_dead_after_max_attempts_and_listed(backend: Backend) 
         "stays parked"
     );
     assert!(matches!(
-        complete_lease(&conn, &second).await,
+        second.complete(&conn).await,
         Err(InboxError::StaleLease { attempt: 2, .. })
     ));
 
@@ -312,7 +313,7 @@ async fn one_phase_markers_count_as_processed_and_bad_input_is_refused(backend: 
     txn.commit().await.unwrap();
     assert_eq!(
         claim_lease(&conn, id, CONSUMER, &options).await.unwrap(),
-        LeaseClaim::AlreadyProcessed
+        LeaseClaim::Duplicate
     );
     assert!(matches!(
         claim_lease(&conn, Uuid::nil(), CONSUMER, &options).await,
@@ -345,7 +346,7 @@ async fn released_leases_are_listed_for_sweepers_and_taken_over_at_once(backend:
     );
 
     // The provider failed: give x back instead of waiting 30 s.
-    release_lease(&conn, &lease_x).await.expect("release");
+    lease_x.release(&conn).await.expect("release");
     tokio::time::sleep(Duration::from_millis(10)).await;
     let expired = list_expired_leases(&conn, Some(CONSUMER), 10)
         .await
@@ -365,7 +366,7 @@ async fn released_leases_are_listed_for_sweepers_and_taken_over_at_once(backend:
     };
     assert_eq!(retry.attempt(), 2);
     assert!(matches!(
-        release_lease(&conn, &lease_x).await,
+        lease_x.release(&conn).await,
         Err(InboxError::StaleLease { attempt: 1, .. })
     ));
     assert!(
@@ -374,7 +375,7 @@ async fn released_leases_are_listed_for_sweepers_and_taken_over_at_once(backend:
             .unwrap()
             .is_empty()
     );
-    complete_lease(&conn, &retry).await.unwrap();
+    retry.complete(&conn).await.unwrap();
     conn.close().await.ok();
     db.cleanup().await;
 }
@@ -404,12 +405,12 @@ async fn a_kept_token_recognises_its_own_claim(backend: Backend) {
         LeaseClaim::Held { attempts: 1, .. }
     ));
     assert_eq!(row(&conn, id).await.attempts, 1);
-    complete_lease(&conn, &lease).await.unwrap();
+    lease.complete(&conn).await.unwrap();
     assert_eq!(
         claim_lease_with_token(&conn, id, CONSUMER, &options, token)
             .await
             .unwrap(),
-        LeaseClaim::AlreadyProcessed
+        LeaseClaim::Duplicate
     );
     conn.close().await.ok();
     db.cleanup().await;

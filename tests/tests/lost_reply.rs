@@ -14,7 +14,6 @@ use inbox_tests::{
 use sea_orm::{ColumnTrait, DatabaseConnection, DbErr, EntityTrait, QueryFilter, TransactionTrait};
 use sea_orm_inbox::{
     Inbox, LeaseClaim, LeaseOptions, Outcome, ProcessError, Settlement, claim_lease,
-    complete_lease, release_lease,
 };
 use sea_orm_inbox_entity::inbox;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -204,14 +203,15 @@ async fn claim_lease_after_a_lost_commit_reply_is_claimed(backend: Backend) {
     assert_eq!(Some(lease.lease_until()), row.lease_until);
     assert_eq!(row.attempts, 1, "the retry did not count an attempt");
 
-    complete_lease(through_proxy, &lease)
+    lease
+        .complete(through_proxy)
         .await
         .expect("the lease handed out completes");
     assert_eq!(
         claim_lease(through_proxy, id, CONSUMER, &options)
             .await
             .expect("claim again"),
-        LeaseClaim::AlreadyProcessed
+        LeaseClaim::Duplicate
     );
     fixture.cleanup().await;
 }
@@ -234,7 +234,7 @@ async fn takeover_after_a_lost_commit_reply_is_taken_over(backend: Backend) {
         Ok(LeaseClaim::Claimed(lease)) => lease,
         other => panic!("a new message: {other:?}"),
     };
-    release_lease(direct, &first).await.expect("give it back");
+    first.release(direct).await.expect("give it back");
 
     proxy.arm();
     let claim = claim_lease(through_proxy, id, CONSUMER, &options).await;
@@ -248,13 +248,14 @@ async fn takeover_after_a_lost_commit_reply_is_taken_over(backend: Backend) {
     assert_eq!((lease.attempt(), row.attempts), (2, 2));
     assert_eq!(Some(lease.fencing_token()), row.claim_token);
     assert_eq!(Some(lease.lease_until()), row.lease_until);
-    complete_lease(through_proxy, &lease)
+    lease
+        .complete(through_proxy)
         .await
         .expect("the takeover completes");
     fixture.cleanup().await;
 }
 
-/// Defect 4 end to end: the reply to `complete_lease`'s UPDATE is lost (the connection
+/// Defect 4 end to end: the reply to `Lease::complete`'s UPDATE is lost (the connection
 /// dies before its transaction commits); the call's own transient retry runs it again and
 /// must report success, not `StaleLease`.
 async fn complete_lease_after_a_lost_reply_is_ok(backend: Backend) {
@@ -273,7 +274,7 @@ async fn complete_lease_after_a_lost_reply_is_ok(backend: Backend) {
     };
 
     proxy.arm_next_execute();
-    let completed = complete_lease(through_proxy, &lease).await;
+    let completed = lease.complete(through_proxy).await;
     proxy.expect_reply_dropped();
     eprintln!("{backend:?}: {completed:?}");
     assert!(
@@ -285,12 +286,12 @@ async fn complete_lease_after_a_lost_reply_is_ok(backend: Backend) {
         claim_lease(through_proxy, id, CONSUMER, &options)
             .await
             .expect("claim again"),
-        LeaseClaim::AlreadyProcessed
+        LeaseClaim::Duplicate
     );
     fixture.cleanup().await;
 }
 
-/// `complete_lease` runs its UPDATE in a transaction of its own (a transaction pooler
+/// `Lease::complete` runs its UPDATE in a transaction of its own (a transaction pooler
 /// needs one); that COMMIT lands and its reply is lost. The retry finds the row it already
 /// completed (keeping the first `processed_at`) and must report success.
 async fn complete_lease_after_a_lost_commit_reply_is_ok(backend: Backend) {
@@ -309,7 +310,7 @@ async fn complete_lease_after_a_lost_commit_reply_is_ok(backend: Backend) {
     };
 
     proxy.arm();
-    let completed = complete_lease(through_proxy, &lease).await;
+    let completed = lease.complete(through_proxy).await;
     proxy.expect_reply_dropped();
     assert!(
         completed.is_ok(),

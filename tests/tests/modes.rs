@@ -73,14 +73,14 @@ async fn unfinished_lease_is_claimed_for_every_mode(backend: Backend) {
         LeaseClaim::TakenOver(taken) => {
             assert_eq!(taken.attempt(), 2);
             assert_eq!(taken.idempotency_key(), lease.idempotency_key());
-            complete_lease(&conn, &taken).await.expect("complete");
+            taken.complete(&conn).await.expect("complete");
         }
         other => panic!("expected TakenOver, got {other:?}"),
     }
     assert!(
         matches!(
             claim_lease(&conn, id, CONSUMER, &options).await,
-            Ok(LeaseClaim::AlreadyProcessed)
+            Ok(LeaseClaim::Duplicate)
         ),
         "completed once"
     );

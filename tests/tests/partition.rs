@@ -22,8 +22,8 @@ use inbox_tests::{
 use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend, DbErr, Statement, TransactionTrait};
 use sea_orm_inbox::{
     Claim, Inbox, InboxError, InboxTransactionExt, LeaseClaim, LeaseOptions, Outcome, ProcessError,
-    RetentionPolicy, SchemaError, Settlement, claim_lease, complete_lease, list_dead_claims,
-    list_expired_leases, purge, spawn_purger, timestamp_value, verify_schema,
+    RetentionPolicy, SchemaError, Settlement, claim_lease, list_dead_claims, list_expired_leases,
+    purge, spawn_purger, timestamp_value, verify_schema,
 };
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -371,7 +371,7 @@ async fn a_lease_holder_cut_off_while_completing_is_taken_over_and_fenced(backen
 
     fixture.proxy.partition_at_next_execute();
     let a = async {
-        let result = timeout(GIVE_UP, complete_lease(&fixture.through_proxy, &held)).await;
+        let result = timeout(GIVE_UP, held.complete(&fixture.through_proxy)).await;
         (result, Instant::now())
     };
     let b = async {
@@ -410,19 +410,20 @@ async fn a_lease_holder_cut_off_while_completing_is_taken_over_and_fenced(backen
     assert!(b_done - partitioned_at < PARTITION_TIMEOUT + SLACK);
 
     fixture.proxy.heal();
-    let late = complete_lease(&fixture.through_proxy, &held).await;
+    let late = held.complete(&fixture.through_proxy).await;
     assert!(
         matches!(late, Err(InboxError::StaleLease { attempt: 1, .. })),
         "{late:?}"
     );
-    complete_lease(&fixture.direct, &taken)
+    taken
+        .complete(&fixture.direct)
         .await
         .expect("the new holder completes");
     assert_eq!(
         claim_lease(&fixture.direct, id, CONSUMER, &options)
             .await
             .expect("claim again"),
-        LeaseClaim::AlreadyProcessed
+        LeaseClaim::Duplicate
     );
     fixture.cleanup().await;
 }

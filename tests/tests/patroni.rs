@@ -35,8 +35,8 @@ use inbox_tests::{
 use sea_orm::{ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DbBackend, DbErr};
 use sea_orm_inbox::{
     ClaimToken, Inbox, InboxError, Lease, LeaseClaim, LeaseOptions, Outcome, PurgePacing,
-    PurgeReport, RetentionPolicy, RetryPolicy, claim_lease, claim_lease_with_token, complete_lease,
-    purge, timestamp_value,
+    PurgeReport, RetentionPolicy, RetryPolicy, claim_lease, claim_lease_with_token, purge,
+    timestamp_value,
 };
 use std::collections::BTreeMap;
 use std::fmt;
@@ -492,7 +492,7 @@ async fn fill_for_the_purge(conn: &DatabaseConnection) {
 ///    and 20 old unfinished leases, cut off by the event once it has deleted some;
 /// 2. meanwhile, right before the event, 40 leases claimed through the stable address
 ///    (replica A), 20 of them completed;
-/// 3. after the event: the completed leases are `AlreadyProcessed`, the open ones `Held`
+/// 3. after the event: the completed leases are `Duplicate`, the open ones `Held`
 ///    until they expire, then `TakenOver` by replica B (attempt 2), A's late completion is
 ///    `StaleLease`, B's completes; the purge, run again at the default pace, deletes every
 ///    expired marker and nothing it must keep.
@@ -542,9 +542,7 @@ async fn leases_and_a_purge_across(event: Event) {
             other => panic!("a new message is claimed: {other:?}"),
         };
         if i % 2 == 0 {
-            complete_lease(&replica_a, &lease)
-                .await
-                .expect("A completes");
+            lease.complete(&replica_a).await.expect("A completes");
         } else {
             held.push(lease);
         }
@@ -574,7 +572,7 @@ async fn leases_and_a_purge_across(event: Event) {
         .await;
         assert_eq!(
             claim.expect("claim"),
-            LeaseClaim::AlreadyProcessed,
+            LeaseClaim::Duplicate,
             "{id}: completed before the event"
         );
     }
@@ -627,12 +625,12 @@ async fn leases_and_a_purge_across(event: Event) {
             panic!("the expired lease is B's to take over: {claim:?}");
         };
         assert_eq!(new.attempt(), 2);
-        let late = patiently("A's late completion", || complete_lease(&replica_a, lease)).await;
+        let late = patiently("A's late completion", || lease.complete(&replica_a)).await;
         assert!(
             matches!(late, Err(InboxError::StaleLease { attempt: 1, .. })),
             "A is fenced: {late:?}"
         );
-        patiently("B's completion", || complete_lease(&replica_b, &new))
+        patiently("B's completion", || new.complete(&replica_b))
             .await
             .expect("B completes");
         taken_over += 1;
@@ -642,7 +640,7 @@ async fn leases_and_a_purge_across(event: Event) {
             claim_lease(&replica_b, lease.message_id(), LEASE_CONSUMER, &options)
         })
         .await;
-        assert_eq!(claim.expect("claim"), LeaseClaim::AlreadyProcessed);
+        assert_eq!(claim.expect("claim"), LeaseClaim::Duplicate);
     }
 
     let resumed = resumed
@@ -651,7 +649,7 @@ async fn leases_and_a_purge_across(event: Event) {
         .expect("the resumed purge");
     let (wrongly_deleted, expired_left, kept) = purge_verdict(&admin, &resumed).await;
     println!(
-        "Patroni, {event}: leases: {} completed before the event stayed AlreadyProcessed, {} \
+        "Patroni, {event}: leases: {} completed before the event stayed Duplicate, {} \
          held ones stayed Held, then {taken_over} taken over (attempt 2) and the old holder \
          fenced (StaleLease); purge: the run cut off by the event deleted {} markers \
          ({deleted_when_hit} when the event began) and failed ({cut_off}); resumed, it deleted \

@@ -12,8 +12,8 @@ use inbox_tests::{Backend, migrated_db, on_every_backend, on_pgbouncer, scalar_i
 use sea_orm::{DbErr, TransactionTrait};
 use sea_orm_inbox::{
     CLAIM_TRANSACTION, Claim, ClaimToken, Inbox, InboxTransactionExt, LeaseClaim, LeaseOptions,
-    MessageId, Outcome, RetentionPolicy, claim_lease, claim_lease_with_token, complete_lease,
-    list_dead_claims, list_expired_leases, purge, release_lease, spawn_purger, verify_schema,
+    MessageId, Outcome, RetentionPolicy, claim_lease, claim_lease_with_token, list_dead_claims,
+    list_expired_leases, purge, spawn_purger, verify_schema,
 };
 use std::time::Duration;
 use uuid::Uuid;
@@ -72,7 +72,7 @@ async fn every_public_function_sends_its_statements_in_transactions(backend: Bac
     else {
         panic!("a new message is claimed")
     };
-    release_lease(&conn, &lease).await.unwrap();
+    lease.release(&conn).await.unwrap();
     let expired = list_expired_leases(&conn, Some("walk.mailer"), 10)
         .await
         .unwrap();
@@ -89,7 +89,7 @@ async fn every_public_function_sends_its_statements_in_transactions(backend: Bac
         panic!("a released lease is taken over")
     };
     assert_eq!(second.fencing_token(), token.as_uuid());
-    release_lease(&conn, &second).await.unwrap();
+    second.release(&conn).await.unwrap();
     assert!(matches!(
         claim_lease(&conn, mail, "walk.mailer", &options)
             .await
@@ -110,12 +110,12 @@ async fn every_public_function_sends_its_statements_in_transactions(backend: Bac
     else {
         panic!("a new message is claimed")
     };
-    complete_lease(&conn, &lease).await.unwrap();
+    lease.complete(&conn).await.unwrap();
     assert_eq!(
         claim_lease(&conn, receipt, "walk.mailer", &options)
             .await
             .unwrap(),
-        LeaseClaim::AlreadyProcessed
+        LeaseClaim::Duplicate
     );
 
     // The purge (its cutoff walk and a DELETE batch), then the background purger.

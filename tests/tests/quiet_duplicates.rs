@@ -94,7 +94,7 @@ async fn duplicates_make_postgres_raise_no_error() {
         claim_lease(&conn, id, "quiet.claim", &options)
             .await
             .unwrap(),
-        LeaseClaim::AlreadyProcessed
+        LeaseClaim::Duplicate
     );
 
     // A racing duplicate waits for the holder and learns its outcome: committed...

@@ -8,7 +8,7 @@ use inbox_tests::{Backend, migrated_db, on_every_backend, on_pgbouncer, scalar_i
 use sea_orm::{ConnectionTrait, DatabaseConnection, TransactionTrait, Value};
 use sea_orm_inbox::{
     BrokerRedelivery, InboxError, LeaseClaim, LeaseOptions, PurgePacing, RetentionPolicy,
-    claim_lease, complete_lease, purge, spawn_purger, timestamp_value,
+    claim_lease, purge, spawn_purger, timestamp_value,
 };
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -469,7 +469,7 @@ async fn lease_completed_late_is_kept_a_window_after_its_completion(backend: Bac
     insert(&conn, Marker::OnePhase, newest - TimeDelta::minutes(30), 1).await;
     insert(&conn, Marker::OnePhase, newest, 1).await;
     // The side effect took two hours; it completes now.
-    complete_lease(&conn, &lease).await.unwrap();
+    lease.complete(&conn).await.unwrap();
 
     let policy = RetentionPolicy::with_window(Duration::from_secs(3600))
         .unwrap()
@@ -490,7 +490,7 @@ async fn lease_completed_late_is_kept_a_window_after_its_completion(backend: Bac
     // The ack was lost: the broker redelivers, and the side effect must not run again.
     assert_eq!(
         claim_lease(&conn, id, "c", &options).await.unwrap(),
-        LeaseClaim::AlreadyProcessed
+        LeaseClaim::Duplicate
     );
 
     // A window after its completion, it goes.

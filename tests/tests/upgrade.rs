@@ -126,7 +126,7 @@ async fn first_migration_data_survives_the_upgrade_and_down_up(backend: Backend)
         claim_lease(&conn, old[1].0, "billing", &options)
             .await
             .unwrap(),
-        LeaseClaim::AlreadyProcessed,
+        LeaseClaim::Duplicate,
         "a marker from before the upgrade counts as processed"
     );
 

@@ -1,0 +1,170 @@
+//! The pacing of one purge, free of I/O.
+
+use super::{PurgePacing, RetentionPolicy};
+use std::time::Duration;
+
+/// The pacing of one purge, free of I/O: the size of the next batch, and the rest after
+/// the last one.
+///
+/// Batches are sized from the fastest rate this purge has seen (seconds per row), not
+/// from the last batch's duration: a DELETE that spent most of its time waiting for a
+/// lock (on SQLite, for the claimers' write lock) held nothing meanwhile, and shrinking
+/// the next batch for it would only add statements that wait again.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Pacer {
+    pacing: PurgePacing,
+    ceiling: u64,
+    next: u64,
+    /// The least time per row measured so far, in seconds.
+    fastest_row: Option<f64>,
+}
+
+impl Pacer {
+    pub(super) fn new(policy: &RetentionPolicy) -> Self {
+        let ceiling = u64::from(policy.batch_size());
+        let next = match policy.pacing().batch_budget() {
+            // Start below most budgets and grow: the first batch of a cold purge is its
+            // slowest. (At 100 rows, seven batches of doubling went by before a purge on
+            // PostgreSQL deleted at its rate: most of a 40,000-row purge, measured.)
+            Some(_) => ceiling.min(u64::from(PurgePacing::MIN_BATCH) * 100),
+            None => ceiling,
+        };
+        Self {
+            pacing: policy.pacing(),
+            ceiling,
+            next,
+            fastest_row: None,
+        }
+    }
+
+    /// Rows the next DELETE may remove.
+    pub(super) fn batch(&self) -> u64 {
+        self.next
+    }
+
+    /// Takes a full batch that ran for `took`; returns how long to rest before the next.
+    pub(super) fn full_batch(&mut self, took: Duration) -> Duration {
+        let rows = self.next.max(1) as f64;
+        let per_row = took.as_secs_f64() / rows;
+        let fastest = self.fastest_row.map_or(per_row, |best| best.min(per_row));
+        self.fastest_row = Some(fastest);
+        if let Some(budget) = self.pacing.batch_budget() {
+            let floor = u64::from(PurgePacing::MIN_BATCH).min(self.ceiling);
+            let fitting = if fastest > 0.0 {
+                (budget.as_secs_f64() / fastest)
+                    .round()
+                    .clamp(0.0, u64::MAX as f64) as u64
+            } else {
+                u64::MAX
+            };
+            self.next = fitting
+                .clamp(self.next / 2, self.next.saturating_mul(4))
+                .clamp(floor, self.ceiling);
+        }
+        // The rest follows the work the batch did, not the time it waited for locks.
+        let worked = took.min(Duration::from_secs_f64(fastest * rows));
+        let busy = u32::from(self.pacing.busy_percent().clamp(1, 100));
+        worked * (100 - busy) / busy
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::retention::policy::tests::hour_window;
+
+    fn paced(budget_ms: u64, busy: u8, ceiling: u32) -> Pacer {
+        let pacing = PurgePacing::default()
+            .with_batch_budget(Duration::from_millis(budget_ms))
+            .and_then(|p| p.with_busy_percent(busy))
+            .expect("valid pacing");
+        let policy = hour_window()
+            .with_batch_size(ceiling)
+            .expect("valid batch size")
+            .with_pacing(pacing);
+        Pacer::new(&policy)
+    }
+
+    #[test]
+    fn unpaced_purges_run_full_batches_back_to_back() {
+        let policy = hour_window()
+            .with_batch_size(5_000)
+            .expect("valid batch size")
+            .with_pacing(PurgePacing::UNPACED);
+        let mut pacer = Pacer::new(&policy);
+        assert_eq!(pacer.batch(), 5_000);
+        assert_eq!(pacer.full_batch(Duration::from_secs(3)), Duration::ZERO);
+        assert_eq!(pacer.batch(), 5_000);
+    }
+
+    #[test]
+    fn the_batch_follows_its_time_budget_within_bounds() {
+        let mut pacer = paced(20, 100, 100_000);
+        assert_eq!(pacer.batch(), 1_000, "a paced purge starts at 1,000 rows");
+        // 1,000 rows in 10 ms: 10 us a row, 2,000 fit the 20 ms budget.
+        pacer.full_batch(Duration::from_millis(10));
+        assert_eq!(pacer.batch(), 2_000);
+        // 2,000 rows in 2 ms: 1 us a row, 20,000 fit, but a batch at most quadruples.
+        pacer.full_batch(Duration::from_millis(2));
+        assert_eq!(pacer.batch(), 8_000);
+        // 8,000 rows in 8 ms: 20,000 fit.
+        pacer.full_batch(Duration::from_millis(8));
+        assert_eq!(pacer.batch(), 20_000);
+        // A batch that waited a second for a lock does not shrink the next one.
+        pacer.full_batch(Duration::from_secs(1));
+        assert_eq!(pacer.batch(), 20_000);
+        // 20,000 rows in 200 ms: 10 us a row is no faster than seen, the batch stays.
+        pacer.full_batch(Duration::from_millis(200));
+        assert_eq!(pacer.batch(), 20_000);
+        for _ in 0..20 {
+            pacer.full_batch(Duration::from_micros(1));
+        }
+        assert_eq!(
+            pacer.batch(),
+            100_000,
+            "never above the policy's batch size"
+        );
+    }
+
+    #[test]
+    fn slow_rows_shrink_the_batch_to_at_least_min_batch() {
+        let mut pacer = paced(20, 100, 10_000);
+        // 1 ms a row: 20 rows fit, reached by halving at most.
+        for (took_ms, next) in [(1_000, 500), (500, 250), (250, 125), (125, 62), (62, 31)] {
+            pacer.full_batch(Duration::from_millis(took_ms));
+            assert_eq!(pacer.batch(), next);
+        }
+        pacer.full_batch(Duration::from_millis(31));
+        assert_eq!(pacer.batch(), 20);
+        let mut tight = paced(1, 100, 10_000);
+        for _ in 0..10 {
+            tight.full_batch(Duration::from_secs(1));
+        }
+        assert_eq!(tight.batch(), u64::from(PurgePacing::MIN_BATCH));
+    }
+
+    #[test]
+    fn the_rest_is_in_proportion_to_the_batch() {
+        let mut pacer = paced(20, 80, 1_000);
+        assert_eq!(
+            pacer.full_batch(Duration::from_millis(100)),
+            Duration::from_millis(25)
+        );
+        let mut half = paced(20, 50, 1_000);
+        assert_eq!(
+            half.full_batch(Duration::from_millis(30)),
+            Duration::from_millis(30)
+        );
+        // The rest follows the work: 1,000 rows at 10 us, however long the lock wait was.
+        let mut waited = paced(20, 50, 1_000);
+        waited.full_batch(Duration::from_millis(10));
+        assert_eq!(
+            waited.full_batch(Duration::from_secs(1)),
+            Duration::from_millis(10)
+        );
+        let mut tiny = paced(20, 100, 5);
+        assert_eq!(tiny.batch(), 5, "a ceiling below the start wins");
+        assert_eq!(tiny.full_batch(Duration::from_secs(1)), Duration::ZERO);
+        assert_eq!(tiny.batch(), 5, "and below MIN_BATCH too");
+    }
+}
