@@ -21,10 +21,6 @@ pub(crate) use single::{insert_marker, marker_token};
 use batch::{admit_batch, insert_batch};
 use single::unresponsive_within;
 
-/// Where `lease` and `retention` import the clock from until they import it from
-/// [`crate::clock`].
-pub(crate) use crate::clock::now_micros;
-
 /// The outcome of [`InboxTransactionExt::claim_message`].
 ///
 /// Only [`Claimed`](Claim::Claimed) carries the [`ClaimedMessage`] that commits the work

@@ -518,7 +518,7 @@ pub async fn claim_lease_with_token(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::claim::now_micros;
+    use crate::clock::now_micros;
     use chrono::Timelike;
 
     #[test]

@@ -7,7 +7,7 @@ use crate::backend::{
     CLAIM_TRANSACTION, DbErrorKind, classify, complete_lease_sql, insert_lease_sql, park_lease_sql,
     release_lease_sql, roll_back, silence_statement, take_over_lease_sql, timestamp_value,
 };
-use crate::claim::now_micros;
+use crate::clock::now_micros;
 use crate::pooler::in_own_transaction;
 use crate::silence::{bound_for, within_bound};
 use crate::{InboxError, MessageId, RetryPolicy};

@@ -4,7 +4,7 @@
 use super::DeadClaim;
 use super::decide::attempts_of;
 use crate::backend::{consumer_is, timestamp_value};
-use crate::claim::now_micros;
+use crate::clock::now_micros;
 use crate::consumer::validate_consumer;
 use crate::pooler::in_own_transaction;
 use crate::silence::answered_within;

@@ -8,7 +8,7 @@ use crate::backend::{
     latest_received_at_or_before_sql, newest_received_at_sql, oldest_received_at_sql,
     purge_batch_sql, timestamp_value,
 };
-use crate::claim::now_micros;
+use crate::clock::now_micros;
 use crate::metrics::facade;
 use crate::pooler::in_own_transaction;
 use crate::silence::answered_within;

@@ -103,7 +103,7 @@ impl ReceivingWalk {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::claim::now_micros;
+    use crate::clock::now_micros;
     use crate::retention::policy::tests::hour_window;
 
     /// Runs a walk over an in-memory timeline as `receiving_time_cutoff` runs it over the
