@@ -1,26 +1,119 @@
 use crate::backend::{DbErrorKind, classify, missing_migration};
 use crate::{InboxMigration, MessageId};
 use sea_orm::DbErr;
+use std::fmt;
+use std::ops::RangeInclusive;
 use std::time::Duration;
 
-/// Everything that can go wrong when claiming a message.
+/// Everything that can go wrong in the inbox, in three groups by what the caller does
+/// next ([`InboxError::kind`]):
 ///
-/// Input errors ([`EmptyConsumer`](Self::EmptyConsumer),
-/// [`ConsumerNotTrimmed`](Self::ConsumerNotTrimmed),
-/// [`ConsumerContainsNul`](Self::ConsumerContainsNul),
-/// [`ConsumerTooLong`](Self::ConsumerTooLong), [`NilMessageId`](Self::NilMessageId),
-/// [`ValueOutOfRange`](Self::ValueOutOfRange)) are returned before any SQL runs. Database failures keep the original [`DbErr`] so the
-/// caller can inspect it; [`crate::classify`] tells transient ones from the rest.
+/// - [`ErrorKind::Configuration`]: the setup cannot work (a setting
+///   [out of range](Self::OutOfRange), a backend this build lacks, a migration that has
+///   not run). Fix it; retrying cannot help.
+/// - [`ErrorKind::Input`]: the message or the call's arguments can never succeed (a bad
+///   consumer name, a nil message id, an empty batch), found before any SQL runs.
+///   Dead-letter the message.
+/// - [`ErrorKind::Runtime`]: the database or a task failed. Database failures keep the
+///   original [`DbErr`] ([`db_err`](Self::db_err)); [`crate::classify`] tells transient
+///   ones from the rest and [`is_permanent`](Self::is_permanent) whether a redelivery helps.
 ///
 /// ```
-/// use sea_orm_inbox::InboxError;
+/// use sea_orm_inbox::{ErrorKind, InboxError};
 ///
 /// let err = InboxError::ConsumerTooLong { chars: 201 };
 /// assert!(err.to_string().contains("at most 200"));
+/// assert_eq!(err.kind(), ErrorKind::Input);
 /// ```
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum InboxError {
+    // Configuration (ErrorKind::Configuration): fix the setup, the build or the schema.
+    /// The connection's backend is none of PostgreSQL, MySQL/MariaDB and SQLite.
+    #[error(
+        "the inbox supports PostgreSQL, MySQL/MariaDB and SQLite; this connection's backend is {backend}: connect the inbox to one of those"
+    )]
+    UnsupportedBackend {
+        /// The backend SeaORM reported.
+        backend: String,
+    },
+
+    /// The connection's backend is one the inbox supports, but this build of the crate was
+    /// compiled without its cargo feature.
+    #[error(
+        "this connection is {backend}, but sea-orm-inbox was built without its `{feature}` feature: enable it in your Cargo.toml"
+    )]
+    BackendNotEnabled {
+        /// The database the connection speaks to.
+        backend: &'static str,
+        /// The cargo feature of sea-orm-inbox that supports it.
+        feature: &'static str,
+    },
+
+    /// The inbox table does not exist in the database the transaction runs on.
+    #[error(
+        "the inbox table does not exist: add sea_orm_inbox_migration::CreateInbox to your Migrator (or run sea_orm_inbox_migration::Migrator::up) before claiming messages ({source})"
+    )]
+    MissingTable {
+        /// The database's own error.
+        #[source]
+        source: DbErr,
+    },
+
+    /// The inbox table lacks a column or the constraint that one of the inbox migrations
+    /// adds: that migration has not run on this database.
+    /// [`verify_schema`](crate::verify_schema) finds this at startup.
+    #[error(
+        "the inbox table lacks what {migration} adds: add it to your Migrator after the earlier inbox migrations and run it (or run sea_orm_inbox_migration::Migrator::up), and call sea_orm_inbox::verify_schema at startup ({source})"
+    )]
+    MissingMigration {
+        /// The migration to add and run.
+        migration: InboxMigration,
+        /// The database's own error.
+        #[source]
+        source: DbErr,
+    },
+
+    /// A setting or value outside what the library or the inbox table accepts: a lease, a
+    /// lock or partition timeout, an attempt count (at least 1, at most what the 32-bit
+    /// `attempts` column holds), a retry backoff, a nack delay, a listing limit, a broker
+    /// timestamp. The message says which value, the range accepted, and what to choose.
+    #[error("{what} of {value} is outside {accepted}: {advice}")]
+    OutOfRange {
+        /// What the value is, e.g. `a lease` or `max_attempts`.
+        what: &'static str,
+        /// The rejected value.
+        value: String,
+        /// The values accepted, e.g. `1s..=86400s`.
+        accepted: String,
+        /// What to choose instead.
+        advice: &'static str,
+    },
+
+    /// A retention setting that cannot work.
+    #[error("invalid retention policy: {reason}")]
+    InvalidRetention {
+        /// What is wrong and what to change.
+        reason: String,
+    },
+
+    /// An admission floor's clock-skew margin that is zero or not below the retention
+    /// window.
+    #[error(
+        "an admission floor margin of {margin:?} must be above zero and below the retention window of {window:?}: choose the clock skew you tolerate (seconds to minutes), and size the window with that margin on top"
+    )]
+    InvalidAdmissionFloor {
+        /// The rejected margin.
+        margin: Duration,
+        /// The retention window it was checked against.
+        window: Duration,
+    },
+
+    /// [`crate::spawn_purger`] was called outside a tokio runtime.
+    #[error("spawn_purger needs a tokio runtime: call it from async code running on tokio")]
+    NoTokioRuntime,
+
+    // Input (ErrorKind::Input): the message or the call's arguments can never succeed.
     /// The consumer name is empty or only white space.
     #[error(
         "the consumer name is empty: give each handler a stable, non-empty name such as \"billing.credit-account\""
@@ -60,68 +153,6 @@ pub enum InboxError {
     )]
     NilMessageId,
 
-    /// The inbox table does not exist in the database the transaction runs on.
-    #[error(
-        "the inbox table does not exist: add sea_orm_inbox_migration::CreateInbox to your Migrator (or run sea_orm_inbox_migration::Migrator::up) before claiming messages ({source})"
-    )]
-    MissingTable {
-        /// The database's own error.
-        #[source]
-        source: DbErr,
-    },
-
-    /// The inbox table lacks a column or the constraint that one of the inbox migrations
-    /// adds: that migration has not run on this database.
-    /// [`verify_schema`](crate::verify_schema) finds this at startup.
-    #[error(
-        "the inbox table lacks what {migration} adds: add it to your Migrator after the earlier inbox migrations and run it (or run sea_orm_inbox_migration::Migrator::up), and call sea_orm_inbox::verify_schema at startup ({source})"
-    )]
-    MissingMigration {
-        /// The migration to add and run.
-        migration: InboxMigration,
-        /// The database's own error.
-        #[source]
-        source: DbErr,
-    },
-
-    /// The connection's backend is none of PostgreSQL, MySQL/MariaDB and SQLite.
-    #[error(
-        "the inbox supports PostgreSQL, MySQL/MariaDB and SQLite; this connection's backend is {backend}: connect the inbox to one of those"
-    )]
-    UnsupportedBackend {
-        /// The backend SeaORM reported.
-        backend: String,
-    },
-
-    /// The connection's backend is one the inbox supports, but this build of the crate was
-    /// compiled without its cargo feature.
-    #[error(
-        "this connection is {backend}, but sea-orm-inbox was built without its `{feature}` feature: enable it in your Cargo.toml"
-    )]
-    BackendNotEnabled {
-        /// The database the connection speaks to.
-        backend: &'static str,
-        /// The cargo feature of sea-orm-inbox that supports it.
-        feature: &'static str,
-    },
-
-    /// The database failed for another reason: a connection problem, a lock timeout, or a
-    /// unique violation on an index other than the inbox's (a real bug, never a duplicate).
-    /// The message says which, and what to do.
-    #[error(
-        "handling message {message_id} for consumer {consumer:?}, the database failed: {source}. {}",
-        advice(.source)
-    )]
-    Database {
-        /// The message being claimed.
-        message_id: MessageId,
-        /// The consumer claiming it.
-        consumer: String,
-        /// The database's own error.
-        #[source]
-        source: DbErr,
-    },
-
     /// A field a [`MessageId`] key is derived from is empty or only white space.
     #[error(
         "the {field} is empty: a key must come from a value the broker repeats on every redelivery of the message"
@@ -158,51 +189,22 @@ pub enum InboxError {
         max: usize,
     },
 
-    /// A lease duration outside the accepted range.
+    // Runtime (ErrorKind::Runtime): the database or a task failed; see is_permanent.
+    /// The database failed for another reason: a connection problem, a lock timeout, or a
+    /// unique violation on an index other than the inbox's (a real bug, never a duplicate).
+    /// The message says which, and what to do.
     #[error(
-        "a lease of {lease:?} is outside {min:?}..={max:?}: choose a lease longer than the side effect takes, with margin for clock skew"
+        "handling message {message_id} for consumer {consumer:?}, the database failed: {source}. {}",
+        advice(.source)
     )]
-    LeaseOutOfRange {
-        /// The rejected duration.
-        lease: Duration,
-        /// The shortest lease accepted.
-        min: Duration,
-        /// The longest lease accepted.
-        max: Duration,
-    },
-
-    /// A number larger than the library or the inbox table can hold (an attempt count
-    /// above the 32-bit `attempts` column, a listing limit above SQL's 64-bit LIMIT, a
-    /// retry backoff above [`crate::RetryPolicy::MAX_BACKOFF`]).
-    #[error("{what} is {value}, more than the largest accepted, {max}: {advice}")]
-    ValueOutOfRange {
-        /// What the value is.
-        what: &'static str,
-        /// The rejected value.
-        value: String,
-        /// The largest value accepted.
-        max: String,
-        /// What to choose instead.
-        advice: &'static str,
-    },
-
-    /// A maximum attempt count of zero.
-    #[error("max_attempts must be at least 1: a claim needs one attempt before it can be parked")]
-    ZeroMaxAttempts,
-
-    /// A two-phase completion whose lease is no longer the current one: after it expired,
-    /// another claimant took the message over (or it was parked as dead), so this
-    /// claimant must not record the outcome.
-    #[error(
-        "the lease of attempt {attempt} on message {message_id} for consumer {consumer:?} is stale: another claimant took over after it expired, or it was parked as dead; do not record the result (the side effect was called with the same idempotency key, so the provider can deduplicate it)"
-    )]
-    StaleLease {
-        /// The message of the stale lease.
+    Database {
+        /// The message being claimed.
         message_id: MessageId,
-        /// The consumer of the stale lease.
+        /// The consumer claiming it.
         consumer: String,
-        /// The attempt the stale lease belonged to.
-        attempt: u32,
+        /// The database's own error.
+        #[source]
+        source: DbErr,
     },
 
     /// Before COMMIT, the claim's transaction could not prove it still held its markers,
@@ -247,31 +249,19 @@ pub enum InboxError {
         consumer: String,
     },
 
-    /// A claim lock timeout outside the accepted range.
+    /// A two-phase completion whose lease is no longer the current one: after it expired,
+    /// another claimant took the message over (or it was parked as dead), so this
+    /// claimant must not record the outcome.
     #[error(
-        "a claim lock timeout of {timeout:?} is outside {min:?}..={max:?}: a claim another replica holds means that replica is on the message, so wait briefly and let the broker redeliver"
+        "the lease of attempt {attempt} on message {message_id} for consumer {consumer:?} is stale: another claimant took over after it expired, or it was parked as dead; do not record the result (the side effect was called with the same idempotency key, so the provider can deduplicate it)"
     )]
-    LockTimeoutOutOfRange {
-        /// The rejected timeout.
-        timeout: Duration,
-        /// The shortest timeout accepted.
-        min: Duration,
-        /// The longest timeout accepted.
-        max: Duration,
-    },
-
-    /// A partition timeout outside the accepted range (see
-    /// [`crate::Inbox::with_partition_timeout`]).
-    #[error(
-        "a partition timeout of {timeout:?} is outside {min:?}..={max:?}: choose one well below the broker's redelivery timeout (JetStream AckWait, SQS visibility timeout, RabbitMQ consumer timeout) and above your slowest handler"
-    )]
-    PartitionTimeoutOutOfRange {
-        /// The rejected timeout.
-        timeout: Duration,
-        /// The shortest timeout accepted.
-        min: Duration,
-        /// The longest timeout accepted.
-        max: Duration,
+    StaleLease {
+        /// The message of the stale lease.
+        message_id: MessageId,
+        /// The consumer of the stale lease.
+        consumer: String,
+        /// The attempt the stale lease belonged to.
+        attempt: u32,
     },
 
     /// One step of a claim did not finish within its bound, the partition timeout: the
@@ -316,36 +306,6 @@ pub enum InboxError {
         waited: Duration,
     },
 
-    /// A retention setting that cannot work.
-    #[error("invalid retention policy: {reason}")]
-    InvalidRetention {
-        /// What is wrong and what to change.
-        reason: String,
-    },
-
-    /// An admission floor's clock-skew margin that is zero or not below the retention
-    /// window.
-    #[error(
-        "an admission floor margin of {margin:?} must be above zero and below the retention window of {window:?}: choose the clock skew you tolerate (seconds to minutes), and size the window with that margin on top"
-    )]
-    InvalidAdmissionFloor {
-        /// The rejected margin.
-        margin: Duration,
-        /// The retention window it was checked against.
-        window: Duration,
-    },
-
-    /// [`crate::spawn_purger`] was called outside a tokio runtime.
-    #[error("spawn_purger needs a tokio runtime: call it from async code running on tokio")]
-    NoTokioRuntime,
-
-    /// The background purger task ended abnormally.
-    #[error("the purger task ended abnormally: {reason}")]
-    PurgerStopped {
-        /// What the runtime reported.
-        reason: String,
-    },
-
     /// A database operation not about one message (a purge, a listing) failed.
     #[error("{operation} failed: {source}")]
     Query {
@@ -354,6 +314,13 @@ pub enum InboxError {
         /// The database's own error.
         #[source]
         source: DbErr,
+    },
+
+    /// The background purger task ended abnormally.
+    #[error("the purger task ended abnormally: {reason}")]
+    PurgerStopped {
+        /// What the runtime reported.
+        reason: String,
     },
 }
 
@@ -376,6 +343,50 @@ impl InboxError {
         }
     }
 
+    /// What the caller does next about this error, by its [`ErrorKind`]: fix the setup
+    /// ([`Configuration`](ErrorKind::Configuration)), give up on the message or the call
+    /// ([`Input`](ErrorKind::Input)), or treat it as a run-time failure
+    /// ([`Runtime`](ErrorKind::Runtime)), which [`is_permanent`](Self::is_permanent) tells
+    /// worth a redelivery or not.
+    ///
+    /// ```
+    /// use sea_orm_inbox::{ErrorKind, InboxError, LeaseOptions};
+    /// use std::time::Duration;
+    ///
+    /// let err = LeaseOptions::new(Duration::ZERO).unwrap_err();
+    /// assert_eq!(err.kind(), ErrorKind::Configuration);
+    /// assert_eq!(InboxError::NilMessageId.kind(), ErrorKind::Input);
+    /// ```
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Self::UnsupportedBackend { .. }
+            | Self::BackendNotEnabled { .. }
+            | Self::MissingTable { .. }
+            | Self::MissingMigration { .. }
+            | Self::OutOfRange { .. }
+            | Self::InvalidRetention { .. }
+            | Self::InvalidAdmissionFloor { .. }
+            | Self::NoTokioRuntime => ErrorKind::Configuration,
+            Self::EmptyConsumer
+            | Self::ConsumerNotTrimmed { .. }
+            | Self::ConsumerContainsNul { .. }
+            | Self::ConsumerTooLong { .. }
+            | Self::NilMessageId
+            | Self::EmptyKeyField { .. }
+            | Self::NegativeKafkaPosition { .. }
+            | Self::EmptyBatch
+            | Self::BatchTooLarge { .. } => ErrorKind::Input,
+            Self::Database { .. }
+            | Self::ClaimLost { .. }
+            | Self::EndedByDatabase { .. }
+            | Self::StaleLease { .. }
+            | Self::DatabaseUnresponsive { .. }
+            | Self::DatabaseSilent { .. }
+            | Self::Query { .. }
+            | Self::PurgerStopped { .. } => ErrorKind::Runtime,
+        }
+    }
+
     /// Whether redelivering the message cannot help: the input is invalid (a nil message
     /// id, a bad consumer name or key field), the configuration or the build cannot work
     /// (a backend whose feature is off, a setting out of range), or the database says the
@@ -394,36 +405,10 @@ impl InboxError {
     /// ```
     pub fn is_permanent(&self) -> bool {
         match self {
-            Self::EmptyConsumer
-            | Self::ConsumerNotTrimmed { .. }
-            | Self::ConsumerContainsNul { .. }
-            | Self::ConsumerTooLong { .. }
-            | Self::NilMessageId
-            | Self::EmptyKeyField { .. }
-            | Self::NegativeKafkaPosition { .. }
-            | Self::UnsupportedBackend { .. }
-            | Self::BackendNotEnabled { .. }
-            | Self::MissingTable { .. }
-            | Self::MissingMigration { .. }
-            | Self::EmptyBatch
-            | Self::BatchTooLarge { .. }
-            | Self::LeaseOutOfRange { .. }
-            | Self::ValueOutOfRange { .. }
-            | Self::ZeroMaxAttempts
-            | Self::LockTimeoutOutOfRange { .. }
-            | Self::PartitionTimeoutOutOfRange { .. }
-            | Self::InvalidRetention { .. }
-            | Self::InvalidAdmissionFloor { .. }
-            | Self::NoTokioRuntime => true,
             Self::Database { source, .. } | Self::Query { source, .. } => {
                 classify(source).is_permanent()
             }
-            Self::ClaimLost { .. }
-            | Self::EndedByDatabase { .. }
-            | Self::StaleLease { .. }
-            | Self::DatabaseUnresponsive { .. }
-            | Self::DatabaseSilent { .. }
-            | Self::PurgerStopped { .. } => false,
+            _ => self.kind() != ErrorKind::Runtime,
         }
     }
 
@@ -435,32 +420,43 @@ impl InboxError {
             | Self::Database { source, .. }
             | Self::Query { source, .. } => Some(source),
             Self::ClaimLost { source, .. } => source.as_ref(),
-            Self::EmptyConsumer
-            | Self::ConsumerNotTrimmed { .. }
-            | Self::ConsumerContainsNul { .. }
-            | Self::ConsumerTooLong { .. }
-            | Self::NilMessageId
-            | Self::UnsupportedBackend { .. }
-            | Self::BackendNotEnabled { .. }
-            | Self::EmptyKeyField { .. }
-            | Self::NegativeKafkaPosition { .. }
-            | Self::EmptyBatch
-            | Self::BatchTooLarge { .. }
-            | Self::LeaseOutOfRange { .. }
-            | Self::ValueOutOfRange { .. }
-            | Self::ZeroMaxAttempts
-            | Self::StaleLease { .. }
-            | Self::EndedByDatabase { .. }
-            | Self::LockTimeoutOutOfRange { .. }
-            | Self::PartitionTimeoutOutOfRange { .. }
-            | Self::DatabaseUnresponsive { .. }
-            | Self::DatabaseSilent { .. }
-            | Self::InvalidRetention { .. }
-            | Self::InvalidAdmissionFloor { .. }
-            | Self::NoTokioRuntime
-            | Self::PurgerStopped { .. } => None,
+            _ => None,
         }
     }
+
+    /// The error for `value` outside `accepted`, with `advice` on what to choose.
+    pub(crate) fn out_of_range<T: fmt::Debug>(
+        what: &'static str,
+        value: T,
+        accepted: RangeInclusive<T>,
+        advice: &'static str,
+    ) -> Self {
+        Self::OutOfRange {
+            what,
+            value: format!("{value:?}"),
+            accepted: format!("{:?}..={:?}", accepted.start(), accepted.end()),
+            advice,
+        }
+    }
+}
+
+/// What a caller does next about an [`InboxError`] ([`InboxError::kind`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// The setup cannot work: a setting out of range, a backend this build does not
+    /// support, a migration that has not run, no tokio runtime. Retrying cannot help: fix
+    /// the code, the build or the schema (ideally at startup, where
+    /// [`verify_schema`](crate::verify_schema) and the settings' constructors find these).
+    Configuration,
+    /// The message or the call's arguments can never succeed: a nil message id, a bad
+    /// consumer name or key field, an empty or oversized batch. Dead-letter the message
+    /// ([`crate::Settlement`] does) and fix the producer or the call.
+    Input,
+    /// The database, the network or a background task failed while running: a
+    /// transient failure, a lost claim, a stale lease, an unanswered statement.
+    /// [`InboxError::is_permanent`] tells whether a redelivery can help (most can).
+    Runtime,
 }
 
 /// The claim an [`InboxError::ClaimLost`] names: its one message, or a batch by its size.
@@ -584,11 +580,12 @@ mod tests {
                 "retry later",
             ),
             (
-                InboxError::PartitionTimeoutOutOfRange {
-                    timeout: Duration::ZERO,
-                    min: Duration::from_secs(1),
-                    max: Duration::from_secs(1800),
-                }
+                InboxError::out_of_range(
+                    "a partition timeout",
+                    Duration::ZERO,
+                    Duration::from_secs(1)..=Duration::from_secs(1800),
+                    "choose one well below the broker's redelivery timeout (JetStream AckWait, SQS visibility timeout, RabbitMQ consumer timeout) and above your slowest handler",
+                )
                 .to_string(),
                 "choose one well below the broker's redelivery timeout",
             ),
@@ -625,6 +622,57 @@ mod tests {
                 "{message:?} should say {instruction:?}"
             );
         }
+    }
+
+    /// Settings out of range share one shape and one kind, and say what was accepted.
+    #[test]
+    fn settings_out_of_range_are_configuration_errors() {
+        let errors = [
+            crate::LeaseOptions::new(Duration::ZERO).expect_err("too short"),
+            crate::Inbox::new("billing")
+                .and_then(|inbox| inbox.with_lock_timeout(Duration::from_secs(60)))
+                .expect_err("too long"),
+            crate::RetryPolicy::default()
+                .backoff(Duration::ZERO, Duration::from_secs(3600))
+                .expect_err("too long"),
+            crate::LeaseOptions::new(Duration::from_secs(30))
+                .and_then(|options| options.with_max_attempts(0))
+                .expect_err("zero"),
+        ];
+        for err in errors {
+            assert!(matches!(err, InboxError::OutOfRange { .. }), "{err:?}");
+            assert_eq!(err.kind(), ErrorKind::Configuration, "{err}");
+            assert!(err.is_permanent(), "{err}");
+            assert!(err.to_string().contains("..="), "{err}");
+        }
+        let zero = crate::LeaseOptions::new(Duration::from_secs(30))
+            .and_then(|options| options.with_max_attempts(0))
+            .expect_err("zero")
+            .to_string();
+        assert!(
+            zero.starts_with("max_attempts of 0 is outside 1..=")
+                && zero.contains("a claim needs one attempt"),
+            "{zero}"
+        );
+    }
+
+    #[test]
+    fn runtime_errors_are_permanent_only_when_the_database_says_so() {
+        let transient = InboxError::Query {
+            operation: "deleting a purge batch",
+            source: DbErr::ConnectionAcquire(ConnAcquireErr::Timeout),
+        };
+        assert_eq!(transient.kind(), ErrorKind::Runtime);
+        assert!(!transient.is_permanent());
+        let stale = InboxError::StaleLease {
+            message_id: MessageId::from(uuid::Uuid::from_u128(7)),
+            consumer: "billing".into(),
+            attempt: 2,
+        };
+        assert_eq!(stale.kind(), ErrorKind::Runtime);
+        assert!(!stale.is_permanent());
+        assert_eq!(InboxError::EmptyBatch.kind(), ErrorKind::Input);
+        assert!(InboxError::EmptyBatch.is_permanent());
     }
 
     #[test]

@@ -42,7 +42,7 @@ pub struct WorkspaceReadme;
 pub use admission::{AdmissionFloor, Delivery, Refusal};
 pub use backend::{CLAIM_TRANSACTION, DbErrorKind, classify, is_inbox_duplicate, timestamp_value};
 pub use claim::{BatchClaim, Claim, ClaimedMessage, InboxTransactionExt, MAX_CLAIM_BATCH};
-pub use error::InboxError;
+pub use error::{ErrorKind, InboxError};
 pub use inbox::{BatchOutcome, HandlerFuture, Inbox};
 pub use lease::{
     ClaimToken, DeadClaim, ExpiredLease, Lease, LeaseClaim, LeaseOptions, claim_lease,

@@ -284,24 +284,24 @@ impl NackDelay {
     /// A delay of `first` after the first delivery, doubling per delivery up to `max`.
     ///
     /// # Errors
-    /// [`InboxError::ValueOutOfRange`] when `first` or `max` exceeds [`MAX`](Self::MAX),
+    /// [`InboxError::OutOfRange`] when `first` or `max` exceeds [`MAX`](Self::MAX),
     /// or `first` is above `max`.
     pub fn new(first: Duration, max: Duration) -> Result<Self, InboxError> {
         if max > Self::MAX {
-            return Err(InboxError::ValueOutOfRange {
-                what: "the longest nack delay",
-                value: format!("{max:?}"),
-                max: format!("{:?}", Self::MAX),
-                advice: "dead-letter a message that should wait longer",
-            });
+            return Err(InboxError::out_of_range(
+                "the longest nack delay",
+                max,
+                Duration::ZERO..=Self::MAX,
+                "dead-letter a message that should wait longer",
+            ));
         }
         if first > max {
-            return Err(InboxError::ValueOutOfRange {
-                what: "the first nack delay",
-                value: format!("{first:?}"),
-                max: format!("{max:?}"),
-                advice: "choose a first delay no longer than the longest one",
-            });
+            return Err(InboxError::out_of_range(
+                "the first nack delay",
+                first,
+                Duration::ZERO..=max,
+                "choose a first delay no longer than the longest one",
+            ));
         }
         Ok(Self { first, max })
     }
@@ -372,7 +372,7 @@ mod tests {
             (Duration::from_secs(2), Duration::from_secs(1)),
         ] {
             let err = NackDelay::new(first, max).expect_err("out of range");
-            assert!(matches!(err, InboxError::ValueOutOfRange { .. }), "{err}");
+            assert!(matches!(err, InboxError::OutOfRange { .. }), "{err}");
         }
     }
 

@@ -56,7 +56,7 @@ pub const MAX_NACK_DELAY: Duration = Duration::from_secs(600);
 /// # Errors
 /// [`InboxError::EmptyKeyField`] when the message has no `message_id` (or an empty one),
 /// [`InboxError::NilMessageId`] when it is the nil UUID, and
-/// [`InboxError::ValueOutOfRange`] for a `timestamp` no date can hold. All of them are
+/// [`InboxError::OutOfRange`] for a `timestamp` no date can hold. All of them are
 /// [permanent](InboxError::is_permanent): dead-letter the message
 /// (`Err(ProcessError::Inbox(err))` settles as [`Settlement::DeadLetter`]).
 pub fn delivery(message: &AmqpDelivery) -> Result<Delivery, InboxError> {
@@ -72,10 +72,10 @@ pub fn delivery(message: &AmqpDelivery) -> Result<Delivery, InboxError> {
     let sent_at = i64::try_from(seconds)
         .ok()
         .and_then(|seconds| DateTime::from_timestamp(seconds, 0))
-        .ok_or_else(|| InboxError::ValueOutOfRange {
+        .ok_or_else(|| InboxError::OutOfRange {
             what: "the RabbitMQ timestamp property",
             value: seconds.to_string(),
-            max: "262143-12-31".to_owned(),
+            accepted: "the seconds of dates up to 262143-12-31".to_owned(),
             advice: "set it to the time the message was first sent, in seconds since the epoch",
         })?;
     Ok(delivery.sent_at(sent_at))

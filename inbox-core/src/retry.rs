@@ -69,17 +69,17 @@ impl RetryPolicy {
     /// `initial` when smaller).
     ///
     /// # Errors
-    /// [`InboxError::ValueOutOfRange`] when `initial` or `max` exceeds
+    /// [`InboxError::OutOfRange`] when `initial` or `max` exceeds
     /// [`MAX_BACKOFF`](Self::MAX_BACKOFF).
     pub fn backoff(mut self, initial: Duration, max: Duration) -> Result<Self, InboxError> {
         for backoff in [initial, max] {
             if backoff > Self::MAX_BACKOFF {
-                return Err(InboxError::ValueOutOfRange {
-                    what: "the retry backoff",
-                    value: format!("{backoff:?}"),
-                    max: format!("{:?}", Self::MAX_BACKOFF),
-                    advice: "back off for milliseconds to seconds, and let the broker redeliver a message that keeps failing",
-                });
+                return Err(InboxError::out_of_range(
+                    "the retry backoff",
+                    backoff,
+                    Duration::ZERO..=Self::MAX_BACKOFF,
+                    "back off for milliseconds to seconds, and let the broker redeliver a message that keeps failing",
+                ));
             }
         }
         self.initial_backoff = initial;
@@ -164,7 +164,7 @@ mod tests {
         ] {
             assert!(matches!(
                 RetryPolicy::default().backoff(initial, max),
-                Err(InboxError::ValueOutOfRange {
+                Err(InboxError::OutOfRange {
                     what: "the retry backoff",
                     ..
                 })

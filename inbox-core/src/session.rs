@@ -1,7 +1,8 @@
 //! Session settings a SeaORM pool must carry on every connection it opens, where the
 //! database has no per-transaction form the claim could set itself.
 
-use crate::{Inbox, InboxError};
+use crate::InboxError;
+use crate::inbox::checked_lock_timeout;
 use sea_orm::ConnectOptions;
 use sea_orm::sqlx::{AssertSqlSafe, Executor, raw_sql};
 use std::sync::Arc;
@@ -21,8 +22,9 @@ use std::time::Duration;
 /// Needs the crate's `mysql` feature.
 ///
 /// # Errors
-/// [`InboxError::LockTimeoutOutOfRange`] outside
-/// [`Inbox::MIN_LOCK_TIMEOUT`]..=[`Inbox::MAX_LOCK_TIMEOUT`].
+/// [`InboxError::OutOfRange`] outside
+/// [`Inbox::MIN_LOCK_TIMEOUT`](crate::Inbox::MIN_LOCK_TIMEOUT)..=
+/// [`Inbox::MAX_LOCK_TIMEOUT`](crate::Inbox::MAX_LOCK_TIMEOUT).
 ///
 /// ```no_run
 /// use sea_orm::{ConnectOptions, Database};
@@ -42,13 +44,7 @@ pub fn bound_mysql_lock_waits(
     options: &mut ConnectOptions,
     timeout: Duration,
 ) -> Result<&mut ConnectOptions, InboxError> {
-    if !(Inbox::MIN_LOCK_TIMEOUT..=Inbox::MAX_LOCK_TIMEOUT).contains(&timeout) {
-        return Err(InboxError::LockTimeoutOutOfRange {
-            timeout,
-            min: Inbox::MIN_LOCK_TIMEOUT,
-            max: Inbox::MAX_LOCK_TIMEOUT,
-        });
-    }
+    let timeout = checked_lock_timeout(timeout)?;
     let seconds = timeout.as_secs() + u64::from(timeout.subsec_nanos() > 0);
     // The value is a number this function computed: no input reaches the SQL text.
     let set: Arc<str> = format!("SET SESSION innodb_lock_wait_timeout = {seconds}").into();

@@ -144,12 +144,12 @@ async fn listing_limits_above_i64_max_are_refused(backend: Backend) {
     for limit in [i64::MAX as u64 + 1, u64::MAX] {
         let expired = list_expired_leases(&conn, None, limit).await;
         assert!(
-            matches!(expired, Err(InboxError::ValueOutOfRange { .. })),
+            matches!(expired, Err(InboxError::OutOfRange { .. })),
             "{expired:?}"
         );
         let dead = list_dead_claims(&conn, Some(CONSUMER), limit).await;
         assert!(
-            matches!(dead, Err(InboxError::ValueOutOfRange { .. })),
+            matches!(dead, Err(InboxError::OutOfRange { .. })),
             "{dead:?}"
         );
     }

@@ -107,7 +107,7 @@ fn lock_timeouts_outside_the_bounds_are_refused() {
         assert!(
             matches!(
                 inbox.clone().with_lock_timeout(refused),
-                Err(InboxError::LockTimeoutOutOfRange { .. })
+                Err(InboxError::OutOfRange { .. })
             ),
             "{refused:?}"
         );
@@ -217,7 +217,7 @@ async fn mysql_pool_bound_by_the_helper_ends_a_held_claim_within_the_bound() {
     let mut refused = sea_orm::ConnectOptions::new("mysql://unused");
     assert!(matches!(
         sea_orm_inbox::bound_mysql_lock_waits(&mut refused, Duration::ZERO),
-        Err(InboxError::LockTimeoutOutOfRange { .. })
+        Err(InboxError::OutOfRange { .. })
     ));
     let db = migrated_db(Backend::MySql).await;
     let replica = db

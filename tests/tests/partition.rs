@@ -822,7 +822,7 @@ fn partition_timeout_is_refused_outside_its_range() {
     ];
     for timeout in refused {
         let message = match inbox.clone().with_partition_timeout(timeout) {
-            Err(err @ InboxError::PartitionTimeoutOutOfRange { .. }) => err.to_string(),
+            Err(err @ InboxError::OutOfRange { .. }) => err.to_string(),
             other => panic!("{timeout:?} must be refused: {other:?}"),
         };
         assert!(
@@ -831,11 +831,11 @@ fn partition_timeout_is_refused_outside_its_range() {
         );
         assert!(matches!(
             lease.with_partition_timeout(timeout),
-            Err(InboxError::PartitionTimeoutOutOfRange { .. })
+            Err(InboxError::OutOfRange { .. })
         ));
         assert!(matches!(
             retention.with_partition_timeout(timeout),
-            Err(InboxError::PartitionTimeoutOutOfRange { .. })
+            Err(InboxError::OutOfRange { .. })
         ));
     }
 }

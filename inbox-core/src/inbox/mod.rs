@@ -194,23 +194,16 @@ impl Inbox {
     /// assert_eq!(inbox.lock_timeout(), Duration::from_secs(2));
     /// assert!(matches!(
     ///     Inbox::new("billing.credit")?.with_lock_timeout(Duration::from_secs(60)),
-    ///     Err(InboxError::LockTimeoutOutOfRange { .. })
+    ///     Err(InboxError::OutOfRange { .. })
     /// ));
     /// # Ok::<(), InboxError>(())
     /// ```
     ///
     /// # Errors
-    /// [`InboxError::LockTimeoutOutOfRange`] outside
+    /// [`InboxError::OutOfRange`] outside
     /// [`MIN_LOCK_TIMEOUT`](Self::MIN_LOCK_TIMEOUT)..=[`MAX_LOCK_TIMEOUT`](Self::MAX_LOCK_TIMEOUT).
     pub fn with_lock_timeout(mut self, timeout: Duration) -> Result<Self, InboxError> {
-        if !(Self::MIN_LOCK_TIMEOUT..=Self::MAX_LOCK_TIMEOUT).contains(&timeout) {
-            return Err(InboxError::LockTimeoutOutOfRange {
-                timeout,
-                min: Self::MIN_LOCK_TIMEOUT,
-                max: Self::MAX_LOCK_TIMEOUT,
-            });
-        }
-        self.lock_timeout = timeout;
+        self.lock_timeout = checked_lock_timeout(timeout)?;
         Ok(self)
     }
 
@@ -295,13 +288,13 @@ impl Inbox {
     /// assert_eq!(inbox.partition_timeout(), Duration::from_secs(10));
     /// assert!(matches!(
     ///     Inbox::new("billing.credit")?.with_partition_timeout(Duration::ZERO),
-    ///     Err(InboxError::PartitionTimeoutOutOfRange { .. })
+    ///     Err(InboxError::OutOfRange { .. })
     /// ));
     /// # Ok::<(), InboxError>(())
     /// ```
     ///
     /// # Errors
-    /// [`InboxError::PartitionTimeoutOutOfRange`] outside
+    /// [`InboxError::OutOfRange`] outside
     /// [`MIN_PARTITION_TIMEOUT`](Self::MIN_PARTITION_TIMEOUT)..=[`MAX_PARTITION_TIMEOUT`](Self::MAX_PARTITION_TIMEOUT).
     pub fn with_partition_timeout(mut self, timeout: Duration) -> Result<Self, InboxError> {
         self.partition_timeout = checked_partition_timeout(timeout)?;
@@ -794,14 +787,28 @@ fn commit_in_doubt(mut err: InboxError) -> InboxError {
     err
 }
 
+/// `timeout` if it lies in the accepted range of claim lock timeouts.
+pub(crate) fn checked_lock_timeout(timeout: Duration) -> Result<Duration, InboxError> {
+    if !(Inbox::MIN_LOCK_TIMEOUT..=Inbox::MAX_LOCK_TIMEOUT).contains(&timeout) {
+        return Err(InboxError::out_of_range(
+            "a claim lock timeout",
+            timeout,
+            Inbox::MIN_LOCK_TIMEOUT..=Inbox::MAX_LOCK_TIMEOUT,
+            "a claim another replica holds means that replica is on the message, so wait briefly and let the broker redeliver",
+        ));
+    }
+    Ok(timeout)
+}
+
 /// `timeout` if it lies in the accepted range of partition timeouts.
 pub(crate) fn checked_partition_timeout(timeout: Duration) -> Result<Duration, InboxError> {
     if !(Inbox::MIN_PARTITION_TIMEOUT..=Inbox::MAX_PARTITION_TIMEOUT).contains(&timeout) {
-        return Err(InboxError::PartitionTimeoutOutOfRange {
+        return Err(InboxError::out_of_range(
+            "a partition timeout",
             timeout,
-            min: Inbox::MIN_PARTITION_TIMEOUT,
-            max: Inbox::MAX_PARTITION_TIMEOUT,
-        });
+            Inbox::MIN_PARTITION_TIMEOUT..=Inbox::MAX_PARTITION_TIMEOUT,
+            "choose one well below the broker's redelivery timeout (JetStream AckWait, SQS visibility timeout, RabbitMQ consumer timeout) and above your slowest handler",
+        ));
     }
     Ok(timeout)
 }

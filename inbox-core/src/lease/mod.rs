@@ -62,15 +62,16 @@ impl LeaseOptions {
     /// Leases of `lease`, with [`DEFAULT_MAX_ATTEMPTS`](Self::DEFAULT_MAX_ATTEMPTS).
     ///
     /// # Errors
-    /// [`InboxError::LeaseOutOfRange`] outside [`MIN_LEASE`](Self::MIN_LEASE)..=
+    /// [`InboxError::OutOfRange`] outside [`MIN_LEASE`](Self::MIN_LEASE)..=
     /// [`MAX_LEASE`](Self::MAX_LEASE).
     pub fn new(lease: Duration) -> Result<Self, InboxError> {
         if !(Self::MIN_LEASE..=Self::MAX_LEASE).contains(&lease) {
-            return Err(InboxError::LeaseOutOfRange {
+            return Err(InboxError::out_of_range(
+                "a lease",
                 lease,
-                min: Self::MIN_LEASE,
-                max: Self::MAX_LEASE,
-            });
+                Self::MIN_LEASE..=Self::MAX_LEASE,
+                "choose a lease longer than the side effect takes, with margin for clock skew",
+            ));
         }
         Ok(Self {
             lease,
@@ -103,7 +104,7 @@ impl LeaseOptions {
     /// ```
     ///
     /// # Errors
-    /// [`InboxError::PartitionTimeoutOutOfRange`] outside
+    /// [`InboxError::OutOfRange`] outside
     /// [`Inbox::MIN_PARTITION_TIMEOUT`]..=[`Inbox::MAX_PARTITION_TIMEOUT`].
     pub fn with_partition_timeout(self, timeout: Duration) -> Result<Self, InboxError> {
         Ok(Self {
@@ -121,19 +122,16 @@ impl LeaseOptions {
     /// Parks a claim as dead when its lease expires on attempt `max_attempts`.
     ///
     /// # Errors
-    /// [`InboxError::ZeroMaxAttempts`] for 0; [`InboxError::ValueOutOfRange`] above
-    /// [`MAX_ATTEMPTS`](Self::MAX_ATTEMPTS), a count the `attempts` column cannot hold.
+    /// [`InboxError::OutOfRange`] for 0 or above [`MAX_ATTEMPTS`](Self::MAX_ATTEMPTS), a
+    /// count the `attempts` column cannot hold.
     pub fn with_max_attempts(self, max_attempts: u32) -> Result<Self, InboxError> {
-        if max_attempts == 0 {
-            return Err(InboxError::ZeroMaxAttempts);
-        }
-        if max_attempts > Self::MAX_ATTEMPTS {
-            return Err(InboxError::ValueOutOfRange {
-                what: "max_attempts",
-                value: max_attempts.to_string(),
-                max: Self::MAX_ATTEMPTS.to_string(),
-                advice: "the inbox's attempts column is 32-bit; park a claim after a handful of attempts",
-            });
+        if !(1..=Self::MAX_ATTEMPTS).contains(&max_attempts) {
+            return Err(InboxError::out_of_range(
+                "max_attempts",
+                max_attempts,
+                1..=Self::MAX_ATTEMPTS,
+                "a claim needs one attempt before it can be parked, and the attempts column is 32-bit: park a claim after a handful of attempts",
+            ));
         }
         Ok(Self {
             max_attempts,
@@ -531,7 +529,7 @@ mod tests {
         for over in [LeaseOptions::MAX_ATTEMPTS + 1, u32::MAX] {
             assert!(matches!(
                 options.with_max_attempts(over),
-                Err(InboxError::ValueOutOfRange { what: "max_attempts", value, .. })
+                Err(InboxError::OutOfRange { what: "max_attempts", value, .. })
                     if value == over.to_string()
             ));
         }

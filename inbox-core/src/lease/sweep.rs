@@ -44,7 +44,7 @@ pub struct ExpiredLease {
 /// A consumer name every claim refuses, as for `claim_message`
 /// ([`InboxError::EmptyConsumer`], [`InboxError::ConsumerNotTrimmed`],
 /// [`InboxError::ConsumerContainsNul`], [`InboxError::ConsumerTooLong`]);
-/// [`InboxError::ValueOutOfRange`] for a `limit` above `i64::MAX`;
+/// [`InboxError::OutOfRange`] for a `limit` above `i64::MAX`;
 /// [`InboxError::Query`] when the database fails; [`InboxError::DatabaseSilent`] when it
 /// leaves the read unanswered for [`Inbox::DEFAULT_PARTITION_TIMEOUT`] (a network
 /// partition or a hung server, not on SQLite): poll again later.
@@ -142,10 +142,10 @@ async fn list_rows(
     operation: &'static str,
 ) -> Result<Vec<inbox::Model>, InboxError> {
     if i64::try_from(limit).is_err() {
-        return Err(InboxError::ValueOutOfRange {
+        return Err(InboxError::OutOfRange {
             what: "the listing limit",
             value: limit.to_string(),
-            max: i64::MAX.to_string(),
+            accepted: format!("0..={}", i64::MAX),
             advice: "list in pages of at most a few thousand rows",
         });
     }

@@ -248,13 +248,13 @@ impl RetentionPolicy {
     /// assert_eq!(policy.partition_timeout(), Duration::from_secs(10));
     /// assert!(matches!(
     ///     policy.with_partition_timeout(Duration::ZERO),
-    ///     Err(InboxError::PartitionTimeoutOutOfRange { .. })
+    ///     Err(InboxError::OutOfRange { .. })
     /// ));
     /// # Ok::<(), InboxError>(())
     /// ```
     ///
     /// # Errors
-    /// [`InboxError::PartitionTimeoutOutOfRange`] outside
+    /// [`InboxError::OutOfRange`] outside
     /// [`Inbox::MIN_PARTITION_TIMEOUT`]..=[`Inbox::MAX_PARTITION_TIMEOUT`].
     pub fn with_partition_timeout(self, timeout: Duration) -> Result<Self, InboxError> {
         Ok(Self {
