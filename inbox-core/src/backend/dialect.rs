@@ -233,6 +233,7 @@ impl Marker<'_> {
 }
 
 /// `count` copies of `item` separated by commas: `?, ?, ?` or `(?, ?), (?, ?)`.
+#[cfg(any(feature = "mysql", feature = "sqlite"))]
 pub(super) fn repeat_list(item: &str, count: usize) -> String {
     vec![item; count].join(", ")
 }

@@ -168,6 +168,7 @@ pub(crate) struct ProcessMarker {
     /// Bounds the INSERT's (and its transaction's) lock waits where the dialect can bound
     /// them for one transaction (PostgreSQL); elsewhere the database's own setting applies
     /// (MySQL/MariaDB: `innodb_lock_wait_timeout`; SQLite: the busy timeout).
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub(crate) lock_wait: Duration,
     /// How long the server keeps the transaction (and the marker's lock) while its client
     /// is silent, where the INSERT can set it (PostgreSQL); elsewhere
