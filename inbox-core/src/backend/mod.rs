@@ -1,26 +1,27 @@
 //! The one place that knows how each database speaks: the SQL per dialect and how each
 //! driver reports a duplicate, a transient failure or a missing table.
 //!
-//! Each database has its own module, compiled only with its cargo feature: its statements
-//! (a [`Dialect`]) and its classifier. This module holds what the three share and picks the
-//! module for a connection; everything else in the crate asks it instead of matching on
-//! the backend.
+//! Each database has its own file, compiled only with its cargo feature, holding every
+//! statement the crate runs on it and its error classifier; [`Dialect`] names what each
+//! must write. This module picks the file for a connection and binds the values; the rest
+//! of the crate asks it instead of matching on the backend.
 
 use crate::{Inbox, InboxError, InboxMigration, MessageId};
 use chrono::{DateTime, Utc};
+use dialect::{Dialect, Marker};
 use sea_orm::sea_query::Expr;
 use sea_orm::sqlx;
 use sea_orm::sqlx::error::DatabaseError;
 use sea_orm::{
-    ColumnTrait, ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, RuntimeErr,
-    SqliteTransactionMode, Statement, TransactionOptions, Value,
+    DbBackend, DbErr, RuntimeErr, SqliteTransactionMode, Statement, TransactionOptions, Value,
 };
 use sea_orm_inbox_entity::{
-    INDEX_NAME, OUTBOX_MESSAGE_ID_INDEX_NAME, OUTBOX_TABLE_NAME, TABLE_NAME, inbox,
+    INDEX_NAME, OUTBOX_MESSAGE_ID_INDEX_NAME, OUTBOX_TABLE_NAME, TABLE_NAME,
 };
 use std::time::Duration;
 use uuid::Uuid;
 
+mod dialect;
 #[cfg(feature = "mysql")]
 mod mysql;
 pub(crate) mod outbox;
@@ -28,6 +29,12 @@ pub(crate) mod outbox;
 mod postgres;
 #[cfg(feature = "sqlite")]
 mod sqlite;
+mod transaction;
+
+pub(crate) use transaction::{
+    AfterFailure, after_failure, ends_transactions_silently, roll_back, silently_ended,
+    transaction_ended,
+};
 
 /// Options for a transaction that claims a message: pass them to
 /// [`TransactionTrait::begin_with_options`](sea_orm::TransactionTrait::begin_with_options).
@@ -58,189 +65,6 @@ pub const CLAIM_TRANSACTION: TransactionOptions = TransactionOptions {
     access_mode: None,
     sqlite_transaction_mode: Some(SqliteTransactionMode::Immediate),
 };
-
-/// What differs between the databases in the statements the crate runs. Each backend
-/// module implements it; the defaults are the SQL standard's forms.
-trait Dialect: Sync {
-    /// The marker INSERT, written once per dialect so the hot path builds no SQL and every
-    /// call reuses the driver's cached prepared statement. Binds: message_id, consumer,
-    /// received_at.
-    fn insert_marker(&self) -> &'static str;
-
-    /// The marker INSERT of [`Inbox::process`](crate::Inbox::process), which also writes
-    /// the call's token, so a retry after a lost COMMIT reply can tell its own marker from
-    /// another delivery's. Binds: message_id, consumer, received_at, claim_token.
-    fn insert_process_marker(&self) -> &'static str;
-
-    /// [`insert_process_marker`](Self::insert_process_marker) that also bounds its
-    /// transaction's lock waits and makes the server end the transaction once the client
-    /// goes silent, where the database can set both for one transaction without an extra
-    /// round trip. Binds: those of `insert_process_marker`, then the lock-wait bound and
-    /// the silence bound as text (`"5000ms"`). `None`: the database's own setting bounds
-    /// the lock wait, and [`bound_silence`](Self::bound_silence) runs before the INSERT.
-    fn insert_process_marker_bounded(&self) -> Option<&'static str> {
-        None
-    }
-
-    /// [`insert_marker`](Self::insert_marker) that also makes the server end the caller's
-    /// transaction once its client goes silent, where the INSERT can set that for one
-    /// transaction without an extra round trip. Binds: those of `insert_marker`, then the
-    /// silence bound as text (`"20000ms"`). `None`: the caller's transaction gets no
-    /// server-side bound from the claim (a session setting would outlive it on the pooled
-    /// connection).
-    fn insert_marker_bounded(&self) -> Option<&'static str> {
-        None
-    }
-
-    /// A read of the marker of `(message_id, consumer)` (binds: message_id, consumer) that
-    /// confirms a violation the classifier put on the inbox index, where the database's
-    /// error names the index but not its table; `None` where it names the table too.
-    fn confirm_inbox_duplicate(&self) -> Option<&'static str> {
-        None
-    }
-
-    /// Whether a client reaches the database over a network, which a partition can
-    /// silence (an embedded database cannot go silent: its waits end in its busy timeout).
-    fn over_network(&self) -> bool {
-        true
-    }
-
-    /// A statement that makes the server end the current transaction, releasing its
-    /// locks, once its client has been silent for `silence` (waiting for the next
-    /// statement, or not reading a reply the server is sending), for a transaction whose
-    /// first statement cannot carry the bound itself. `None`: nothing to bound (an
-    /// embedded database has no client to lose).
-    fn bound_silence(&self, silence: Duration) -> Option<String>;
-
-    /// Whether the marker INSERT ends in `RETURNING "id"`, and returns no row when the
-    /// marker exists (its conflict clause on the inbox index skipped it); otherwise the
-    /// driver reports the new row's auto-increment id and a duplicate raises.
-    fn marker_insert_returns_id(&self) -> bool {
-        false
-    }
-
-    /// Whether placeholders are `$1, $2, ...` rather than `?`.
-    fn numbered_placeholders(&self) -> bool {
-        false
-    }
-
-    /// The clause that leaves a row conflicting on the inbox index untouched and raises
-    /// nothing, so the transaction stays usable on PostgreSQL.
-    fn on_inbox_conflict_do_nothing(&self) -> &'static str {
-        " ON CONFLICT (message_id, consumer) DO NOTHING"
-    }
-
-    /// What a batch claim's multi-row INSERT returns.
-    fn batch_returning(&self) -> BatchReturning {
-        BatchReturning::Inserted
-    }
-
-    /// One purge batch deleting at most `?` rows meeting `purgeable`, oldest first.
-    fn purge_batch(&self, purgeable: &str) -> String;
-
-    /// A catalog read of `table`'s columns, in order: name (text), collation (text, NULL
-    /// where it does not matter). No rows when the table does not exist. `table` is one of
-    /// the crate's own table names, never input.
-    fn columns_catalog(&self, table: &str) -> String;
-
-    /// A catalog read of the key columns of `table`'s index named `index`, in key order:
-    /// column name (text), unique, partial (a WHERE clause or a column prefix), backs a
-    /// UNIQUE constraint of that name (each a bigint, 0 or 1). No rows when there is no
-    /// such index. Both names are the crate's own, never input.
-    fn index_catalog(&self, table: &str, index: &str) -> String;
-
-    /// Whether the inbox index must be a constraint for the claims' conflict clause.
-    fn conflict_needs_constraint(&self) -> bool {
-        false
-    }
-
-    /// Whether a `consumer` column of `collation` compares names byte for byte.
-    fn is_exact_consumer_collation(&self, _collation: &str) -> bool {
-        true
-    }
-
-    /// The inbox migration a failed statement on the inbox table shows missing: a column
-    /// it adds, or the constraint. `None` for any other error of this driver, or one of
-    /// another driver.
-    fn missing_migration(&self, _db: &dyn DatabaseError) -> Option<InboxMigration> {
-        None
-    }
-
-    /// `at` as a bind value the database stores without loss.
-    fn timestamp_value(&self, at: DateTime<Utc>) -> Value {
-        Value::from(at)
-    }
-
-    /// The condition "the row's consumer is exactly `consumer`", for a query that filters
-    /// by the given name.
-    fn consumer_is(&self, consumer: &str) -> Expr {
-        inbox::Column::Consumer.eq(consumer)
-    }
-
-    /// The outbox INSERT, which leaves a row whose `message_id` exists untouched and
-    /// raises nothing (the transaction stays usable). Binds: message_id, destination,
-    /// partition_key, payload, headers, created_at, available_at.
-    fn outbox_insert(&self) -> &'static str;
-
-    /// The clause ending the relay's claim SELECT that locks the rows it returns and skips
-    /// rows another relay's open claim holds. `""` where one writer at a time holds the
-    /// whole database for the claim transaction (SQLite).
-    fn outbox_claim_lock(&self) -> &'static str {
-        " FOR UPDATE SKIP LOCKED"
-    }
-
-    /// The options of the relay's claim transaction. By default none: the database's
-    /// default isolation (PostgreSQL's READ COMMITTED) and no extra statement.
-    fn outbox_claim_transaction(&self) -> TransactionOptions {
-        TransactionOptions::default()
-    }
-
-    /// One purge batch of the outbox: at most `?` rows sent before `?`, oldest first, in
-    /// one statement walking `ix_outbox_pending`. Binds: cutoff, batch size.
-    fn outbox_purge_batch(&self) -> &'static str;
-
-    /// A statement that leaves the connection inside a transaction whether or not the
-    /// database already ended the one the driver counts, sent before ROLLBACK so that the
-    /// ROLLBACK always has a transaction to end. `None` where ROLLBACK outside a
-    /// transaction succeeds anyway (PostgreSQL, MySQL/MariaDB: a warning at most).
-    fn before_rollback(&self) -> Option<&'static str> {
-        None
-    }
-
-    /// What a failed statement (`err`, a database's error) did to its transaction, seen
-    /// `savepoint_depth` savepoints deep.
-    fn after_failure(&self, err: &DbErr, savepoint_depth: u32) -> AfterFailure;
-
-    /// Whether the server can end a transaction without failing any statement (Galera's
-    /// brute-force abort between two statements), so that a transaction whose statements
-    /// all succeeded must still prove its marker before COMMIT.
-    fn ends_transactions_silently(&self) -> bool {
-        false
-    }
-
-    /// A read answering 1 when the server has already ended the session's transaction
-    /// while the statements after the end ran on their own (autocommit), 0 otherwise:
-    /// asked only after a batch's read-back missed one of its rows, the one symptom of that
-    /// end. `None` where no server ends a transaction without an error on the statement.
-    fn silently_ended_probe(&self) -> Option<&'static str> {
-        None
-    }
-
-    /// A statement that fails while a transaction is open and succeeds (opening one) only
-    /// when the database already ended it: for a COMMIT that no marker proof precedes,
-    /// where COMMIT outside a transaction fails and leaves sqlx counting the connection as
-    /// inside one. `None` where COMMIT outside a transaction succeeds.
-    fn ended_transaction_probe(&self) -> Option<&'static str> {
-        None
-    }
-
-    /// Whether `db` is this database's refusal of the
-    /// [`ended_transaction_probe`](Self::ended_transaction_probe) inside an open
-    /// transaction, or `None` when `db` comes from another driver.
-    fn refuses_probe(&self, _db: &dyn DatabaseError) -> Option<bool> {
-        None
-    }
-}
 
 /// The dialect of `backend`, or why the inbox cannot use it: not a backend it supports, or
 /// one whose cargo feature is off.
@@ -341,30 +165,6 @@ pub(crate) fn missing_migration(err: &DbErr) -> Option<InboxMigration> {
         .find_map(|dialect| dialect.missing_migration(db.as_ref()))
 }
 
-/// Whether `message` names `name` as a whole identifier: not inside a longer one, however
-/// the server's `lc_messages` quotes it.
-fn names_identifier(message: &str, name: &str) -> bool {
-    let is_identifier_char = |ch: char| ch.is_alphanumeric() || ch == '_' || ch == '$';
-    message.match_indices(name).any(|(at, found)| {
-        let before = message[..at].chars().next_back();
-        let after = message[at + found.len()..].chars().next();
-        !before.is_some_and(is_identifier_char)
-            && !after.is_some_and(|ch| is_identifier_char(ch) || ch == '.')
-    })
-}
-
-/// The inbox migration that adds the column `message` names, if it names one.
-fn migration_of_column_named_in(message: &str) -> Option<InboxMigration> {
-    crate::schema::MIGRATION_COLUMNS
-        .iter()
-        .find(|(_, columns)| {
-            columns
-                .iter()
-                .any(|column| names_identifier(message, column))
-        })
-        .map(|(migration, _)| *migration)
-}
-
 /// What `Inbox::process` adds to its marker: the call's token and the transaction's
 /// bounds.
 pub(crate) struct ProcessMarker {
@@ -373,6 +173,7 @@ pub(crate) struct ProcessMarker {
     /// Bounds the INSERT's (and its transaction's) lock waits where the dialect can bound
     /// them for one transaction (PostgreSQL); elsewhere the database's own setting applies
     /// (MySQL/MariaDB: `innodb_lock_wait_timeout`; SQLite: the busy timeout).
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub(crate) lock_wait: Duration,
     /// How long the server keeps the transaction (and the marker's lock) while its client
     /// is silent, where the INSERT can set it (PostgreSQL); elsewhere
@@ -387,11 +188,6 @@ pub(crate) fn over_network(backend: DbBackend) -> bool {
     dialect(backend).is_ok_and(|dialect| dialect.over_network())
 }
 
-/// What a bound travels as to PostgreSQL's `set_config`: milliseconds, as text.
-fn millis_text(bound: Duration) -> String {
-    format!("{}ms", bound.as_millis())
-}
-
 /// The statement to run in a claim transaction of `Inbox::process` before its marker
 /// INSERT, so that the server ends the transaction once its client has been silent for
 /// `silence`: `None` where the INSERT sets the bound itself (PostgreSQL) or there is no
@@ -400,11 +196,7 @@ pub(crate) fn claim_silence_statement(
     backend: DbBackend,
     silence: Duration,
 ) -> Result<Option<String>, InboxError> {
-    let dialect = dialect(backend)?;
-    if dialect.insert_process_marker_bounded().is_some() {
-        return Ok(None);
-    }
-    Ok(dialect.bound_silence(silence))
+    Ok(dialect(backend)?.claim_silence_bound(silence))
 }
 
 /// The statement that makes the server end the current transaction once its client has
@@ -414,12 +206,13 @@ pub(crate) fn silence_statement(
     backend: DbBackend,
     silence: Duration,
 ) -> Result<Option<String>, InboxError> {
-    Ok(dialect(backend)?.bound_silence(silence))
+    Ok(dialect(backend)?.silence_bound(silence))
 }
 
 /// The marker INSERT for one claim, with its bind values: `claim_message`'s plain marker
 /// (with the server-side silence bound of [`Inbox::DEFAULT_PARTITION_TIMEOUT`] where the
-/// INSERT can carry it), or with `process`, `Inbox::process`'s marker carrying its token and lock-wait bound.
+/// INSERT can carry it), or with `process`, `Inbox::process`'s marker carrying its token
+/// and lock-wait bound.
 pub(crate) fn claim_marker_statement(
     backend: DbBackend,
     message_id: MessageId,
@@ -427,33 +220,13 @@ pub(crate) fn claim_marker_statement(
     received_at: DateTime<Utc>,
     process: Option<ProcessMarker>,
 ) -> Result<Statement, InboxError> {
-    let dialect = dialect(backend)?;
-    let mut values = Vec::with_capacity(5);
-    values.extend([
-        Value::from(message_id.as_uuid()),
-        Value::from(consumer),
-        dialect.timestamp_value(received_at),
-    ]);
-    let Some(process) = process else {
-        let sql = match dialect.insert_marker_bounded() {
-            Some(sql) => {
-                values.push(Value::from(millis_text(Inbox::DEFAULT_PARTITION_TIMEOUT)));
-                sql
-            }
-            None => dialect.insert_marker(),
-        };
-        return Ok(Statement::from_sql_and_values(backend, sql, values));
-    };
-    values.push(Value::from(process.token));
-    let sql = match dialect.insert_process_marker_bounded() {
-        Some(sql) => {
-            values.push(Value::from(millis_text(process.lock_wait)));
-            values.push(Value::from(millis_text(process.silence)));
-            sql
-        }
-        None => dialect.insert_process_marker(),
-    };
-    Ok(Statement::from_sql_and_values(backend, sql, values))
+    Ok(dialect(backend)?.claim_marker(Marker {
+        message_id,
+        consumer,
+        received_at,
+        claim_silence: Inbox::DEFAULT_PARTITION_TIMEOUT,
+        process,
+    }))
 }
 
 /// Whether `backend`'s marker INSERT returns the new row's id (`RETURNING "id"`: run it as
@@ -461,105 +234,6 @@ pub(crate) fn claim_marker_statement(
 /// `LAST_INSERT_ID`, SQLite's rowid: run it as a statement; a duplicate raises).
 pub(crate) fn marker_insert_returns_id(backend: DbBackend) -> Result<bool, InboxError> {
     Ok(dialect(backend)?.marker_insert_returns_id())
-}
-
-/// Rolls `txn` back and hands its connection back to the pool clean, also when the
-/// database itself ended the transaction before (a trigger's `RAISE(ROLLBACK, ..)`, a
-/// `ROLLBACK` the handler sent as SQL, InnoDB's deadlock rollback).
-///
-/// sqlx counts transaction depth itself and lowers it only when its ROLLBACK succeeds. On
-/// SQLite a ROLLBACK with no transaction open fails ("no transaction is active"), the
-/// connection would return to the pool at depth 1, and every later `begin` on it would be
-/// a SAVEPOINT whose "commit" commits nothing. [`Dialect::before_rollback`] reopens a
-/// transaction first where that is needed, so the ROLLBACK cannot fail for that reason.
-///
-/// A rollback that fails all the same means the connection itself is broken (the server
-/// went away, SQLite's worker died): sqlx's ping on release then fails and the pool
-/// closes the connection instead of lending it again. The failure changes nothing for the
-/// caller, who rolls back because it already nacks (or acks a duplicate), so it is logged,
-/// not returned.
-pub(crate) async fn roll_back(txn: DatabaseTransaction) {
-    let before = dialect(txn.get_database_backend()).map(|dialect| dialect.before_rollback());
-    if let Ok(Some(sql)) = before
-        && let Err(error) = txn.execute_unprepared(sql).await
-    {
-        tracing::warn!(%error, "re-opening the transaction before its rollback failed");
-    }
-    if let Err(error) = txn.rollback().await {
-        tracing::warn!(%error, "rollback failed; the pool closes the connection if it is broken");
-    }
-}
-
-/// What a failed statement did to the transaction it ran in.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum AfterFailure {
-    /// The database ended the transaction: nothing later may run in it.
-    Ended,
-    /// Only the statement (or the savepoint around it) failed; the transaction goes on.
-    #[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
-    WentOn,
-    /// The error does not tell: ask with [`transaction_ended`].
-    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
-    Ask,
-}
-
-/// What the failed statement `err` did to its transaction on `backend`, `savepoint_depth`
-/// savepoints deep. A failure the driver reports without a database error (a lost
-/// connection, a protocol error) ends it: nothing more can be known or sent.
-pub(crate) fn after_failure(backend: DbBackend, err: &DbErr, savepoint_depth: u32) -> AfterFailure {
-    if database_error(err).is_none() {
-        return AfterFailure::Ended;
-    }
-    dialect(backend).map_or(AfterFailure::Ended, |dialect| {
-        dialect.after_failure(err, savepoint_depth)
-    })
-}
-
-/// Whether a transaction on `backend` whose statements all succeeded must still prove its
-/// marker before COMMIT (see [`Dialect::ends_transactions_silently`]).
-pub(crate) fn ends_transactions_silently(backend: DbBackend) -> bool {
-    dialect(backend).is_ok_and(|dialect| dialect.ends_transactions_silently())
-}
-
-/// Whether the server already ended `txn` without failing the statement that followed
-/// (Galera's brute-force abort between two statements: the next one runs on its own,
-/// in autocommit). Asked only after a batch's read-back missed a row; `false` without a
-/// round trip where the backend has no such end.
-pub(crate) async fn silently_ended<C: ConnectionTrait>(txn: &C) -> Result<bool, DbErr> {
-    let Some(probe) = dialect(txn.get_database_backend())
-        .ok()
-        .and_then(|dialect| dialect.silently_ended_probe())
-    else {
-        return Ok(false);
-    };
-    let row = txn
-        .query_one_raw(Statement::from_string(txn.get_database_backend(), probe))
-        .await?;
-    Ok(row
-        .map(|row| row.try_get_by_index::<i64>(0))
-        .transpose()?
-        .is_some_and(|ended| ended == 1))
-}
-
-/// Whether the database already ended `txn` although sqlx still counts it open, asked
-/// before a COMMIT that no marker bound to this transaction precedes. Only SQLite needs to
-/// know (its COMMIT outside a transaction fails, stranding the connection at sqlx's depth
-/// 1); elsewhere `false` without a round trip. When it answers `true`, the probe opened a
-/// transaction: end it with [`roll_back`].
-pub(crate) async fn transaction_ended<C: ConnectionTrait>(txn: &C) -> Result<bool, DbErr> {
-    let Ok(dialect) = dialect(txn.get_database_backend()) else {
-        return Ok(false);
-    };
-    let Some(probe) = dialect.ended_transaction_probe() else {
-        return Ok(false);
-    };
-    match txn.execute_unprepared(probe).await {
-        Ok(_) => Ok(true),
-        Err(err) => match database_error(&err).and_then(|db| dialect.refuses_probe(db)) {
-            Some(true) => Ok(false),
-            _ => Err(err),
-        },
-    }
 }
 
 /// The proof, before COMMIT, that the transaction still holds the marker it inserted: the
@@ -581,7 +255,7 @@ pub(crate) fn marker_held_statement(
     consumer: &str,
     token: Option<Uuid>,
 ) -> Result<Statement, InboxError> {
-    const HELD: &str = "SELECT 1 FROM inbox WHERE id = ? AND message_id = ? AND consumer = ?";
+    let dialect = dialect(backend)?;
     let mut values = vec![
         Value::from(marker_id),
         Value::from(message_id.as_uuid()),
@@ -590,9 +264,9 @@ pub(crate) fn marker_held_statement(
     let sql = match token {
         Some(token) => {
             values.push(Value::from(token));
-            dialect_sql(backend, &format!("{HELD} AND claim_token = ?"))?
+            dialect.process_marker_held()
         }
-        None => dialect_sql(backend, HELD)?,
+        None => dialect.marker_held(),
     };
     Ok(Statement::from_sql_and_values(backend, sql, values))
 }
@@ -617,117 +291,18 @@ pub(crate) fn inbox_duplicate_confirmation(
     )))
 }
 
-/// Writes `template` for `backend`: its `?` placeholders become `$1, $2, ...` where the
-/// dialect numbers them. Templates use unquoted identifiers and hold no `?` inside literals.
-fn dialect_sql(backend: DbBackend, template: &str) -> Result<String, InboxError> {
-    if !dialect(backend)?.numbered_placeholders() {
-        return Ok(template.to_owned());
-    }
-    let mut out = String::with_capacity(template.len() + 16);
-    let mut n = 0u32;
-    for ch in template.chars() {
-        if ch == '?' {
-            n += 1;
-            out.push('$');
-            out.push_str(&n.to_string());
-        } else {
-            out.push(ch);
-        }
-    }
-    Ok(out)
-}
-
-/// `backend`'s clause that makes an INSERT leave a row conflicting on the inbox index
-/// untouched (see [`Dialect::on_inbox_conflict_do_nothing`]).
-fn on_inbox_conflict_do_nothing(backend: DbBackend) -> Result<&'static str, InboxError> {
-    Ok(dialect(backend)?.on_inbox_conflict_do_nothing())
-}
-
-/// First phase of a two-phase claim: the lease row for attempt 1, unless a row for the
-/// pair exists. Binds: message_id, consumer, received_at, lease_until, claim_token.
-pub(crate) fn insert_lease_sql(backend: DbBackend) -> Result<String, InboxError> {
-    let insert = dialect_sql(
-        backend,
-        "INSERT INTO inbox (message_id, consumer, received_at, attempts, lease_until, claim_token) \
-         VALUES (?, ?, ?, 1, ?, ?)",
-    )?;
-    Ok(insert + on_inbox_conflict_do_nothing(backend)?)
-}
-
-/// The conditions a row must meet for its lease holder to act on it: still this token,
-/// not processed, not parked. Binds after the SET values: message_id, consumer, token.
-const CURRENT_LEASE: &str = "WHERE message_id = ? AND consumer = ? AND claim_token = ? \
-     AND processed_at IS NULL AND dead_at IS NULL";
-
-/// Takes over an expired lease: next attempt, new expiry, new fencing token, compared and
-/// set on the old token. Binds: lease_until, new token, message_id, consumer, old token.
-pub(crate) fn take_over_lease_sql(backend: DbBackend) -> Result<String, InboxError> {
-    dialect_sql(
-        backend,
-        &format!(
-            "UPDATE inbox SET attempts = attempts + 1, lease_until = ?, claim_token = ? {CURRENT_LEASE}"
-        ),
-    )
-}
-
-/// Parks an expired lease that used its last attempt. Binds: dead_at, message_id,
-/// consumer, token.
-pub(crate) fn park_lease_sql(backend: DbBackend) -> Result<String, InboxError> {
-    dialect_sql(
-        backend,
-        &format!("UPDATE inbox SET dead_at = ? {CURRENT_LEASE}"),
-    )
-}
-
-/// Ends a lease early so the next claim takes over at once. Binds: lease_until (now),
-/// message_id, consumer, token.
-pub(crate) fn release_lease_sql(backend: DbBackend) -> Result<String, InboxError> {
-    dialect_sql(
-        backend,
-        &format!("UPDATE inbox SET lease_until = ? {CURRENT_LEASE}"),
-    )
-}
-
-/// Second phase: marks the message processed if the token holds the lease, or already
-/// completed it. Binds: processed_at, message_id, consumer, token.
-///
-/// Idempotent for the holder: a completion repeated by the same token (its first reply
-/// was lost, and the retry runs it again) finds the row again and keeps the first
-/// `processed_at`, so it reports one row like the first. Any other token finds none. The
-/// count is exact on every backend: PostgreSQL and SQLite count the rows the WHERE clause
-/// found, and sqlx asks MySQL/MariaDB for found rows too (`CLIENT_FOUND_ROWS`).
-pub(crate) fn complete_lease_sql(backend: DbBackend) -> Result<String, InboxError> {
-    dialect_sql(
-        backend,
-        "UPDATE inbox SET processed_at = COALESCE(processed_at, ?) \
-         WHERE message_id = ? AND consumer = ? AND claim_token = ? AND dead_at IS NULL",
-    )
-}
-
-/// What a dialect's multi-row batch INSERT returns, after its conflict clause.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum BatchReturning {
-    /// `RETURNING` lists exactly the rows the INSERT wrote (PostgreSQL, SQLite: DO NOTHING
-    /// skips the others).
-    Inserted,
-    /// This clause, appended to the INSERT, returns the consumer's row of every id, written
-    /// now or met on a unique key, on the servers that support it, and makes the INSERT
-    /// return nothing on the others, which then read every id's row back (the MySQL
-    /// family: the server version decides inside the clause).
-    #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
-    EveryIdWhereSupported(&'static str),
-}
-
 /// The statements of one [`claim_batch`](crate::InboxTransactionExt::claim_batch) call.
 pub(crate) enum BatchClaimSql {
     /// One multi-row INSERT whose RETURNING lists exactly the rows it inserted: message_id,
     /// consumer, claim_token (PostgreSQL, SQLite: `ON CONFLICT DO NOTHING RETURNING`).
+    #[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
     Returning(String),
     /// A multi-row INSERT that returns message_id, consumer, claim_token of every id's row
     /// (written now or met on a unique key) where the server supports it (MariaDB 10.5+),
     /// and nothing elsewhere (MySQL 8, older MariaDB): then `read`, a locking read of the
     /// consumer's rows for every id of the batch, through the inbox index, returning the
     /// same columns. Binds of `read`: consumer, then the ids in batch order.
+    #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
     InsertThenRead { insert: String, read: String },
 }
 
@@ -741,88 +316,83 @@ pub(crate) fn batch_claim_sql(
     backend: DbBackend,
     rows: usize,
 ) -> Result<BatchClaimSql, InboxError> {
-    let dialect = dialect(backend)?;
-    let mut insert = String::with_capacity(96 + rows * 16);
-    insert.push_str("INSERT INTO inbox (message_id, consumer, received_at, claim_token) VALUES ");
-    push_placeholder_list(&mut insert, rows, "(?, ?, ?, ?)");
-    let insert = dialect_sql(backend, &insert)? + dialect.on_inbox_conflict_do_nothing();
-    let returning_where_supported = match dialect.batch_returning() {
-        BatchReturning::Inserted => {
-            return Ok(BatchClaimSql::Returning(
-                insert + " RETURNING message_id, consumer, claim_token",
-            ));
-        }
-        BatchReturning::EveryIdWhereSupported(clause) => clause,
-    };
-    let insert = insert + returning_where_supported;
-    let mut read = String::with_capacity(96 + rows * 3);
-    read.push_str(
-        "SELECT message_id, consumer, claim_token FROM inbox WHERE consumer = ? AND message_id IN (",
-    );
-    push_placeholder_list(&mut read, rows, "?");
-    read.push_str(") FOR UPDATE");
-    Ok(BatchClaimSql::InsertThenRead {
-        insert,
-        read: dialect_sql(backend, &read)?,
-    })
-}
-
-/// Appends `rows` copies of `item` separated by commas.
-fn push_placeholder_list(sql: &mut String, rows: usize, item: &str) {
-    for row in 0..rows {
-        if row > 0 {
-            sql.push_str(", ");
-        }
-        sql.push_str(item);
-    }
+    Ok(dialect(backend)?.batch_claim(rows))
 }
 
 /// Reads, through a batch's transaction, one marker it inserted: the proof before COMMIT
 /// that the transaction still holds its markers (a rollback takes all of them or none).
 /// One probe of the inbox index. Binds: message_id, consumer, tag.
 pub(crate) fn batch_marker_held_sql(backend: DbBackend) -> Result<String, InboxError> {
-    dialect_sql(
-        backend,
-        "SELECT COUNT(*) FROM inbox WHERE message_id = ? AND consumer = ? AND claim_token = ?",
-    )
+    Ok(dialect(backend)?.batch_marker_held().to_owned())
 }
 
-/// Rows the purge may delete: finished, and last used before the cutoff. A completed
-/// two-phase claim was last used at its completion, `processed_at` (possibly hours after
-/// its first claim, `received_at`; both must be before the cutoff, whatever the skew
-/// between the clocks that wrote them), every other finished marker at `received_at`. An
-/// unfinished claim (a lease without `processed_at`, parked or not) is never purgeable.
-/// The `received_at` bound keeps the delete a range walk of `ix_inbox_received_at`; the
-/// rows it walks past are the unfinished claims and the claims completed after the
-/// cutoff.
-const PURGEABLE: &str = "received_at < ? \
-     AND (processed_at < ? OR (processed_at IS NULL AND lease_until IS NULL))";
+/// First phase of a two-phase claim: the lease row for attempt 1, unless a row for the
+/// pair exists. Binds: message_id, consumer, received_at, lease_until, claim_token.
+pub(crate) fn insert_lease_sql(backend: DbBackend) -> Result<String, InboxError> {
+    Ok(dialect(backend)?.insert_lease().to_owned())
+}
+
+/// Takes over an expired lease: next attempt, new expiry, new fencing token, compared and
+/// set on the old token, on a row still not processed and not parked. Binds: lease_until,
+/// new token, message_id, consumer, old token.
+pub(crate) fn take_over_lease_sql(backend: DbBackend) -> Result<String, InboxError> {
+    Ok(dialect(backend)?.take_over_lease().to_owned())
+}
+
+/// Parks an expired lease that used its last attempt, if the token still holds it. Binds:
+/// dead_at, message_id, consumer, token.
+pub(crate) fn park_lease_sql(backend: DbBackend) -> Result<String, InboxError> {
+    Ok(dialect(backend)?.park_lease().to_owned())
+}
+
+/// Ends a lease early so the next claim takes over at once, if the token still holds it.
+/// Binds: lease_until (now), message_id, consumer, token.
+pub(crate) fn release_lease_sql(backend: DbBackend) -> Result<String, InboxError> {
+    Ok(dialect(backend)?.release_lease().to_owned())
+}
+
+/// Second phase: marks the message processed if the token holds the lease, or already
+/// completed it. Binds: processed_at, message_id, consumer, token.
+///
+/// Idempotent for the holder: a completion repeated by the same token (its first reply
+/// was lost, and the retry runs it again) finds the row again and keeps the first
+/// `processed_at`, so it reports one row like the first. Any other token finds none. The
+/// count is exact on every backend: PostgreSQL and SQLite count the rows the WHERE clause
+/// found, and sqlx asks MySQL/MariaDB for found rows too (`CLIENT_FOUND_ROWS`).
+pub(crate) fn complete_lease_sql(backend: DbBackend) -> Result<String, InboxError> {
+    Ok(dialect(backend)?.complete_lease().to_owned())
+}
 
 /// One purge batch: at most `?` purgeable rows received before `?`, oldest first, in one
 /// statement that walks `ix_inbox_received_at` (each dialect picks the form its planner
 /// runs as an index walk). Binds: cutoff, cutoff again, batch size.
+///
+/// Purgeable rows are finished, and last used before the cutoff. A completed two-phase
+/// claim was last used at its completion, `processed_at` (possibly hours after its first
+/// claim, `received_at`; both must be before the cutoff, whatever the skew between the
+/// clocks that wrote them), every other finished marker at `received_at`. An unfinished
+/// claim (a lease without `processed_at`, parked or not) is never purgeable. The
+/// `received_at` bound keeps the delete a range walk of `ix_inbox_received_at`; the rows it
+/// walks past are the unfinished claims and the claims completed after the cutoff.
 pub(crate) fn purge_batch_sql(backend: DbBackend) -> Result<String, InboxError> {
-    dialect_sql(backend, &dialect(backend)?.purge_batch(PURGEABLE))
+    Ok(dialect(backend)?.purge_batch().to_owned())
 }
 
 /// The newest `received_at` in the inbox (NULL when it is empty), read off
 /// `ix_inbox_received_at`.
 pub(crate) fn newest_received_at_sql(backend: DbBackend) -> Result<String, InboxError> {
-    dialect_sql(backend, "SELECT MAX(received_at) FROM inbox")
+    Ok(dialect(backend)?.newest_received_at().to_owned())
 }
 
 /// The oldest `received_at` in the inbox (NULL when it is empty).
 pub(crate) fn oldest_received_at_sql(backend: DbBackend) -> Result<String, InboxError> {
-    dialect_sql(backend, "SELECT MIN(received_at) FROM inbox")
+    Ok(dialect(backend)?.oldest_received_at().to_owned())
 }
 
 /// The newest `received_at` at or before `?` (NULL when there is none): one probe of
 /// `ix_inbox_received_at` in the purge's receiving-time walk.
 pub(crate) fn latest_received_at_or_before_sql(backend: DbBackend) -> Result<String, InboxError> {
-    dialect_sql(
-        backend,
-        "SELECT MAX(received_at) FROM inbox WHERE received_at <= ?",
-    )
+    Ok(dialect(backend)?.latest_received_at_or_before().to_owned())
 }
 
 /// A UTC timestamp as a bind value the backend stores without loss.
@@ -941,19 +511,6 @@ pub fn is_inbox_duplicate(err: &DbErr) -> bool {
     classify(err) == DbErrorKind::InboxDuplicate
 }
 
-/// The driver's database error inside `err`, if there is one.
-fn database_error(err: &DbErr) -> Option<&dyn DatabaseError> {
-    match err {
-        DbErr::Conn(RuntimeErr::SqlxError(sqlx_err))
-        | DbErr::Exec(RuntimeErr::SqlxError(sqlx_err))
-        | DbErr::Query(RuntimeErr::SqlxError(sqlx_err)) => match sqlx_err.as_ref() {
-            sqlx::Error::Database(db) => Some(db.as_ref()),
-            _ => None,
-        },
-        _ => None,
-    }
-}
-
 fn classify_sqlx(err: &sqlx::Error) -> DbErrorKind {
     match err {
         sqlx::Error::Database(db) => classify_database(db.as_ref()),
@@ -981,35 +538,4 @@ fn classify_database(db: &dyn DatabaseError) -> DbErrorKind {
         .iter()
         .find_map(|classify| classify(db))
         .unwrap_or(DbErrorKind::Other)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The missing-column texts of each server (PostgreSQL's 42703 in two languages,
-    /// MySQL's 1054 column, SQLite's two forms after their prefix) lead to the migration
-    /// that adds the column; other columns to none.
-    #[test]
-    fn a_missing_column_names_its_migration() {
-        for message in [
-            "column \"claim_token\" of relation \"inbox\" does not exist",
-            "Spalte »lease_until« von Relation »inbox« existiert nicht",
-            "attempts",
-            "inbox.dead_at",
-        ] {
-            assert_eq!(
-                migration_of_column_named_in(message),
-                Some(InboxMigration::AddInboxLeases),
-                "{message}"
-            );
-        }
-        for message in [
-            "column \"claim_tokens\" of relation \"orders\" does not exist",
-            "order_attempts",
-            "",
-        ] {
-            assert_eq!(migration_of_column_named_in(message), None, "{message}");
-        }
-    }
 }

@@ -1,19 +1,229 @@
 //! MySQL and MariaDB: `?` placeholders, `ON DUPLICATE KEY UPDATE` in place of DO NOTHING,
 //! naive UTC timestamps, and the classifier that reads error numbers and key names.
 
-use super::{AfterFailure, BatchReturning, DbErrorKind, Dialect, migration_of_column_named_in};
+use super::dialect::{Dialect, Marker, migration_of_column_named_in, repeat_list};
+use super::{AfterFailure, BatchClaimSql, DbErrorKind};
 use crate::InboxMigration;
 use chrono::{DateTime, Utc};
 use sea_orm::sea_query::Expr;
 use sea_orm::sqlx::error::DatabaseError;
 use sea_orm::sqlx::mysql::MySqlDatabaseError;
-use sea_orm::{DbErr, IsolationLevel, TransactionOptions, Value};
+use sea_orm::{DbBackend, DbErr, IsolationLevel, Statement, TransactionOptions, Value};
 use sea_orm_inbox_entity::INDEX_NAME;
 use std::time::Duration;
 
 pub(super) struct MySql;
 
 impl Dialect for MySql {
+    /// A duplicate raises 1062, which [`classify`] reads; the driver reports the new row's
+    /// id. The silence bound goes before it, as session variables (see
+    /// [`silence_bound`](Dialect::silence_bound)).
+    fn claim_marker(&self, marker: Marker<'_>) -> Statement {
+        let sql = match marker.process {
+            None => {
+                "INSERT INTO `inbox` (`message_id`, `consumer`, `received_at`) VALUES (?, ?, ?)"
+            }
+            Some(_) => {
+                "INSERT INTO `inbox` (`message_id`, `consumer`, `received_at`, `claim_token`) VALUES (?, ?, ?, ?)"
+            }
+        };
+        let values = marker.binds(self.timestamp_value(marker.received_at));
+        Statement::from_sql_and_values(DbBackend::MySql, sql, values)
+    }
+
+    fn marker_insert_returns_id(&self) -> bool {
+        false
+    }
+
+    /// The INSERT cannot carry it: the session variables go first.
+    fn claim_silence_bound(&self, silence: Duration) -> Option<String> {
+        self.silence_bound(silence)
+    }
+
+    /// MariaDB ends a transaction whose client has been silent for
+    /// `idle_transaction_timeout` seconds (10.3+; 0, the default, falls back to the 8 h
+    /// `wait_timeout`) by closing the connection, which rolls it back and releases its
+    /// locks; `net_write_timeout` (60 s by default) does the same when the server is
+    /// blocked sending a reply. Both are session variables that the server reads when it
+    /// starts waiting, so they must be set before the marker's lock is taken, and they stay
+    /// on the pooled connection afterwards. Whole seconds, rounded up. MySQL 8 has no
+    /// `idle_transaction_timeout`: it sits in a MariaDB executable comment (`/*M!100300`),
+    /// which MySQL skips, so there only `net_write_timeout` applies and an idle partitioned
+    /// transaction lasts until `wait_timeout`.
+    fn silence_bound(&self, silence: Duration) -> Option<String> {
+        let seconds = silence.as_secs() + u64::from(silence.subsec_nanos() > 0);
+        Some(format!(
+            "SET SESSION net_write_timeout = {seconds} \
+             /*M!100300 , idle_transaction_timeout = {seconds} */"
+        ))
+    }
+
+    fn marker_held(&self) -> &'static str {
+        "SELECT 1 FROM inbox WHERE id = ? AND message_id = ? AND consumer = ?"
+    }
+
+    fn process_marker_held(&self) -> &'static str {
+        "SELECT 1 FROM inbox WHERE id = ? AND message_id = ? AND consumer = ? AND claim_token = ?"
+    }
+
+    /// MariaDB's 1062 names the violated index but not its table (`for key
+    /// 'ix_inbox_message_id_consumer'`), and index names are per table, so a trigger's
+    /// write into a table made with `CREATE TABLE ... LIKE inbox` fails with the same text.
+    /// Only the marker tells them apart. A locking read, because the transaction's snapshot
+    /// may predate the marker: InnoDB answers 1062 only once the marker's transaction has
+    /// committed, and the read then sees it. In shared mode, which the INSERT's duplicate
+    /// check already holds on that entry: claimers that met the same marker never wait for
+    /// each other. (MySQL 8 qualifies the key, `'inbox.ix_...'`, so the read only repeats
+    /// what the classifier knows; one index probe, only after a duplicate.)
+    fn confirm_inbox_duplicate(&self) -> Option<&'static str> {
+        Some("SELECT 1 FROM `inbox` WHERE `message_id` = ? AND `consumer` = ? LOCK IN SHARE MODE")
+    }
+
+    /// MySQL has no DO NOTHING, so the INSERT gets a no-op `ON DUPLICATE KEY UPDATE
+    /// consumer = consumer`, as the lease INSERT does.
+    ///
+    /// MySQL 8 has no `INSERT ... RETURNING`; MariaDB has it since 10.5, in an executable
+    /// comment that only MariaDB 10.5+ runs (MySQL and older MariaDB skip it, return
+    /// nothing, and read every id's row back after the INSERT, the statements audited for
+    /// MySQL 8). MariaDB's form returns, for each row of the INSERT, the row it wrote or
+    /// the row its conflict met on any unique key, with that row's own values (its
+    /// `claim_token` tells ours from a committed one). That is what the read-back returns,
+    /// and the caller checks it the same way: exactly one row per id, of this consumer and
+    /// this batch. A conflict on another unique key returns another message's row, or one
+    /// id's row twice, and fails that check; so it cannot pass for "claimed before". One
+    /// statement instead of two saves MariaDB a round trip and a second index probe per id.
+    fn batch_claim(&self, rows: usize) -> BatchClaimSql {
+        BatchClaimSql::InsertThenRead {
+            insert: format!(
+                "INSERT INTO inbox (message_id, consumer, received_at, claim_token) VALUES {} \
+                 ON DUPLICATE KEY UPDATE consumer = consumer \
+                 /*M!100500 RETURNING message_id, consumer, claim_token */",
+                repeat_list("(?, ?, ?, ?)", rows)
+            ),
+            read: format!(
+                "SELECT message_id, consumer, claim_token FROM inbox \
+                 WHERE consumer = ? AND message_id IN ({}) FOR UPDATE",
+                repeat_list("?", rows)
+            ),
+        }
+    }
+
+    fn batch_marker_held(&self) -> &'static str {
+        "SELECT COUNT(*) FROM inbox WHERE message_id = ? AND consumer = ? AND claim_token = ?"
+    }
+
+    /// MySQL has no DO NOTHING, so it gets a no-op `ON DUPLICATE KEY UPDATE consumer =
+    /// consumer` (never count its affected rows: sqlx reports found rows). Not `id = id`:
+    /// assigning the auto-increment key in the update clause made MariaDB 10.11 hand a
+    /// concurrent multi-row insert auto-increment values that collide with another
+    /// transaction's rows, and ON DUPLICATE KEY then silently merged new messages into those
+    /// rows (measured: 6 of 15 runs of the two-replica batch race lost ids; 0 of 20 with
+    /// this clause). `INSERT IGNORE` is not used either: it would also swallow every other
+    /// error (a NOT NULL or a foreign key violation) as a warning.
+    fn insert_lease(&self) -> &'static str {
+        "INSERT INTO inbox (message_id, consumer, received_at, attempts, lease_until, claim_token) \
+         VALUES (?, ?, ?, 1, ?, ?) ON DUPLICATE KEY UPDATE consumer = consumer"
+    }
+
+    fn take_over_lease(&self) -> &'static str {
+        "UPDATE inbox SET attempts = attempts + 1, lease_until = ?, claim_token = ? \
+         WHERE message_id = ? AND consumer = ? AND claim_token = ? \
+         AND processed_at IS NULL AND dead_at IS NULL"
+    }
+
+    fn park_lease(&self) -> &'static str {
+        "UPDATE inbox SET dead_at = ? \
+         WHERE message_id = ? AND consumer = ? AND claim_token = ? \
+         AND processed_at IS NULL AND dead_at IS NULL"
+    }
+
+    fn release_lease(&self) -> &'static str {
+        "UPDATE inbox SET lease_until = ? \
+         WHERE message_id = ? AND consumer = ? AND claim_token = ? \
+         AND processed_at IS NULL AND dead_at IS NULL"
+    }
+
+    fn complete_lease(&self) -> &'static str {
+        "UPDATE inbox SET processed_at = COALESCE(processed_at, ?) \
+         WHERE message_id = ? AND consumer = ? AND claim_token = ? AND dead_at IS NULL"
+    }
+
+    /// MySQL/MariaDB cannot use LIMIT in an `IN (subquery)`, but its single-table DELETE
+    /// takes ORDER BY and LIMIT itself (a range scan of the index).
+    fn purge_batch(&self) -> &'static str {
+        "DELETE FROM inbox WHERE received_at < ? \
+         AND (processed_at < ? OR (processed_at IS NULL AND lease_until IS NULL)) \
+         ORDER BY received_at LIMIT ?"
+    }
+
+    fn newest_received_at(&self) -> &'static str {
+        "SELECT MAX(received_at) FROM inbox"
+    }
+
+    fn oldest_received_at(&self) -> &'static str {
+        "SELECT MIN(received_at) FROM inbox"
+    }
+
+    fn latest_received_at_or_before(&self) -> &'static str {
+        "SELECT MAX(received_at) FROM inbox WHERE received_at <= ?"
+    }
+
+    /// sqlx sends `DateTime<Utc>` to MySQL/MariaDB typed as TIMESTAMP, which MariaDB turns
+    /// into NULL past 2038 even for a `datetime(6)` column; the same instant as a naive UTC
+    /// DATETIME is stored exactly.
+    fn timestamp_value(&self, at: DateTime<Utc>) -> Value {
+        Value::from(at.naive_utc())
+    }
+
+    /// The `consumer` column's `utf8mb4_bin` collation is PAD SPACE: `'mailer ' =
+    /// 'mailer'` holds. Compared as binary strings, trailing spaces count, as they do on
+    /// PostgreSQL and SQLite.
+    fn consumer_is(&self, consumer: &str) -> Expr {
+        Expr::cust_with_values("CAST(`consumer` AS BINARY) = ?", [consumer])
+    }
+
+    fn columns_catalog(&self, table: &str) -> String {
+        format!(
+            "SELECT CAST(column_name AS CHAR), CAST(collation_name AS CHAR) FROM information_schema.columns \
+             WHERE table_schema = DATABASE() AND table_name = '{table}' ORDER BY ordinal_position"
+        )
+    }
+
+    /// A prefix key (`consumer(10)`) counts as partial; a functional key (MySQL 8) has no
+    /// column name.
+    fn index_catalog(&self, table: &str, index: &str) -> String {
+        format!(
+            "SELECT CAST(COALESCE(column_name, '(expression)') AS CHAR), CAST(1 - non_unique AS SIGNED), \
+             CAST(sub_part IS NOT NULL AS SIGNED), CAST(1 AS SIGNED) FROM information_schema.statistics \
+             WHERE table_schema = DATABASE() AND table_name = '{table}' \
+             AND index_name = '{index}' ORDER BY seq_in_index"
+        )
+    }
+
+    /// `ON DUPLICATE KEY` meets any unique index.
+    fn conflict_needs_constraint(&self) -> bool {
+        false
+    }
+
+    /// Binary collations end in `_bin` (`utf8mb4_bin`, `utf8mb4_nopad_bin`), or are
+    /// `binary`; the others ignore case or accents, or both.
+    fn is_exact_consumer_collation(&self, collation: &str) -> bool {
+        collation == "binary" || collation.ends_with("_bin")
+    }
+
+    /// 1054 quotes the unknown column first (`Unknown column 'claim_token' in 'field
+    /// list'`), in every language.
+    fn missing_migration(&self, db: &dyn DatabaseError) -> Option<InboxMigration> {
+        const ER_BAD_FIELD_ERROR: u16 = 1054;
+        let err = db.try_downcast_ref::<MySqlDatabaseError>()?;
+        if err.number() != ER_BAD_FIELD_ERROR {
+            return None;
+        }
+        let (_, after_open) = err.message().split_once('\'')?;
+        let (column, _) = after_open.split_once('\'')?;
+        migration_of_column_named_in(column)
+    }
+
     /// InnoDB rolls the whole transaction back on a deadlock (1213, also Galera's
     /// certification failure and brute-force abort) and on a lost connection; after a lock
     /// wait timeout (1205) only with `innodb_rollback_on_timeout`, which the client cannot
@@ -27,9 +237,34 @@ impl Dialect for MySql {
         }
     }
 
+    /// ROLLBACK outside a transaction is a no-op.
+    fn before_rollback(&self) -> Option<&'static str> {
+        None
+    }
+
     /// A Galera brute-force abort can end the transaction between two statements without
     /// failing the next one, which then runs on its own.
     fn ends_transactions_silently(&self) -> bool {
+        true
+    }
+
+    /// MariaDB's `@@in_transaction` (10.3+) is 0 once a Galera brute-force abort ended the
+    /// transaction and the statements after it ran in autocommit. MySQL 8 skips the
+    /// executable comment and reads 0: without Galera it ends no transaction silently.
+    fn silently_ended_probe(&self) -> Option<&'static str> {
+        Some("SELECT CAST(/*M!100300 1 - @@in_transaction + */ 0 AS SIGNED)")
+    }
+
+    /// COMMIT outside a transaction succeeds.
+    fn ended_transaction_probe(&self) -> Option<&'static str> {
+        None
+    }
+
+    fn refuses_probe(&self, _db: &dyn DatabaseError) -> Option<bool> {
+        None
+    }
+
+    fn over_network(&self) -> bool {
         true
     }
 
@@ -52,141 +287,59 @@ impl Dialect for MySql {
         }
     }
 
+    /// `SKIP LOCKED` passes over the rows another relay's open claim holds.
+    fn outbox_claim(&self) -> &'static str {
+        "SELECT o.* FROM outbox o \
+         WHERE o.sent_at IS NULL AND o.dead_at IS NULL AND o.available_at <= ? \
+         AND (o.leased_until IS NULL OR o.leased_until <= ?) \
+         AND (o.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM outbox e \
+         WHERE e.partition_key = o.partition_key AND e.id < o.id AND e.sent_at IS NULL)) \
+         ORDER BY o.id LIMIT ? FOR UPDATE SKIP LOCKED"
+    }
+
+    fn outbox_lease(&self, ids: usize) -> String {
+        format!(
+            "UPDATE outbox SET attempts = attempts + 1, leased_until = ?, lease_token = ? WHERE id IN ({})",
+            repeat_list("?", ids)
+        )
+    }
+
+    fn outbox_mark_sent(&self, ids: usize) -> String {
+        format!(
+            "UPDATE outbox SET sent_at = ?, leased_until = NULL \
+             WHERE lease_token = ? AND sent_at IS NULL AND id IN ({})",
+            repeat_list("?", ids)
+        )
+    }
+
+    fn outbox_mark_failed(&self) -> &'static str {
+        "UPDATE outbox SET leased_until = NULL, available_at = ?, last_error = ?, dead_at = ? \
+         WHERE id = ? AND lease_token = ? AND sent_at IS NULL"
+    }
+
+    fn outbox_release(&self, ids: usize) -> String {
+        format!(
+            "UPDATE outbox SET leased_until = NULL, attempts = attempts - 1 \
+             WHERE lease_token = ? AND sent_at IS NULL AND id IN ({})",
+            repeat_list("?", ids)
+        )
+    }
+
+    fn outbox_requeue(&self) -> &'static str {
+        "UPDATE outbox SET dead_at = NULL, attempts = 0, available_at = ?, \
+         leased_until = NULL, lease_token = NULL \
+         WHERE message_id = ? AND dead_at IS NOT NULL AND sent_at IS NULL"
+    }
+
     /// MySQL/MariaDB cannot use LIMIT in an `IN (subquery)`; the single-table DELETE takes
     /// ORDER BY and LIMIT itself.
     fn outbox_purge_batch(&self) -> &'static str {
         "DELETE FROM outbox WHERE sent_at < ? ORDER BY sent_at LIMIT ?"
     }
 
-    fn insert_marker(&self) -> &'static str {
-        "INSERT INTO `inbox` (`message_id`, `consumer`, `received_at`) VALUES (?, ?, ?)"
-    }
-
-    fn insert_process_marker(&self) -> &'static str {
-        "INSERT INTO `inbox` (`message_id`, `consumer`, `received_at`, `claim_token`) VALUES (?, ?, ?, ?)"
-    }
-
-    /// MariaDB ends a transaction whose client has been silent for
-    /// `idle_transaction_timeout` seconds (10.3+; 0, the default, falls back to the 8 h
-    /// `wait_timeout`) by closing the connection, which rolls it back and releases its
-    /// locks; `net_write_timeout` (60 s by default) does the same when the server is
-    /// blocked sending a reply. Both are session variables that the server reads when it
-    /// starts waiting, so they must be set before the marker's lock is taken, and they stay
-    /// on the pooled connection afterwards. Whole seconds, rounded up. MySQL 8 has no
-    /// `idle_transaction_timeout`: it sits in a MariaDB executable comment (`/*M!100300`),
-    /// which MySQL skips, so there only `net_write_timeout` applies and an idle partitioned
-    /// transaction lasts until `wait_timeout`.
-    fn bound_silence(&self, silence: Duration) -> Option<String> {
-        let seconds = silence.as_secs() + u64::from(silence.subsec_nanos() > 0);
-        Some(format!(
-            "SET SESSION net_write_timeout = {seconds} \
-             /*M!100300 , idle_transaction_timeout = {seconds} */"
-        ))
-    }
-
-    /// MySQL has no DO NOTHING, so it gets a no-op `ON DUPLICATE KEY UPDATE consumer =
-    /// consumer` (never count its affected rows: sqlx reports found rows). Not `id = id`:
-    /// assigning the auto-increment key in the update clause made MariaDB 10.11 hand a
-    /// concurrent multi-row insert auto-increment values that collide with another
-    /// transaction's rows, and ON DUPLICATE KEY then silently merged new messages into those
-    /// rows (measured: 6 of 15 runs of the two-replica batch race lost ids; 0 of 20 with
-    /// this clause). `INSERT IGNORE` is not used either: it would also swallow every other
-    /// error (a NOT NULL or a foreign key violation) as a warning.
-    fn on_inbox_conflict_do_nothing(&self) -> &'static str {
-        " ON DUPLICATE KEY UPDATE consumer = consumer"
-    }
-
-    /// MariaDB's 1062 names the violated index but not its table (`for key
-    /// 'ix_inbox_message_id_consumer'`), and index names are per table, so a trigger's
-    /// write into a table made with `CREATE TABLE ... LIKE inbox` fails with the same text.
-    /// Only the marker tells them apart. A locking read, because the transaction's snapshot
-    /// may predate the marker: InnoDB answers 1062 only once the marker's transaction has
-    /// committed, and the read then sees it. In shared mode, which the INSERT's duplicate
-    /// check already holds on that entry: claimers that met the same marker never wait for
-    /// each other. (MySQL 8 qualifies the key, `'inbox.ix_...'`, so the read only repeats
-    /// what the classifier knows; one index probe, only after a duplicate.)
-    /// MariaDB's `@@in_transaction` (10.3+) is 0 once a Galera brute-force abort ended the
-    /// transaction and the statements after it ran in autocommit. MySQL 8 skips the
-    /// executable comment and reads 0: without Galera it ends no transaction silently.
-    fn silently_ended_probe(&self) -> Option<&'static str> {
-        Some("SELECT CAST(/*M!100300 1 - @@in_transaction + */ 0 AS SIGNED)")
-    }
-
-    fn confirm_inbox_duplicate(&self) -> Option<&'static str> {
-        Some("SELECT 1 FROM `inbox` WHERE `message_id` = ? AND `consumer` = ? LOCK IN SHARE MODE")
-    }
-
-    /// MySQL 8 has no `INSERT ... RETURNING`; MariaDB has it since 10.5, in an executable
-    /// comment that only MariaDB 10.5+ runs (MySQL and older MariaDB skip it, return
-    /// nothing, and read every id's row back after the INSERT, the statements audited for
-    /// MySQL 8). MariaDB's form returns, for each row of the INSERT, the row it wrote or
-    /// the row its conflict met on any unique key, with that row's own values (its
-    /// `claim_token` tells ours from a committed one). That is what the read-back returns,
-    /// and the caller checks it the same way: exactly one row per id, of this consumer and
-    /// this batch. A conflict on another unique key returns another message's row, or one
-    /// id's row twice, and fails that check; so it cannot pass for "claimed before". One
-    /// statement instead of two saves MariaDB a round trip and a second index probe per id.
-    fn batch_returning(&self) -> BatchReturning {
-        BatchReturning::EveryIdWhereSupported(
-            " /*M!100500 RETURNING message_id, consumer, claim_token */",
-        )
-    }
-
-    fn columns_catalog(&self, table: &str) -> String {
-        format!(
-            "SELECT CAST(column_name AS CHAR), CAST(collation_name AS CHAR) FROM information_schema.columns \
-             WHERE table_schema = DATABASE() AND table_name = '{table}' ORDER BY ordinal_position"
-        )
-    }
-
-    /// A prefix key (`consumer(10)`) counts as partial; a functional key (MySQL 8) has no
-    /// column name.
-    fn index_catalog(&self, table: &str, index: &str) -> String {
-        format!(
-            "SELECT CAST(COALESCE(column_name, '(expression)') AS CHAR), CAST(1 - non_unique AS SIGNED), \
-             CAST(sub_part IS NOT NULL AS SIGNED), CAST(1 AS SIGNED) FROM information_schema.statistics \
-             WHERE table_schema = DATABASE() AND table_name = '{table}' \
-             AND index_name = '{index}' ORDER BY seq_in_index"
-        )
-    }
-
-    /// Binary collations end in `_bin` (`utf8mb4_bin`, `utf8mb4_nopad_bin`), or are
-    /// `binary`; the others ignore case or accents, or both.
-    fn is_exact_consumer_collation(&self, collation: &str) -> bool {
-        collation == "binary" || collation.ends_with("_bin")
-    }
-
-    /// 1054 quotes the unknown column first (`Unknown column 'claim_token' in 'field
-    /// list'`), in every language.
-    fn missing_migration(&self, db: &dyn DatabaseError) -> Option<InboxMigration> {
-        const ER_BAD_FIELD_ERROR: u16 = 1054;
-        let err = db.try_downcast_ref::<MySqlDatabaseError>()?;
-        if err.number() != ER_BAD_FIELD_ERROR {
-            return None;
-        }
-        let (_, after_open) = err.message().split_once('\'')?;
-        let (column, _) = after_open.split_once('\'')?;
-        migration_of_column_named_in(column)
-    }
-
-    /// MySQL/MariaDB cannot use LIMIT in an `IN (subquery)`, but its single-table DELETE
-    /// takes ORDER BY and LIMIT itself (a range scan of the index).
-    fn purge_batch(&self, purgeable: &str) -> String {
-        format!("DELETE FROM inbox WHERE {purgeable} ORDER BY received_at LIMIT ?")
-    }
-
-    /// sqlx sends `DateTime<Utc>` to MySQL/MariaDB typed as TIMESTAMP, which MariaDB turns
-    /// into NULL past 2038 even for a `datetime(6)` column; the same instant as a naive UTC
-    /// DATETIME is stored exactly.
-    fn timestamp_value(&self, at: DateTime<Utc>) -> Value {
-        Value::from(at.naive_utc())
-    }
-
-    /// The `consumer` column's `utf8mb4_bin` collation is PAD SPACE: `'mailer ' =
-    /// 'mailer'` holds. Compared as binary strings, trailing spaces count, as they do on
-    /// PostgreSQL and SQLite.
-    fn consumer_is(&self, consumer: &str) -> Expr {
-        Expr::cust_with_values("CAST(`consumer` AS BINARY) = ?", [consumer])
+    fn outbox_backlog(&self) -> &'static str {
+        "SELECT (SELECT COUNT(*) FROM outbox WHERE sent_at IS NULL AND dead_at IS NULL), \
+         (SELECT COUNT(*) FROM outbox WHERE sent_at IS NULL AND dead_at IS NOT NULL)"
     }
 }
 

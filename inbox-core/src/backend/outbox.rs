@@ -1,13 +1,13 @@
-//! The outbox's statements: what differs per database comes from the [`Dialect`]; the
-//! rest is one template per statement, written for every backend at once.
+//! The outbox's statements with their binds; each backend file writes their SQL (see
+//! [`Dialect`](super::dialect::Dialect)'s outbox methods).
 
-use super::{dialect, dialect_sql, push_placeholder_list};
+use super::dialect;
 use crate::InboxError;
 use chrono::{DateTime, Utc};
 use sea_orm::{DbBackend, Statement, TransactionOptions, Value};
 use uuid::Uuid;
 
-/// The columns of a row to enqueue, in the order of [`Dialect::outbox_insert`]'s binds.
+/// The columns of a row to enqueue, in the order of the outbox INSERT's binds.
 pub(crate) struct OutboxRow {
     pub(crate) message_id: Uuid,
     pub(crate) destination: String,
@@ -59,18 +59,9 @@ pub(crate) fn claim_statement(
     limit: i64,
 ) -> Result<Statement, InboxError> {
     let dialect = dialect(backend)?;
-    let sql = format!(
-        "SELECT o.* FROM outbox o \
-         WHERE o.sent_at IS NULL AND o.dead_at IS NULL AND o.available_at <= ? \
-         AND (o.leased_until IS NULL OR o.leased_until <= ?) \
-         AND (o.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM outbox e \
-         WHERE e.partition_key = o.partition_key AND e.id < o.id AND e.sent_at IS NULL)) \
-         ORDER BY o.id LIMIT ?{}",
-        dialect.outbox_claim_lock()
-    );
     Ok(Statement::from_sql_and_values(
         backend,
-        dialect_sql(backend, &sql)?,
+        dialect.outbox_claim(),
         [
             dialect.timestamp_value(now),
             dialect.timestamp_value(now),
@@ -88,16 +79,11 @@ pub(crate) fn lease_statement(
     token: Uuid,
 ) -> Result<Statement, InboxError> {
     let dialect = dialect(backend)?;
-    let mut sql = String::from(
-        "UPDATE outbox SET attempts = attempts + 1, leased_until = ?, lease_token = ? WHERE id IN (",
-    );
-    push_placeholder_list(&mut sql, ids.len(), "?");
-    sql.push(')');
     let mut values = vec![dialect.timestamp_value(leased_until), Value::from(token)];
     values.extend(ids.iter().map(|id| Value::from(*id)));
     Ok(Statement::from_sql_and_values(
         backend,
-        dialect_sql(backend, &sql)?,
+        dialect.outbox_lease(ids.len()),
         values,
     ))
 }
@@ -112,17 +98,11 @@ pub(crate) fn mark_sent_statement(
     token: Uuid,
 ) -> Result<Statement, InboxError> {
     let dialect = dialect(backend)?;
-    let mut sql = String::from(
-        "UPDATE outbox SET sent_at = ?, leased_until = NULL \
-         WHERE lease_token = ? AND sent_at IS NULL AND id IN (",
-    );
-    push_placeholder_list(&mut sql, ids.len(), "?");
-    sql.push(')');
     let mut values = vec![dialect.timestamp_value(sent_at), Value::from(token)];
     values.extend(ids.iter().map(|id| Value::from(*id)));
     Ok(Statement::from_sql_and_values(
         backend,
-        dialect_sql(backend, &sql)?,
+        dialect.outbox_mark_sent(ids.len()),
         values,
     ))
 }
@@ -144,11 +124,9 @@ pub(crate) fn mark_failed_statement(
     failure: Failure<'_>,
 ) -> Result<Statement, InboxError> {
     let dialect = dialect(backend)?;
-    let sql = "UPDATE outbox SET leased_until = NULL, available_at = ?, last_error = ?, dead_at = ? \
-               WHERE id = ? AND lease_token = ? AND sent_at IS NULL";
     Ok(Statement::from_sql_and_values(
         backend,
-        dialect_sql(backend, sql)?,
+        dialect.outbox_mark_failed(),
         [
             dialect.timestamp_value(failure.retry_at),
             Value::from(failure.error),
@@ -170,19 +148,10 @@ pub(crate) fn release_statement(
     ids: &[i64],
     token: Uuid,
 ) -> Result<Statement, InboxError> {
-    let mut sql = String::from(
-        "UPDATE outbox SET leased_until = NULL, attempts = attempts - 1 \
-         WHERE lease_token = ? AND sent_at IS NULL AND id IN (",
-    );
-    push_placeholder_list(&mut sql, ids.len(), "?");
-    sql.push(')');
+    let sql = dialect(backend)?.outbox_release(ids.len());
     let mut values = vec![Value::from(token)];
     values.extend(ids.iter().map(|id| Value::from(*id)));
-    Ok(Statement::from_sql_and_values(
-        backend,
-        dialect_sql(backend, &sql)?,
-        values,
-    ))
+    Ok(Statement::from_sql_and_values(backend, sql, values))
 }
 
 /// Puts the dead row of `message_id` back in line: not dead, attempts from zero, due at
@@ -193,12 +162,9 @@ pub(crate) fn requeue_statement(
     now: DateTime<Utc>,
 ) -> Result<Statement, InboxError> {
     let dialect = dialect(backend)?;
-    let sql = "UPDATE outbox SET dead_at = NULL, attempts = 0, available_at = ?, \
-               leased_until = NULL, lease_token = NULL \
-               WHERE message_id = ? AND dead_at IS NOT NULL AND sent_at IS NULL";
     Ok(Statement::from_sql_and_values(
         backend,
-        dialect_sql(backend, sql)?,
+        dialect.outbox_requeue(),
         [dialect.timestamp_value(now), Value::from(message_id)],
     ))
 }
@@ -219,10 +185,8 @@ pub(crate) fn purge_sent_statement(
 
 /// Counts the rows waiting to be published (unsent, not dead) and the dead rows.
 pub(crate) fn backlog_statement(backend: DbBackend) -> Result<Statement, InboxError> {
-    dialect(backend)?;
     Ok(Statement::from_string(
         backend,
-        "SELECT (SELECT COUNT(*) FROM outbox WHERE sent_at IS NULL AND dead_at IS NULL), \
-         (SELECT COUNT(*) FROM outbox WHERE sent_at IS NULL AND dead_at IS NOT NULL)",
+        dialect(backend)?.outbox_backlog(),
     ))
 }

@@ -1,107 +1,169 @@
 //! PostgreSQL: `$n` placeholders, `ON CONFLICT ON CONSTRAINT ... DO NOTHING`, and the
 //! classifier that reads SQLSTATE codes and the violated constraint's name.
 
-use super::{AfterFailure, DbErrorKind, Dialect, migration_of_column_named_in, names_identifier};
+use super::dialect::{Dialect, Marker, migration_of_column_named_in, names_identifier};
+use super::{AfterFailure, BatchClaimSql, DbErrorKind};
 use crate::InboxMigration;
-use sea_orm::DbErr;
+use chrono::{DateTime, Utc};
+use sea_orm::sea_query::Expr;
 use sea_orm::sqlx::error::DatabaseError;
 use sea_orm::sqlx::postgres::PgDatabaseError;
-use sea_orm_inbox_entity::{INDEX_NAME, TABLE_NAME};
+use sea_orm::{ColumnTrait, DbBackend, DbErr, Statement, TransactionOptions, Value};
+use sea_orm_inbox_entity::{INDEX_NAME, TABLE_NAME, inbox};
 use std::time::Duration;
 
 pub(super) struct Postgres;
 
 impl Dialect for Postgres {
-    /// PostgreSQL aborts the whole transaction on any error outside a savepoint (every
-    /// later statement fails with 25P02, and COMMIT answers ROLLBACK); inside one, only the
-    /// savepoint, which the handler may roll back to.
-    fn after_failure(&self, _err: &DbErr, savepoint_depth: u32) -> AfterFailure {
-        if savepoint_depth == 0 {
-            AfterFailure::Ended
-        } else {
-            AfterFailure::WentOn
-        }
-    }
-
-    /// `ON CONFLICT (message_id)` infers the unique index `ix_outbox_message_id` (no
-    /// constraint needed, unlike `ON CONFLICT ON CONSTRAINT`) and raises nothing.
-    fn outbox_insert(&self) -> &'static str {
-        r#"INSERT INTO "outbox" ("message_id", "destination", "partition_key", "payload", "headers", "created_at", "available_at") VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT ("message_id") DO NOTHING"#
-    }
-
-    fn outbox_purge_batch(&self) -> &'static str {
-        "DELETE FROM outbox WHERE id = ANY(ARRAY(\
-         SELECT id FROM outbox WHERE sent_at < $1 ORDER BY sent_at LIMIT $2))"
-    }
-
-    /// A duplicate conflicts on the inbox's constraint and returns no row instead of
-    /// raising 23505, which the server would log as an ERROR for every duplicate delivery
-    /// (and which would abort the transaction). It still waits for a transaction holding
-    /// the same marker and learns its outcome: committed, no row; rolled back, inserted.
-    /// Only that constraint is the arbiter: any other unique violation still raises.
-    fn insert_marker(&self) -> &'static str {
-        r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at") VALUES ($1, $2, $3) ON CONFLICT ON CONSTRAINT "ix_inbox_message_id_consumer" DO NOTHING RETURNING "id""#
-    }
-
-    /// Sets `idle_in_transaction_session_timeout` and `tcp_user_timeout` for the caller's
-    /// transaction as [`insert_process_marker_bounded`](Dialect::insert_process_marker_bounded)
-    /// does (`set_config(.., true)`, riding on the INSERT), keeping a shorter non-zero
-    /// `idle_in_transaction_session_timeout` the transaction already has (`tcp_user_timeout`
-    /// reads back as bare milliseconds, which `::interval` would take for seconds, so it is
-    /// set as `process` sets it). The conflict clause and RETURNING are
-    /// `insert_marker`'s: a duplicate still returns no row.
-    fn insert_marker_bounded(&self) -> Option<&'static str> {
-        Some(
-            r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at") SELECT $1, $2, $3 WHERE set_config('idle_in_transaction_session_timeout', CASE WHEN current_setting('idle_in_transaction_session_timeout') = '0' OR current_setting('idle_in_transaction_session_timeout')::interval > $4::interval THEN $4 ELSE current_setting('idle_in_transaction_session_timeout') END, true) IS NOT NULL AND set_config('tcp_user_timeout', $4, true) IS NOT NULL ON CONFLICT ON CONSTRAINT "ix_inbox_message_id_consumer" DO NOTHING RETURNING "id""#,
-        )
-    }
-
-    fn insert_process_marker(&self) -> &'static str {
-        r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at", "claim_token") VALUES ($1, $2, $3, $4) ON CONFLICT ON CONSTRAINT "ix_inbox_message_id_consumer" DO NOTHING RETURNING "id""#
-    }
-
-    /// Sets `lock_timeout` with `set_config(.., true)`, i.e. `SET LOCAL`: it ends with the
-    /// transaction, so it is safe behind PgBouncer's transaction pooling, and it rides on
-    /// the INSERT instead of costing a round trip. The WHERE runs before the row is
-    /// inserted, so the INSERT's own wait on another transaction's index entry is bounded
-    /// too, and so is its wait for a transaction holding the same marker before the
-    /// conflict clause decides. A shorter `lock_timeout` the session already has is kept.
+    /// A duplicate conflicts on the inbox's constraint (by name: `ON CONFLICT ON
+    /// CONSTRAINT` takes a constraint, not a bare unique index, and
+    /// [`InboxUniqueConstraint`](crate::InboxMigration::InboxUniqueConstraint) attaches the
+    /// index as one) and returns no row instead of raising 23505, which the server would
+    /// log as an ERROR for every duplicate delivery (and which would abort the
+    /// transaction). It still waits for a transaction holding the same marker and learns
+    /// its outcome: committed, no row; rolled back, inserted. Only that constraint is the
+    /// arbiter: any other unique violation still raises.
     ///
-    /// The same way it sets `idle_in_transaction_session_timeout` (the server ends the
-    /// session when the client sends nothing for that long inside the transaction, which
-    /// releases the marker of a replica cut off by a partition) and `tcp_user_timeout`
-    /// (the kernel drops the connection when data the server sent stays unacknowledged
-    /// that long: the server blocked sending a reply into the partition is not idle).
-    fn insert_process_marker_bounded(&self) -> Option<&'static str> {
-        Some(
-            r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at", "claim_token") SELECT $1, $2, $3, $4 WHERE set_config('lock_timeout', CASE WHEN current_setting('lock_timeout') = '0' OR current_setting('lock_timeout')::interval > $5::interval THEN $5 ELSE current_setting('lock_timeout') END, true) IS NOT NULL AND set_config('idle_in_transaction_session_timeout', $6, true) IS NOT NULL AND set_config('tcp_user_timeout', $6, true) IS NOT NULL ON CONFLICT ON CONSTRAINT "ix_inbox_message_id_consumer" DO NOTHING RETURNING "id""#,
-        )
-    }
-
-    /// `SET LOCAL` of the two settings the bounded marker INSERT sets, as a query of its
-    /// own (a simple query: no prepared statement, safe behind a transaction pooler).
-    fn bound_silence(&self, silence: Duration) -> Option<String> {
-        let bound = super::millis_text(silence);
-        Some(format!(
-            "SELECT set_config('idle_in_transaction_session_timeout', '{bound}', true), \
-             set_config('tcp_user_timeout', '{bound}', true)"
-        ))
+    /// The INSERT also bounds its transaction with `set_config(.., true)`, i.e. `SET
+    /// LOCAL`: the settings end with the transaction, so this is safe behind PgBouncer's
+    /// transaction pooling, and they ride on the INSERT instead of costing a round trip.
+    /// The WHERE runs before the row is inserted, so the settings hold for the INSERT's own
+    /// waits too.
+    ///
+    /// `claim_message`'s marker sets `idle_in_transaction_session_timeout` (the server ends
+    /// the session when the client sends nothing for that long inside the transaction,
+    /// which releases the marker of a replica cut off by a partition), keeping a shorter
+    /// non-zero one the transaction already has, and `tcp_user_timeout` (the kernel drops
+    /// the connection when data the server sent stays unacknowledged that long: the server
+    /// blocked sending a reply into the partition is not idle; it reads back as bare
+    /// milliseconds, which `::interval` would take for seconds, so it is set as `process`
+    /// sets it). Binds after the marker's: the silence bound as text (`"20000ms"`).
+    ///
+    /// `Inbox::process`'s marker sets `lock_timeout` the same way (a shorter one the
+    /// session already has is kept), which bounds the INSERT's wait on another
+    /// transaction's index entry and its wait for a transaction holding the same marker
+    /// before the conflict clause decides, and both silence settings. Binds after the
+    /// marker's: the lock-wait bound and the silence bound as text.
+    fn claim_marker(&self, marker: Marker<'_>) -> Statement {
+        let mut values = marker.binds(self.timestamp_value(marker.received_at));
+        let sql = match &marker.process {
+            None => {
+                values.push(Value::from(millis_text(marker.claim_silence)));
+                r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at") SELECT $1, $2, $3 WHERE set_config('idle_in_transaction_session_timeout', CASE WHEN current_setting('idle_in_transaction_session_timeout') = '0' OR current_setting('idle_in_transaction_session_timeout')::interval > $4::interval THEN $4 ELSE current_setting('idle_in_transaction_session_timeout') END, true) IS NOT NULL AND set_config('tcp_user_timeout', $4, true) IS NOT NULL ON CONFLICT ON CONSTRAINT "ix_inbox_message_id_consumer" DO NOTHING RETURNING "id""#
+            }
+            Some(process) => {
+                values.push(Value::from(millis_text(process.lock_wait)));
+                values.push(Value::from(millis_text(process.silence)));
+                r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at", "claim_token") SELECT $1, $2, $3, $4 WHERE set_config('lock_timeout', CASE WHEN current_setting('lock_timeout') = '0' OR current_setting('lock_timeout')::interval > $5::interval THEN $5 ELSE current_setting('lock_timeout') END, true) IS NOT NULL AND set_config('idle_in_transaction_session_timeout', $6, true) IS NOT NULL AND set_config('tcp_user_timeout', $6, true) IS NOT NULL ON CONFLICT ON CONSTRAINT "ix_inbox_message_id_consumer" DO NOTHING RETURNING "id""#
+            }
+        };
+        Statement::from_sql_and_values(DbBackend::Postgres, sql, values)
     }
 
     fn marker_insert_returns_id(&self) -> bool {
         true
     }
 
-    /// The inbox's constraint, by name (`ON CONFLICT ON CONSTRAINT` takes a constraint, not
-    /// a bare unique index: [`InboxUniqueConstraint`] attaches the index as one).
-    ///
-    /// [`InboxUniqueConstraint`]: crate::InboxMigration::InboxUniqueConstraint
-    fn on_inbox_conflict_do_nothing(&self) -> &'static str {
-        r#" ON CONFLICT ON CONSTRAINT "ix_inbox_message_id_consumer" DO NOTHING"#
+    /// The marker INSERT sets the bound itself.
+    fn claim_silence_bound(&self, _silence: Duration) -> Option<String> {
+        None
     }
 
-    fn numbered_placeholders(&self) -> bool {
-        true
+    /// `SET LOCAL` of the two settings the marker INSERT sets, as a query of its own (a
+    /// simple query: no prepared statement, safe behind a transaction pooler).
+    fn silence_bound(&self, silence: Duration) -> Option<String> {
+        let bound = millis_text(silence);
+        Some(format!(
+            "SELECT set_config('idle_in_transaction_session_timeout', '{bound}', true), \
+             set_config('tcp_user_timeout', '{bound}', true)"
+        ))
+    }
+
+    fn marker_held(&self) -> &'static str {
+        "SELECT 1 FROM inbox WHERE id = $1 AND message_id = $2 AND consumer = $3"
+    }
+
+    fn process_marker_held(&self) -> &'static str {
+        "SELECT 1 FROM inbox WHERE id = $1 AND message_id = $2 AND consumer = $3 AND claim_token = $4"
+    }
+
+    /// 23505 names the table as well as the constraint.
+    fn confirm_inbox_duplicate(&self) -> Option<&'static str> {
+        None
+    }
+
+    /// DO NOTHING skips the rows that meet a committed marker, so RETURNING lists exactly
+    /// the rows this INSERT wrote.
+    fn batch_claim(&self, rows: usize) -> BatchClaimSql {
+        let values: Vec<String> = (0..rows)
+            .map(|row| format!("({})", numbered(row * 4 + 1, 4)))
+            .collect();
+        BatchClaimSql::Returning(format!(
+            r#"INSERT INTO inbox (message_id, consumer, received_at, claim_token) VALUES {} ON CONFLICT ON CONSTRAINT "ix_inbox_message_id_consumer" DO NOTHING RETURNING message_id, consumer, claim_token"#,
+            values.join(", ")
+        ))
+    }
+
+    fn batch_marker_held(&self) -> &'static str {
+        "SELECT COUNT(*) FROM inbox WHERE message_id = $1 AND consumer = $2 AND claim_token = $3"
+    }
+
+    fn insert_lease(&self) -> &'static str {
+        r#"INSERT INTO inbox (message_id, consumer, received_at, attempts, lease_until, claim_token) VALUES ($1, $2, $3, 1, $4, $5) ON CONFLICT ON CONSTRAINT "ix_inbox_message_id_consumer" DO NOTHING"#
+    }
+
+    fn take_over_lease(&self) -> &'static str {
+        "UPDATE inbox SET attempts = attempts + 1, lease_until = $1, claim_token = $2 \
+         WHERE message_id = $3 AND consumer = $4 AND claim_token = $5 \
+         AND processed_at IS NULL AND dead_at IS NULL"
+    }
+
+    fn park_lease(&self) -> &'static str {
+        "UPDATE inbox SET dead_at = $1 \
+         WHERE message_id = $2 AND consumer = $3 AND claim_token = $4 \
+         AND processed_at IS NULL AND dead_at IS NULL"
+    }
+
+    fn release_lease(&self) -> &'static str {
+        "UPDATE inbox SET lease_until = $1 \
+         WHERE message_id = $2 AND consumer = $3 AND claim_token = $4 \
+         AND processed_at IS NULL AND dead_at IS NULL"
+    }
+
+    fn complete_lease(&self) -> &'static str {
+        "UPDATE inbox SET processed_at = COALESCE(processed_at, $1) \
+         WHERE message_id = $2 AND consumer = $3 AND claim_token = $4 AND dead_at IS NULL"
+    }
+
+    /// PostgreSQL plans `id IN (subquery)` as a hash semi-join over a sequential scan of
+    /// the whole table (61 ms per 1000-row batch at 200k rows, measured), so the purge uses
+    /// `id = ANY(ARRAY(subquery))`: an init plan on the index, then primary-key lookups
+    /// (4 ms).
+    fn purge_batch(&self) -> &'static str {
+        "DELETE FROM inbox WHERE id = ANY(ARRAY(\
+         SELECT id FROM inbox WHERE received_at < $1 \
+         AND (processed_at < $2 OR (processed_at IS NULL AND lease_until IS NULL)) \
+         ORDER BY received_at LIMIT $3))"
+    }
+
+    fn newest_received_at(&self) -> &'static str {
+        "SELECT MAX(received_at) FROM inbox"
+    }
+
+    fn oldest_received_at(&self) -> &'static str {
+        "SELECT MIN(received_at) FROM inbox"
+    }
+
+    fn latest_received_at_or_before(&self) -> &'static str {
+        "SELECT MAX(received_at) FROM inbox WHERE received_at <= $1"
+    }
+
+    fn timestamp_value(&self, at: DateTime<Utc>) -> Value {
+        Value::from(at)
+    }
+
+    fn consumer_is(&self, consumer: &str) -> Expr {
+        inbox::Column::Consumer.eq(consumer)
     }
 
     /// Resolved like the claims' unqualified `inbox`: through the `search_path`.
@@ -127,7 +189,12 @@ impl Dialect for Postgres {
         )
     }
 
+    /// `ON CONFLICT ON CONSTRAINT` names it.
     fn conflict_needs_constraint(&self) -> bool {
+        true
+    }
+
+    fn is_exact_consumer_collation(&self, _collation: &str) -> bool {
         true
     }
 
@@ -145,16 +212,118 @@ impl Dialect for Postgres {
         }
     }
 
-    /// PostgreSQL plans `id IN (subquery)` as a hash semi-join over a sequential scan of
-    /// the whole table (61 ms per 1000-row batch at 200k rows, measured), so the purge uses
-    /// `id = ANY(ARRAY(subquery))`: an init plan on the index, then primary-key lookups
-    /// (4 ms).
-    fn purge_batch(&self, purgeable: &str) -> String {
+    /// PostgreSQL aborts the whole transaction on any error outside a savepoint (every
+    /// later statement fails with 25P02, and COMMIT answers ROLLBACK); inside one, only the
+    /// savepoint, which the handler may roll back to.
+    fn after_failure(&self, _err: &DbErr, savepoint_depth: u32) -> AfterFailure {
+        if savepoint_depth == 0 {
+            AfterFailure::Ended
+        } else {
+            AfterFailure::WentOn
+        }
+    }
+
+    /// ROLLBACK outside a transaction is a warning.
+    fn before_rollback(&self) -> Option<&'static str> {
+        None
+    }
+
+    fn ends_transactions_silently(&self) -> bool {
+        false
+    }
+
+    fn silently_ended_probe(&self) -> Option<&'static str> {
+        None
+    }
+
+    fn ended_transaction_probe(&self) -> Option<&'static str> {
+        None
+    }
+
+    fn refuses_probe(&self, _db: &dyn DatabaseError) -> Option<bool> {
+        None
+    }
+
+    fn over_network(&self) -> bool {
+        true
+    }
+
+    /// `ON CONFLICT (message_id)` infers the unique index `ix_outbox_message_id` (no
+    /// constraint needed, unlike `ON CONFLICT ON CONSTRAINT`) and raises nothing.
+    fn outbox_insert(&self) -> &'static str {
+        r#"INSERT INTO "outbox" ("message_id", "destination", "partition_key", "payload", "headers", "created_at", "available_at") VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT ("message_id") DO NOTHING"#
+    }
+
+    /// The database's default isolation, READ COMMITTED.
+    fn outbox_claim_transaction(&self) -> TransactionOptions {
+        TransactionOptions::default()
+    }
+
+    /// `SKIP LOCKED` passes over the rows another relay's open claim holds.
+    fn outbox_claim(&self) -> &'static str {
+        "SELECT o.* FROM outbox o \
+         WHERE o.sent_at IS NULL AND o.dead_at IS NULL AND o.available_at <= $1 \
+         AND (o.leased_until IS NULL OR o.leased_until <= $2) \
+         AND (o.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM outbox e \
+         WHERE e.partition_key = o.partition_key AND e.id < o.id AND e.sent_at IS NULL)) \
+         ORDER BY o.id LIMIT $3 FOR UPDATE SKIP LOCKED"
+    }
+
+    fn outbox_lease(&self, ids: usize) -> String {
         format!(
-            "DELETE FROM inbox WHERE id = ANY(ARRAY(\
-             SELECT id FROM inbox WHERE {purgeable} ORDER BY received_at LIMIT ?))"
+            "UPDATE outbox SET attempts = attempts + 1, leased_until = $1, lease_token = $2 WHERE id IN ({})",
+            numbered(3, ids)
         )
     }
+
+    fn outbox_mark_sent(&self, ids: usize) -> String {
+        format!(
+            "UPDATE outbox SET sent_at = $1, leased_until = NULL \
+             WHERE lease_token = $2 AND sent_at IS NULL AND id IN ({})",
+            numbered(3, ids)
+        )
+    }
+
+    fn outbox_mark_failed(&self) -> &'static str {
+        "UPDATE outbox SET leased_until = NULL, available_at = $1, last_error = $2, dead_at = $3 \
+         WHERE id = $4 AND lease_token = $5 AND sent_at IS NULL"
+    }
+
+    fn outbox_release(&self, ids: usize) -> String {
+        format!(
+            "UPDATE outbox SET leased_until = NULL, attempts = attempts - 1 \
+             WHERE lease_token = $1 AND sent_at IS NULL AND id IN ({})",
+            numbered(2, ids)
+        )
+    }
+
+    fn outbox_requeue(&self) -> &'static str {
+        "UPDATE outbox SET dead_at = NULL, attempts = 0, available_at = $1, \
+         leased_until = NULL, lease_token = NULL \
+         WHERE message_id = $2 AND dead_at IS NOT NULL AND sent_at IS NULL"
+    }
+
+    /// As the inbox's purge: `= ANY(ARRAY(..))` walks the index.
+    fn outbox_purge_batch(&self) -> &'static str {
+        "DELETE FROM outbox WHERE id = ANY(ARRAY(\
+         SELECT id FROM outbox WHERE sent_at < $1 ORDER BY sent_at LIMIT $2))"
+    }
+
+    fn outbox_backlog(&self) -> &'static str {
+        "SELECT (SELECT COUNT(*) FROM outbox WHERE sent_at IS NULL AND dead_at IS NULL), \
+         (SELECT COUNT(*) FROM outbox WHERE sent_at IS NULL AND dead_at IS NOT NULL)"
+    }
+}
+
+/// `count` placeholders numbered from `$first`, separated by commas: `$3, $4, $5`.
+fn numbered(first: usize, count: usize) -> String {
+    let placeholders: Vec<String> = (first..first + count).map(|n| format!("${n}")).collect();
+    placeholders.join(", ")
+}
+
+/// What a bound travels as to `set_config`: milliseconds, as text.
+fn millis_text(bound: Duration) -> String {
+    format!("{}ms", bound.as_millis())
 }
 
 /// Classifies a PostgreSQL error, or returns `None` when `db` comes from another driver.
@@ -188,18 +357,37 @@ fn names_inbox_table(message: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::ProcessMarker;
 
     /// Every statement that may meet an existing marker arbitrates on the inbox's
     /// constraint, by the name the entity crate gives it, and on nothing else.
     #[test]
     fn every_marker_insert_arbitrates_on_the_inbox_constraint() {
         let clause = format!(r#" ON CONFLICT ON CONSTRAINT "{INDEX_NAME}" DO NOTHING"#);
+        let marker = |process| {
+            Postgres
+                .claim_marker(Marker {
+                    message_id: crate::MessageId::from_uuid(uuid::Uuid::nil()),
+                    consumer: "billing",
+                    received_at: Utc::now(),
+                    claim_silence: Duration::from_secs(20),
+                    process,
+                })
+                .sql
+        };
+        let process = ProcessMarker {
+            token: uuid::Uuid::nil(),
+            lock_wait: Duration::from_secs(5),
+            silence: Duration::from_secs(20),
+        };
+        let BatchClaimSql::Returning(batch) = Postgres.batch_claim(2) else {
+            panic!("PostgreSQL's batch claim returns the rows it inserted");
+        };
         for sql in [
-            Postgres.insert_marker(),
-            Postgres.insert_marker_bounded().unwrap_or_default(),
-            Postgres.insert_process_marker(),
-            Postgres.insert_process_marker_bounded().unwrap_or_default(),
-            Postgres.on_inbox_conflict_do_nothing(),
+            marker(None),
+            marker(Some(process)),
+            Postgres.insert_lease().to_owned(),
+            batch,
         ] {
             assert!(sql.contains(&clause), "{sql}");
         }

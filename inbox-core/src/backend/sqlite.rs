@@ -1,17 +1,162 @@
 //! SQLite: `?` placeholders, `ON CONFLICT DO NOTHING`, and the classifier that reads
 //! extended result codes and the failed constraint's column list.
 
-use super::{AfterFailure, DbErrorKind, Dialect, migration_of_column_named_in};
+use super::dialect::{Dialect, Marker, migration_of_column_named_in, repeat_list};
+use super::{AfterFailure, BatchClaimSql, DbErrorKind};
 use crate::InboxMigration;
-use sea_orm::DbErr;
+use chrono::{DateTime, Utc};
+use sea_orm::sea_query::Expr;
 use sea_orm::sqlx::error::DatabaseError;
 use sea_orm::sqlx::sqlite::SqliteError;
-use sea_orm::{SqliteTransactionMode, TransactionOptions};
+use sea_orm::{
+    ColumnTrait, DbBackend, DbErr, SqliteTransactionMode, Statement, TransactionOptions, Value,
+};
+use sea_orm_inbox_entity::inbox;
 use std::time::Duration;
 
 pub(super) struct Sqlite;
 
 impl Dialect for Sqlite {
+    /// A duplicate raises SQLITE_CONSTRAINT_UNIQUE, which [`classify`] reads; the driver
+    /// reports the new rowid.
+    fn claim_marker(&self, marker: Marker<'_>) -> Statement {
+        let sql = match marker.process {
+            None => {
+                r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at") VALUES (?, ?, ?)"#
+            }
+            Some(_) => {
+                r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at", "claim_token") VALUES (?, ?, ?, ?)"#
+            }
+        };
+        let values = marker.binds(self.timestamp_value(marker.received_at));
+        Statement::from_sql_and_values(DbBackend::Sqlite, sql, values)
+    }
+
+    fn marker_insert_returns_id(&self) -> bool {
+        false
+    }
+
+    /// Embedded: no client can vanish while the database holds its transaction.
+    fn claim_silence_bound(&self, _silence: Duration) -> Option<String> {
+        None
+    }
+
+    /// Embedded: no client can vanish while the database holds its transaction.
+    fn silence_bound(&self, _silence: Duration) -> Option<String> {
+        None
+    }
+
+    fn marker_held(&self) -> &'static str {
+        "SELECT 1 FROM inbox WHERE id = ? AND message_id = ? AND consumer = ?"
+    }
+
+    fn process_marker_held(&self) -> &'static str {
+        "SELECT 1 FROM inbox WHERE id = ? AND message_id = ? AND consumer = ? AND claim_token = ?"
+    }
+
+    /// The error names the table's columns, which only the inbox index covers.
+    fn confirm_inbox_duplicate(&self) -> Option<&'static str> {
+        None
+    }
+
+    /// DO NOTHING skips the rows that meet a committed marker, so RETURNING lists exactly
+    /// the rows this INSERT wrote.
+    fn batch_claim(&self, rows: usize) -> BatchClaimSql {
+        BatchClaimSql::Returning(format!(
+            "INSERT INTO inbox (message_id, consumer, received_at, claim_token) VALUES {} \
+             ON CONFLICT (message_id, consumer) DO NOTHING RETURNING message_id, consumer, claim_token",
+            repeat_list("(?, ?, ?, ?)", rows)
+        ))
+    }
+
+    fn batch_marker_held(&self) -> &'static str {
+        "SELECT COUNT(*) FROM inbox WHERE message_id = ? AND consumer = ? AND claim_token = ?"
+    }
+
+    fn insert_lease(&self) -> &'static str {
+        "INSERT INTO inbox (message_id, consumer, received_at, attempts, lease_until, claim_token) \
+         VALUES (?, ?, ?, 1, ?, ?) ON CONFLICT (message_id, consumer) DO NOTHING"
+    }
+
+    fn take_over_lease(&self) -> &'static str {
+        "UPDATE inbox SET attempts = attempts + 1, lease_until = ?, claim_token = ? \
+         WHERE message_id = ? AND consumer = ? AND claim_token = ? \
+         AND processed_at IS NULL AND dead_at IS NULL"
+    }
+
+    fn park_lease(&self) -> &'static str {
+        "UPDATE inbox SET dead_at = ? \
+         WHERE message_id = ? AND consumer = ? AND claim_token = ? \
+         AND processed_at IS NULL AND dead_at IS NULL"
+    }
+
+    fn release_lease(&self) -> &'static str {
+        "UPDATE inbox SET lease_until = ? \
+         WHERE message_id = ? AND consumer = ? AND claim_token = ? \
+         AND processed_at IS NULL AND dead_at IS NULL"
+    }
+
+    fn complete_lease(&self) -> &'static str {
+        "UPDATE inbox SET processed_at = COALESCE(processed_at, ?) \
+         WHERE message_id = ? AND consumer = ? AND claim_token = ? AND dead_at IS NULL"
+    }
+
+    /// SQLite looks the ids of `id IN (subquery)` up by rowid.
+    fn purge_batch(&self) -> &'static str {
+        "DELETE FROM inbox WHERE id IN \
+         (SELECT id FROM inbox WHERE received_at < ? \
+         AND (processed_at < ? OR (processed_at IS NULL AND lease_until IS NULL)) \
+         ORDER BY received_at LIMIT ?)"
+    }
+
+    fn newest_received_at(&self) -> &'static str {
+        "SELECT MAX(received_at) FROM inbox"
+    }
+
+    fn oldest_received_at(&self) -> &'static str {
+        "SELECT MIN(received_at) FROM inbox"
+    }
+
+    fn latest_received_at_or_before(&self) -> &'static str {
+        "SELECT MAX(received_at) FROM inbox WHERE received_at <= ?"
+    }
+
+    fn timestamp_value(&self, at: DateTime<Utc>) -> Value {
+        Value::from(at)
+    }
+
+    fn consumer_is(&self, consumer: &str) -> Expr {
+        inbox::Column::Consumer.eq(consumer)
+    }
+
+    fn columns_catalog(&self, table: &str) -> String {
+        format!("SELECT name, NULL FROM pragma_table_info('{table}') ORDER BY cid")
+    }
+
+    /// An expression key has no column name.
+    fn index_catalog(&self, table: &str, index: &str) -> String {
+        format!(
+            "SELECT COALESCE(ii.name, '(expression)'), il.\"unique\", il.partial, 1 \
+             FROM pragma_index_list('{table}') AS il \
+             JOIN pragma_index_info('{index}') AS ii \
+             WHERE il.name = '{index}' ORDER BY ii.seqno"
+        )
+    }
+
+    /// `ON CONFLICT (message_id, consumer)` infers the unique index.
+    fn conflict_needs_constraint(&self) -> bool {
+        false
+    }
+
+    fn is_exact_consumer_collation(&self, _collation: &str) -> bool {
+        true
+    }
+
+    fn missing_migration(&self, db: &dyn DatabaseError) -> Option<InboxMigration> {
+        let err = db.try_downcast_ref::<SqliteError>()?;
+        migration_of_column_named_in(missing_column(err.message())?)
+    }
+
     /// SQLite rolls back only the failed statement, except where it ends the whole
     /// transaction (a trigger's `RAISE(ROLLBACK)`, SQLITE_FULL, IOERR, NOMEM), which the
     /// error code alone does not tell apart: ask.
@@ -19,45 +164,19 @@ impl Dialect for Sqlite {
         AfterFailure::Ask
     }
 
-    /// A repeated `message_id` leaves the row as it is, raising nothing.
-    fn outbox_insert(&self) -> &'static str {
-        r#"INSERT INTO "outbox" ("message_id", "destination", "partition_key", "payload", "headers", "created_at", "available_at") VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT ("message_id") DO NOTHING"#
-    }
-
-    fn outbox_purge_batch(&self) -> &'static str {
-        "DELETE FROM outbox WHERE id IN \
-         (SELECT id FROM outbox WHERE sent_at < ? ORDER BY sent_at LIMIT ?)"
-    }
-
-    /// IMMEDIATE: the claim takes the write lock at BEGIN, so two relays' claims queue in
-    /// the busy handler instead of one failing with "database is locked" when its SELECT
-    /// is followed by the UPDATE.
-    fn outbox_claim_transaction(&self) -> TransactionOptions {
-        TransactionOptions {
-            sqlite_transaction_mode: Some(SqliteTransactionMode::Immediate),
-            ..TransactionOptions::default()
-        }
-    }
-
-    /// The claim transaction is IMMEDIATE: it holds SQLite's one write lock from BEGIN,
-    /// so no other relay reads between this claim's SELECT and its UPDATE.
-    fn outbox_claim_lock(&self) -> &'static str {
-        ""
-    }
-
-    fn insert_marker(&self) -> &'static str {
-        r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at") VALUES (?, ?, ?)"#
-    }
-
-    fn insert_process_marker(&self) -> &'static str {
-        r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at", "claim_token") VALUES (?, ?, ?, ?)"#
-    }
-
     /// `SAVEPOINT` nests inside an open transaction and starts one outside it, so the
     /// ROLLBACK that follows ends a transaction in both cases (SQLite refuses ROLLBACK
     /// outside one, and sqlx then keeps counting the connection as inside it).
     fn before_rollback(&self) -> Option<&'static str> {
         Some("SAVEPOINT inbox_before_rollback")
+    }
+
+    fn ends_transactions_silently(&self) -> bool {
+        false
+    }
+
+    fn silently_ended_probe(&self) -> Option<&'static str> {
+        None
     }
 
     /// `BEGIN` inside a transaction fails ("cannot start a transaction within a
@@ -75,36 +194,75 @@ impl Dialect for Sqlite {
         false
     }
 
-    /// Embedded: no client can vanish while the database holds its transaction.
-    fn bound_silence(&self, _silence: Duration) -> Option<String> {
-        None
+    /// A repeated `message_id` leaves the row as it is, raising nothing.
+    fn outbox_insert(&self) -> &'static str {
+        r#"INSERT INTO "outbox" ("message_id", "destination", "partition_key", "payload", "headers", "created_at", "available_at") VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT ("message_id") DO NOTHING"#
     }
 
-    fn columns_catalog(&self, table: &str) -> String {
-        format!("SELECT name, NULL FROM pragma_table_info('{table}') ORDER BY cid")
+    /// IMMEDIATE: the claim takes the write lock at BEGIN, so two relays' claims queue in
+    /// the busy handler instead of one failing with "database is locked" when its SELECT
+    /// is followed by the UPDATE.
+    fn outbox_claim_transaction(&self) -> TransactionOptions {
+        TransactionOptions {
+            sqlite_transaction_mode: Some(SqliteTransactionMode::Immediate),
+            ..TransactionOptions::default()
+        }
     }
 
-    /// An expression key has no column name.
-    fn index_catalog(&self, table: &str, index: &str) -> String {
+    /// No locking clause: the claim transaction is IMMEDIATE, holding SQLite's one write
+    /// lock from BEGIN, so no other relay reads between this claim's SELECT and its UPDATE.
+    fn outbox_claim(&self) -> &'static str {
+        "SELECT o.* FROM outbox o \
+         WHERE o.sent_at IS NULL AND o.dead_at IS NULL AND o.available_at <= ? \
+         AND (o.leased_until IS NULL OR o.leased_until <= ?) \
+         AND (o.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM outbox e \
+         WHERE e.partition_key = o.partition_key AND e.id < o.id AND e.sent_at IS NULL)) \
+         ORDER BY o.id LIMIT ?"
+    }
+
+    fn outbox_lease(&self, ids: usize) -> String {
         format!(
-            "SELECT COALESCE(ii.name, '(expression)'), il.\"unique\", il.partial, 1 \
-             FROM pragma_index_list('{table}') AS il \
-             JOIN pragma_index_info('{index}') AS ii \
-             WHERE il.name = '{index}' ORDER BY ii.seqno"
+            "UPDATE outbox SET attempts = attempts + 1, leased_until = ?, lease_token = ? WHERE id IN ({})",
+            repeat_list("?", ids)
         )
     }
 
-    fn missing_migration(&self, db: &dyn DatabaseError) -> Option<InboxMigration> {
-        let err = db.try_downcast_ref::<SqliteError>()?;
-        migration_of_column_named_in(missing_column(err.message())?)
+    fn outbox_mark_sent(&self, ids: usize) -> String {
+        format!(
+            "UPDATE outbox SET sent_at = ?, leased_until = NULL \
+             WHERE lease_token = ? AND sent_at IS NULL AND id IN ({})",
+            repeat_list("?", ids)
+        )
     }
 
-    /// SQLite looks the ids of `id IN (subquery)` up by rowid.
-    fn purge_batch(&self, purgeable: &str) -> String {
+    fn outbox_mark_failed(&self) -> &'static str {
+        "UPDATE outbox SET leased_until = NULL, available_at = ?, last_error = ?, dead_at = ? \
+         WHERE id = ? AND lease_token = ? AND sent_at IS NULL"
+    }
+
+    fn outbox_release(&self, ids: usize) -> String {
         format!(
-            "DELETE FROM inbox WHERE id IN \
-             (SELECT id FROM inbox WHERE {purgeable} ORDER BY received_at LIMIT ?)"
+            "UPDATE outbox SET leased_until = NULL, attempts = attempts - 1 \
+             WHERE lease_token = ? AND sent_at IS NULL AND id IN ({})",
+            repeat_list("?", ids)
         )
+    }
+
+    fn outbox_requeue(&self) -> &'static str {
+        "UPDATE outbox SET dead_at = NULL, attempts = 0, available_at = ?, \
+         leased_until = NULL, lease_token = NULL \
+         WHERE message_id = ? AND dead_at IS NOT NULL AND sent_at IS NULL"
+    }
+
+    /// As the inbox's purge: `id IN (subquery)` by rowid.
+    fn outbox_purge_batch(&self) -> &'static str {
+        "DELETE FROM outbox WHERE id IN \
+         (SELECT id FROM outbox WHERE sent_at < ? ORDER BY sent_at LIMIT ?)"
+    }
+
+    fn outbox_backlog(&self) -> &'static str {
+        "SELECT (SELECT COUNT(*) FROM outbox WHERE sent_at IS NULL AND dead_at IS NULL), \
+         (SELECT COUNT(*) FROM outbox WHERE sent_at IS NULL AND dead_at IS NOT NULL)"
     }
 }
 

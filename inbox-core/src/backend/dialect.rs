@@ -1,0 +1,294 @@
+//! The trait each backend file implements, and the few writing aids they share.
+//!
+//! Every statement the crate runs is a method here, and every backend writes each one out
+//! in its own dialect, with no defaults: a reader diffs `postgres.rs` against `mysql.rs`
+//! and sees all that differs. Statements take their binds in the order each method's
+//! documentation gives, the same on every backend.
+
+use super::{AfterFailure, BatchClaimSql, ProcessMarker};
+use crate::{InboxMigration, MessageId};
+use chrono::{DateTime, Utc};
+use sea_orm::sea_query::Expr;
+use sea_orm::sqlx::error::DatabaseError;
+use sea_orm::{DbErr, Statement, TransactionOptions, Value};
+use std::time::Duration;
+
+/// How one database speaks: the statements the crate runs on it, and the rules for reading
+/// its errors and its catalog.
+pub(super) trait Dialect: Sync {
+    // The claims.
+
+    /// The marker INSERT of one claim, with its binds. A committed marker of the same
+    /// message and consumer either makes it return no row (where
+    /// [`marker_insert_returns_id`](Self::marker_insert_returns_id)) or raises a
+    /// violation of the inbox index.
+    fn claim_marker(&self, marker: Marker<'_>) -> Statement;
+
+    /// Whether the marker INSERT ends in `RETURNING "id"`, and returns no row when the
+    /// marker exists (its conflict clause on the inbox index skipped it); otherwise the
+    /// driver reports the new row's auto-increment id and a duplicate raises.
+    fn marker_insert_returns_id(&self) -> bool;
+
+    /// The statement to run before the marker INSERT of
+    /// [`Inbox::process`](crate::Inbox::process) so that the server ends the transaction
+    /// once its client has been silent for `silence`; `None` where the INSERT carries the
+    /// bound itself or there is no server.
+    fn claim_silence_bound(&self, silence: Duration) -> Option<String>;
+
+    /// A statement that makes the server end the current transaction, releasing its
+    /// locks, once its client has been silent for `silence` (waiting for the next
+    /// statement, or not reading a reply the server is sending). `None`: nothing to bound
+    /// (an embedded database has no client to lose).
+    fn silence_bound(&self, silence: Duration) -> Option<String>;
+
+    /// The proof that a transaction still holds the marker of `claim_message`. Binds:
+    /// id, message_id, consumer.
+    fn marker_held(&self) -> &'static str;
+
+    /// The proof that a transaction still holds the marker of `Inbox::process`, which
+    /// carries its call's token. Binds: id, message_id, consumer, claim_token.
+    fn process_marker_held(&self) -> &'static str;
+
+    /// A read of the marker of `(message_id, consumer)` (binds: message_id, consumer) that
+    /// confirms a violation the classifier put on the inbox index, where the database's
+    /// error names the index but not its table; `None` where it names the table too.
+    fn confirm_inbox_duplicate(&self) -> Option<&'static str>;
+
+    /// The statements of a batch claim of `rows` distinct ids of one consumer.
+    fn batch_claim(&self, rows: usize) -> BatchClaimSql;
+
+    /// A batch's proof that it still holds one of its markers. Binds: message_id,
+    /// consumer, tag.
+    fn batch_marker_held(&self) -> &'static str;
+
+    // The leases.
+
+    /// The lease row for attempt 1, unless a row for the pair exists (then nothing, and no
+    /// error). Binds: message_id, consumer, received_at, lease_until, claim_token.
+    fn insert_lease(&self) -> &'static str;
+
+    /// Takes over an expired lease. Binds: lease_until, new token, message_id, consumer,
+    /// old token.
+    fn take_over_lease(&self) -> &'static str;
+
+    /// Parks a lease. Binds: dead_at, message_id, consumer, token.
+    fn park_lease(&self) -> &'static str;
+
+    /// Ends a lease early. Binds: lease_until, message_id, consumer, token.
+    fn release_lease(&self) -> &'static str;
+
+    /// Completes a lease. Binds: processed_at, message_id, consumer, token.
+    fn complete_lease(&self) -> &'static str;
+
+    // The purge.
+
+    /// One purge batch, oldest first, walking `ix_inbox_received_at`. Binds: cutoff,
+    /// cutoff again, batch size.
+    fn purge_batch(&self) -> &'static str;
+
+    /// The newest `received_at` in the inbox.
+    fn newest_received_at(&self) -> &'static str;
+
+    /// The oldest `received_at` in the inbox.
+    fn oldest_received_at(&self) -> &'static str;
+
+    /// The newest `received_at` at or before the bind.
+    fn latest_received_at_or_before(&self) -> &'static str;
+
+    // Values and conditions.
+
+    /// `at` as a bind value the database stores without loss.
+    fn timestamp_value(&self, at: DateTime<Utc>) -> Value;
+
+    /// The condition "the row's consumer is exactly `consumer`".
+    fn consumer_is(&self, consumer: &str) -> Expr;
+
+    // The schema check.
+
+    /// A catalog read of `table`'s columns, in order: name (text), collation (text, NULL
+    /// where it does not matter). No rows when the table does not exist. `table` is one of
+    /// the crate's own table names, never input.
+    fn columns_catalog(&self, table: &str) -> String;
+
+    /// A catalog read of the key columns of `table`'s index named `index`, in key order:
+    /// column name (text), unique, partial (a WHERE clause or a column prefix), backs a
+    /// UNIQUE constraint of that name (each a bigint, 0 or 1). No rows when there is no
+    /// such index. Both names are the crate's own, never input.
+    fn index_catalog(&self, table: &str, index: &str) -> String;
+
+    /// Whether the inbox index must be a constraint for the claims' conflict clause.
+    fn conflict_needs_constraint(&self) -> bool;
+
+    /// Whether a `consumer` column of `collation` compares names byte for byte.
+    fn is_exact_consumer_collation(&self, collation: &str) -> bool;
+
+    // Errors and the transaction's state.
+
+    /// The inbox migration a failed statement on the inbox table shows missing: a column
+    /// it adds, or the constraint. `None` for any other error of this driver, or one of
+    /// another driver.
+    fn missing_migration(&self, db: &dyn DatabaseError) -> Option<InboxMigration>;
+
+    /// What a failed statement (`err`, a database's error) did to its transaction, seen
+    /// `savepoint_depth` savepoints deep.
+    fn after_failure(&self, err: &DbErr, savepoint_depth: u32) -> AfterFailure;
+
+    /// A statement that leaves the connection inside a transaction whether or not the
+    /// database already ended the one the driver counts, sent before ROLLBACK so that the
+    /// ROLLBACK always has a transaction to end. `None` where ROLLBACK outside a
+    /// transaction succeeds anyway.
+    fn before_rollback(&self) -> Option<&'static str>;
+
+    /// Whether the server can end a transaction without failing any statement, so that a
+    /// transaction whose statements all succeeded must still prove its marker before
+    /// COMMIT.
+    fn ends_transactions_silently(&self) -> bool;
+
+    /// A read answering 1 when the server has already ended the session's transaction
+    /// while the statements after the end ran on their own (autocommit), 0 otherwise.
+    /// `None` where no server ends a transaction without an error on the statement.
+    fn silently_ended_probe(&self) -> Option<&'static str>;
+
+    /// A statement that fails while a transaction is open and succeeds (opening one) only
+    /// when the database already ended it. `None` where COMMIT outside a transaction
+    /// succeeds, so no COMMIT needs to know.
+    fn ended_transaction_probe(&self) -> Option<&'static str>;
+
+    /// Whether `db` is this database's refusal of the
+    /// [`ended_transaction_probe`](Self::ended_transaction_probe) inside an open
+    /// transaction, or `None` when `db` comes from another driver.
+    fn refuses_probe(&self, db: &dyn DatabaseError) -> Option<bool>;
+
+    /// Whether a client reaches the database over a network, which a partition can
+    /// silence (an embedded database cannot go silent: its waits end in its busy timeout).
+    fn over_network(&self) -> bool;
+
+    // The outbox.
+
+    /// The outbox INSERT, which leaves a row whose `message_id` exists untouched and
+    /// raises nothing (the transaction stays usable). Binds: message_id, destination,
+    /// partition_key, payload, headers, created_at, available_at.
+    fn outbox_insert(&self) -> &'static str;
+
+    /// The options of the relay's claim transaction.
+    fn outbox_claim_transaction(&self) -> TransactionOptions;
+
+    /// The relay's claim: the due rows, oldest first, locked for the claim transaction.
+    /// Binds: now, now again, limit.
+    fn outbox_claim(&self) -> &'static str;
+
+    /// Leases `ids` rows to a claim. Binds: leased_until, token, then the ids.
+    fn outbox_lease(&self, ids: usize) -> String;
+
+    /// Marks `ids` rows sent, fenced by the claim's token. Binds: sent_at, token, then the
+    /// ids.
+    fn outbox_mark_sent(&self, ids: usize) -> String;
+
+    /// Records a failed publish, fenced by the claim's token. Binds: available_at,
+    /// last_error, dead_at, id, token.
+    fn outbox_mark_failed(&self) -> &'static str;
+
+    /// Gives `ids` unpublished rows of a claim back. Binds: token, then the ids.
+    fn outbox_release(&self, ids: usize) -> String;
+
+    /// Puts a dead row back in line. Binds: available_at, message_id.
+    fn outbox_requeue(&self) -> &'static str;
+
+    /// One purge batch of the outbox: at most `?` rows sent before `?`, oldest first, in
+    /// one statement walking `ix_outbox_pending`. Binds: cutoff, batch size.
+    fn outbox_purge_batch(&self) -> &'static str;
+
+    /// The count of rows waiting to be published and the count of dead rows.
+    fn outbox_backlog(&self) -> &'static str;
+}
+
+/// The marker row of one claim, for [`Dialect::claim_marker`].
+pub(super) struct Marker<'a> {
+    pub(super) message_id: MessageId,
+    pub(super) consumer: &'a str,
+    pub(super) received_at: DateTime<Utc>,
+    /// The server-side silence bound of `claim_message`'s marker, where the INSERT can
+    /// carry it (a `process` marker carries its own).
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub(super) claim_silence: Duration,
+    /// What `Inbox::process` adds to its marker.
+    pub(super) process: Option<ProcessMarker>,
+}
+
+impl Marker<'_> {
+    /// The binds every dialect's marker INSERT starts with: message_id, consumer,
+    /// `received_at` (as the dialect stores it), then the token of a `process` marker.
+    pub(super) fn binds(&self, received_at: Value) -> Vec<Value> {
+        let mut values = Vec::with_capacity(6);
+        values.extend([
+            Value::from(self.message_id.as_uuid()),
+            Value::from(self.consumer),
+            received_at,
+        ]);
+        if let Some(process) = &self.process {
+            values.push(Value::from(process.token));
+        }
+        values
+    }
+}
+
+/// `count` copies of `item` separated by commas: `?, ?, ?` or `(?, ?), (?, ?)`.
+#[cfg(any(feature = "mysql", feature = "sqlite"))]
+pub(super) fn repeat_list(item: &str, count: usize) -> String {
+    vec![item; count].join(", ")
+}
+
+/// Whether `message` names `name` as a whole identifier: not inside a longer one, however
+/// the server's `lc_messages` quotes it.
+pub(super) fn names_identifier(message: &str, name: &str) -> bool {
+    let is_identifier_char = |ch: char| ch.is_alphanumeric() || ch == '_' || ch == '$';
+    message.match_indices(name).any(|(at, found)| {
+        let before = message[..at].chars().next_back();
+        let after = message[at + found.len()..].chars().next();
+        !before.is_some_and(is_identifier_char)
+            && !after.is_some_and(|ch| is_identifier_char(ch) || ch == '.')
+    })
+}
+
+/// The inbox migration that adds the column `message` names, if it names one.
+pub(super) fn migration_of_column_named_in(message: &str) -> Option<InboxMigration> {
+    crate::schema::MIGRATION_COLUMNS
+        .iter()
+        .find(|(_, columns)| {
+            columns
+                .iter()
+                .any(|column| names_identifier(message, column))
+        })
+        .map(|(migration, _)| *migration)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The missing-column texts of each server (PostgreSQL's 42703 in two languages,
+    /// MySQL's 1054 column, SQLite's two forms after their prefix) lead to the migration
+    /// that adds the column; other columns to none.
+    #[test]
+    fn a_missing_column_names_its_migration() {
+        for message in [
+            "column \"claim_token\" of relation \"inbox\" does not exist",
+            "Spalte »lease_until« von Relation »inbox« existiert nicht",
+            "attempts",
+            "inbox.dead_at",
+        ] {
+            assert_eq!(
+                migration_of_column_named_in(message),
+                Some(InboxMigration::AddInboxLeases),
+                "{message}"
+            );
+        }
+        for message in [
+            "column \"claim_tokens\" of relation \"orders\" does not exist",
+            "order_attempts",
+            "",
+        ] {
+            assert_eq!(migration_of_column_named_in(message), None, "{message}");
+        }
+    }
+}

@@ -1,0 +1,121 @@
+//! What a failed statement did to its transaction, and how to end a transaction clean
+//! whatever the database already did to it.
+
+use super::dialect;
+use sea_orm::sqlx;
+use sea_orm::sqlx::error::DatabaseError;
+use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, RuntimeErr, Statement};
+
+/// Rolls `txn` back and hands its connection back to the pool clean, also when the
+/// database itself ended the transaction before (a trigger's `RAISE(ROLLBACK, ..)`, a
+/// `ROLLBACK` the handler sent as SQL, InnoDB's deadlock rollback).
+///
+/// sqlx counts transaction depth itself and lowers it only when its ROLLBACK succeeds. On
+/// SQLite a ROLLBACK with no transaction open fails ("no transaction is active"), the
+/// connection would return to the pool at depth 1, and every later `begin` on it would be
+/// a SAVEPOINT whose "commit" commits nothing. The backend's
+/// [`before_rollback`](super::dialect::Dialect::before_rollback) reopens a transaction
+/// first where that is needed, so the ROLLBACK cannot fail for that reason.
+///
+/// A rollback that fails all the same means the connection itself is broken (the server
+/// went away, SQLite's worker died): sqlx's ping on release then fails and the pool
+/// closes the connection instead of lending it again. The failure changes nothing for the
+/// caller, who rolls back because it already nacks (or acks a duplicate), so it is logged,
+/// not returned.
+pub(crate) async fn roll_back(txn: DatabaseTransaction) {
+    let before = dialect(txn.get_database_backend()).map(|dialect| dialect.before_rollback());
+    if let Ok(Some(sql)) = before
+        && let Err(error) = txn.execute_unprepared(sql).await
+    {
+        tracing::warn!(%error, "re-opening the transaction before its rollback failed");
+    }
+    if let Err(error) = txn.rollback().await {
+        tracing::warn!(%error, "rollback failed; the pool closes the connection if it is broken");
+    }
+}
+
+/// What a failed statement did to the transaction it ran in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum AfterFailure {
+    /// The database ended the transaction: nothing later may run in it.
+    Ended,
+    /// Only the statement (or the savepoint around it) failed; the transaction goes on.
+    #[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
+    WentOn,
+    /// The error does not tell: ask with [`transaction_ended`].
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+    Ask,
+}
+
+/// What the failed statement `err` did to its transaction on `backend`, `savepoint_depth`
+/// savepoints deep. A failure the driver reports without a database error (a lost
+/// connection, a protocol error) ends it: nothing more can be known or sent.
+pub(crate) fn after_failure(backend: DbBackend, err: &DbErr, savepoint_depth: u32) -> AfterFailure {
+    if database_error(err).is_none() {
+        return AfterFailure::Ended;
+    }
+    dialect(backend).map_or(AfterFailure::Ended, |dialect| {
+        dialect.after_failure(err, savepoint_depth)
+    })
+}
+
+/// Whether a transaction on `backend` whose statements all succeeded must still prove its
+/// marker before COMMIT (see the backend's
+/// [`ends_transactions_silently`](super::dialect::Dialect::ends_transactions_silently)).
+pub(crate) fn ends_transactions_silently(backend: DbBackend) -> bool {
+    dialect(backend).is_ok_and(|dialect| dialect.ends_transactions_silently())
+}
+
+/// Whether the server already ended `txn` without failing the statement that followed
+/// (Galera's brute-force abort between two statements: the next one runs on its own,
+/// in autocommit). Asked only after a batch's read-back missed a row; `false` without a
+/// round trip where the backend has no such end.
+pub(crate) async fn silently_ended<C: ConnectionTrait>(txn: &C) -> Result<bool, DbErr> {
+    let Some(probe) = dialect(txn.get_database_backend())
+        .ok()
+        .and_then(|dialect| dialect.silently_ended_probe())
+    else {
+        return Ok(false);
+    };
+    let row = txn
+        .query_one_raw(Statement::from_string(txn.get_database_backend(), probe))
+        .await?;
+    Ok(row
+        .map(|row| row.try_get_by_index::<i64>(0))
+        .transpose()?
+        .is_some_and(|ended| ended == 1))
+}
+
+/// Whether the database already ended `txn` although sqlx still counts it open, asked
+/// before a COMMIT that no marker bound to this transaction precedes. Only SQLite needs to
+/// know (its COMMIT outside a transaction fails, stranding the connection at sqlx's depth
+/// 1); elsewhere `false` without a round trip. When it answers `true`, the probe opened a
+/// transaction: end it with [`roll_back`].
+pub(crate) async fn transaction_ended<C: ConnectionTrait>(txn: &C) -> Result<bool, DbErr> {
+    let Ok(dialect) = dialect(txn.get_database_backend()) else {
+        return Ok(false);
+    };
+    let Some(probe) = dialect.ended_transaction_probe() else {
+        return Ok(false);
+    };
+    match txn.execute_unprepared(probe).await {
+        Ok(_) => Ok(true),
+        Err(err) => match database_error(&err).and_then(|db| dialect.refuses_probe(db)) {
+            Some(true) => Ok(false),
+            _ => Err(err),
+        },
+    }
+}
+
+/// The driver's database error inside `err`, if there is one.
+fn database_error(err: &DbErr) -> Option<&dyn DatabaseError> {
+    match err {
+        DbErr::Conn(RuntimeErr::SqlxError(sqlx_err))
+        | DbErr::Exec(RuntimeErr::SqlxError(sqlx_err))
+        | DbErr::Query(RuntimeErr::SqlxError(sqlx_err)) => match sqlx_err.as_ref() {
+            sqlx::Error::Database(db) => Some(db.as_ref()),
+            _ => None,
+        },
+        _ => None,
+    }
+}
