@@ -10,7 +10,7 @@
 //! set as the reason. Set but unreachable: they fail.
 
 use inbox_tests::scenario::{Broker, Plan};
-use inbox_tests::{Backend, migrated_db, on_every_backend};
+use inbox_tests::{Backend, on_every_backend, with_migrated_db};
 use sea_orm_inbox::{Delivery, Inbox, InboxError, ProcessError, Settlement, rabbitmq};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
@@ -31,42 +31,41 @@ fn broker_url(broker: Broker) -> String {
 
 async fn scenario(broker: Broker, backend: Backend) {
     let url = broker_url(broker);
-    let db = migrated_db(backend).await;
-    let (a, b) = (db.connect().await, db.connect().await);
-    let plan = Plan {
-        deadline: DEADLINE,
-        ..Plan::default()
-    };
-    let started = Instant::now();
-    let report = broker
-        .run(&url, [&a, &b], &plan)
-        .await
-        .unwrap_or_else(|e| panic!("{broker:?} on {backend:?} at {url}: {e}"));
-    eprintln!(
-        "{broker:?} on {backend:?}, {:.1?}:\n{report}",
-        started.elapsed()
-    );
+    with_migrated_db(backend, async |db| {
+        let (a, b) = (db.connect().await, db.connect().await);
+        let plan = Plan {
+            deadline: DEADLINE,
+            ..Plan::default()
+        };
+        let started = Instant::now();
+        let report = broker
+            .run(&url, [&a, &b], &plan)
+            .await
+            .unwrap_or_else(|e| panic!("{broker:?} on {backend:?} at {url}: {e}"));
+        eprintln!(
+            "{broker:?} on {backend:?}, {:.1?}:\n{report}",
+            started.elapsed()
+        );
 
-    if let Err(failure) = report.check() {
-        panic!("{failure}\n{report}");
-    }
-    // The run must have exercised what it is about, or passing proves nothing.
-    assert!(
-        report.withheld > 0,
-        "the dying replica left nothing unacked\n{report}"
-    );
-    assert!(
-        report.redeliveries > 0,
-        "the broker redelivered nothing\n{report}"
-    );
-    assert!(
-        report.duplicates >= report.published - report.messages,
-        "every re-sent copy must meet its twin as a duplicate\n{report}"
-    );
-    assert!(report.nacks > 0, "no delivery was nacked\n{report}");
-    a.close().await.ok();
-    b.close().await.ok();
-    db.cleanup().await;
+        if let Err(failure) = report.check() {
+            panic!("{failure}\n{report}");
+        }
+        // The run must have exercised what it is about, or passing proves nothing.
+        assert!(
+            report.withheld > 0,
+            "the dying replica left nothing unacked\n{report}"
+        );
+        assert!(
+            report.redeliveries > 0,
+            "the broker redelivered nothing\n{report}"
+        );
+        assert!(
+            report.duplicates >= report.published - report.messages,
+            "every re-sent copy must meet its twin as a duplicate\n{report}"
+        );
+        assert!(report.nacks > 0, "no delivery was nacked\n{report}");
+    })
+    .await;
 }
 
 async fn rabbitmq(backend: Backend) {
@@ -93,28 +92,30 @@ mod jetstream {
 /// message; it never passes quietly.
 #[tokio::test]
 async fn an_unreachable_broker_fails_the_run() {
-    let db = migrated_db(Backend::Sqlite).await;
-    let (a, b) = (db.connect().await, db.connect().await);
-    let plan = Plan {
-        deadline: DEADLINE,
-        ..Plan::default()
-    };
-    for (broker, url) in [
-        (Broker::RabbitMq, "amqp://guest:guest@127.0.0.1:1/%2f"),
-        (Broker::Nats, "nats://127.0.0.1:1"),
-    ] {
-        let started = Instant::now();
-        let err = broker
-            .run(url, [&a, &b], &plan)
-            .await
-            .expect_err("no broker listens on port 1");
-        assert!(err.to_string().contains(url), "{broker:?}: {err}");
-        assert!(
-            started.elapsed() < DEADLINE,
-            "{broker:?} took {:?}",
-            started.elapsed()
-        );
-    }
+    with_migrated_db(Backend::Sqlite, async |db| {
+        let (a, b) = (db.connect().await, db.connect().await);
+        let plan = Plan {
+            deadline: DEADLINE,
+            ..Plan::default()
+        };
+        for (broker, url) in [
+            (Broker::RabbitMq, "amqp://guest:guest@127.0.0.1:1/%2f"),
+            (Broker::Nats, "nats://127.0.0.1:1"),
+        ] {
+            let started = Instant::now();
+            let err = broker
+                .run(url, [&a, &b], &plan)
+                .await
+                .expect_err("no broker listens on port 1");
+            assert!(err.to_string().contains(url), "{broker:?}: {err}");
+            assert!(
+                started.elapsed() < DEADLINE,
+                "{broker:?} took {:?}",
+                started.elapsed()
+            );
+        }
+    })
+    .await;
 }
 
 /// The dying replica asks to withhold more deliveries than RabbitMQ will ever send it (the
@@ -127,27 +128,26 @@ async fn an_unreachable_broker_fails_the_run() {
 #[cfg_attr(not(inbox_amqp), ignore = "set INBOX_TEST_AMQP_URL")]
 async fn rabbitmq_replica_starved_of_deliveries_still_dies() {
     let url = broker_url(Broker::RabbitMq);
-    let db = migrated_db(Backend::Sqlite).await;
-    let (a, b) = (db.connect().await, db.connect().await);
-    let plan = Plan {
-        unacked_at_crash: 1_000,
-        deadline: Duration::from_secs(30),
-        ..Plan::default()
-    };
-    let report = Broker::RabbitMq
-        .run(&url, [&a, &b], &plan)
-        .await
-        .unwrap_or_else(|e| panic!("RabbitMQ at {url}: {e}"));
-    if let Err(failure) = report.check() {
-        panic!("{failure}\n{report}");
-    }
-    assert!(
-        report.withheld > 0,
-        "the dying replica left nothing unacked\n{report}"
-    );
-    a.close().await.ok();
-    b.close().await.ok();
-    db.cleanup().await;
+    with_migrated_db(Backend::Sqlite, async |db| {
+        let (a, b) = (db.connect().await, db.connect().await);
+        let plan = Plan {
+            unacked_at_crash: 1_000,
+            deadline: Duration::from_secs(30),
+            ..Plan::default()
+        };
+        let report = Broker::RabbitMq
+            .run(&url, [&a, &b], &plan)
+            .await
+            .unwrap_or_else(|e| panic!("RabbitMQ at {url}: {e}"));
+        if let Err(failure) = report.check() {
+            panic!("{failure}\n{report}");
+        }
+        assert!(
+            report.withheld > 0,
+            "the dying replica left nothing unacked\n{report}"
+        );
+    })
+    .await;
 }
 
 /// One settled delivery of the adapter tests: what the adapter said, the delivery count
@@ -174,42 +174,42 @@ where
     D: Fn(&M) -> Result<Delivery, InboxError>,
     C: Fn(&M) -> u32,
 {
-    let db = migrated_db(Backend::Sqlite).await;
-    let conn = db.connect().await;
-    let inbox = Inbox::new("adapter.settle").expect("valid name");
-    let runs = AtomicU32::new(0);
-    let mut settled = Vec::new();
-    let _ = tokio::time::timeout(window, async {
-        while let Some(message) = next().await {
-            let result = match delivery(&message) {
-                Ok(delivery) => {
-                    inbox
-                        .process(&conn, delivery, |_| {
-                            let fail = runs.fetch_add(1, Ordering::SeqCst) < failures;
-                            Box::pin(async move {
-                                match fail {
-                                    true => Err("the payment provider is down".to_string()),
-                                    false => Ok(()),
-                                }
+    with_migrated_db(Backend::Sqlite, async |db| {
+        let conn = db.connect().await;
+        let inbox = Inbox::new("adapter.settle").expect("valid name");
+        let runs = AtomicU32::new(0);
+        let mut settled = Vec::new();
+        let _ = tokio::time::timeout(window, async {
+            while let Some(message) = next().await {
+                let result = match delivery(&message) {
+                    Ok(delivery) => {
+                        inbox
+                            .process(&conn, delivery, |_| {
+                                let fail = runs.fetch_add(1, Ordering::SeqCst) < failures;
+                                Box::pin(async move {
+                                    match fail {
+                                        true => Err("the payment provider is down".to_string()),
+                                        false => Ok(()),
+                                    }
+                                })
                             })
-                        })
-                        .await
-                }
-                Err(err) => Err(ProcessError::Inbox(err)),
-            };
-            let settlement = Settlement::for_delivery(&result, count(&message));
-            settle(&message, settlement).await;
-            settled.push(Settled {
-                settlement,
-                delivery: count(&message),
-                at: Instant::now(),
-            });
-        }
+                            .await
+                    }
+                    Err(err) => Err(ProcessError::Inbox(err)),
+                };
+                let settlement = Settlement::for_delivery(&result, count(&message));
+                settle(&message, settlement).await;
+                settled.push(Settled {
+                    settlement,
+                    delivery: count(&message),
+                    at: Instant::now(),
+                });
+            }
+        })
+        .await;
+        settled
     })
-    .await;
-    conn.close().await.ok();
-    db.cleanup().await;
-    settled
+    .await
 }
 
 /// A queue of the test's own on the local RabbitMQ, with a dead-letter queue behind it.

@@ -6,7 +6,7 @@
 //! `process.rs::handler_error_rolls_back_and_is_not_retried`, on every backend.)
 
 use inbox_tests::{
-    Backend, TestDb, create_accounts, credit, migrated_db, on_every_backend, scalar_i64,
+    Backend, TestDb, create_accounts, credit, on_every_backend, scalar_i64, with_migrated_db,
 };
 use sea_orm::{ConnectionTrait, DatabaseConnection, DbErr};
 use sea_orm_inbox::prelude::*;
@@ -132,50 +132,51 @@ async fn assert_applied(conn: &DatabaseConnection, times: i64, context: &str) {
 /// Without retries, a kill before the commit fails the delivery with a transient cause,
 /// leaves no marker, and the broker's redelivery applies the effect exactly once.
 async fn killed_without_retry_then_redelivered(backend: Backend, kill: Kill) {
-    let db = migrated_db(backend).await;
-    let killer = Killer::new(&db).await;
-    let conn = db.connect().await;
-    create_accounts(&conn).await;
-    let inbox = Inbox::new(CONSUMER)
-        .expect("valid name")
-        .with_retry(RetryPolicy::no_retry());
-    let id = Uuid::new_v4();
+    with_migrated_db(backend, async |db| {
+        let killer = Killer::new(db).await;
+        let conn = db.connect().await;
+        create_accounts(&conn).await;
+        let inbox = Inbox::new(CONSUMER)
+            .expect("valid name")
+            .with_retry(RetryPolicy::no_retry());
+        let id = Uuid::new_v4();
 
-    let started = Instant::now();
-    let (first, runs) = credit_with_kill(&inbox, &conn, &killer, id, Some(kill)).await;
-    eprintln!(
-        "{backend:?} {kill:?}, no retry: first delivery -> {first:?} ({runs} run, {:?})",
-        started.elapsed()
-    );
-    assert_eq!(Settlement::of(&first), Settlement::Nack(None), "{first:?}");
-    let cause = match (&first, kill) {
-        // The handler's own statement failed: the handler's error, not retried here.
-        (Err(ProcessError::Handler(err)), Kill::BeforeWrite) => err,
-        (
-            Err(ProcessError::RetriesExhausted {
-                attempts: 1,
-                source,
-            }),
-            Kill::BeforeCommit,
-        ) => source.db_err().expect("a database cause"),
-        other => panic!("{backend:?} {kill:?}: unexpected result {other:?}"),
-    };
-    assert_eq!(
-        classify(cause),
-        DbErrorKind::Transient,
-        "a killed connection is transient on {backend:?}: {cause:?}"
-    );
-    assert_applied(&conn, 0, "after the killed attempt: nothing survives").await;
+        let started = Instant::now();
+        let (first, runs) = credit_with_kill(&inbox, &conn, &killer, id, Some(kill)).await;
+        eprintln!(
+            "{backend:?} {kill:?}, no retry: first delivery -> {first:?} ({runs} run, {:?})",
+            started.elapsed()
+        );
+        assert_eq!(Settlement::of(&first), Settlement::Nack(None), "{first:?}");
+        let cause = match (&first, kill) {
+            // The handler's own statement failed: the handler's error, not retried here.
+            (Err(ProcessError::Handler(err)), Kill::BeforeWrite) => err,
+            (
+                Err(ProcessError::RetriesExhausted {
+                    attempts: 1,
+                    source,
+                }),
+                Kill::BeforeCommit,
+            ) => source.db_err().expect("a database cause"),
+            other => panic!("{backend:?} {kill:?}: unexpected result {other:?}"),
+        };
+        assert_eq!(
+            classify(cause),
+            DbErrorKind::Transient,
+            "a killed connection is transient on {backend:?}: {cause:?}"
+        );
+        assert_applied(&conn, 0, "after the killed attempt: nothing survives").await;
 
-    let redelivered = credit_with_kill(&inbox, &conn, &killer, id, None).await;
-    assert!(
-        matches!(redelivered, (Ok(Outcome::Processed(())), 1)),
-        "{redelivered:?}"
-    );
-    let again = credit_with_kill(&inbox, &conn, &killer, id, None).await;
-    assert!(matches!(again, (Ok(Outcome::Duplicate), 0)), "{again:?}");
-    assert_applied(&conn, 1, "after redeliveries").await;
-    db.cleanup().await;
+        let redelivered = credit_with_kill(&inbox, &conn, &killer, id, None).await;
+        assert!(
+            matches!(redelivered, (Ok(Outcome::Processed(())), 1)),
+            "{redelivered:?}"
+        );
+        let again = credit_with_kill(&inbox, &conn, &killer, id, None).await;
+        assert!(matches!(again, (Ok(Outcome::Duplicate), 0)), "{again:?}");
+        assert_applied(&conn, 1, "after redeliveries").await;
+    })
+    .await;
 }
 
 /// With the default retry policy, `process` itself restarts the attempt in a fresh
@@ -183,29 +184,30 @@ async fn killed_without_retry_then_redelivered(backend: Backend, kill: Kill) {
 /// own statement (a `DbErr` the handler returns with `?`); the handler runs twice, the
 /// effect lands once.
 async fn killed_connection_is_retried_by_process(backend: Backend, kill: Kill) {
-    let db = migrated_db(backend).await;
-    let killer = Killer::new(&db).await;
-    let conn = db.connect().await;
-    create_accounts(&conn).await;
-    let inbox = Inbox::new(CONSUMER).expect("valid name");
-    let id = Uuid::new_v4();
+    with_migrated_db(backend, async |db| {
+        let killer = Killer::new(db).await;
+        let conn = db.connect().await;
+        create_accounts(&conn).await;
+        let inbox = Inbox::new(CONSUMER).expect("valid name");
+        let id = Uuid::new_v4();
 
-    let started = Instant::now();
-    let (result, runs) = credit_with_kill(&inbox, &conn, &killer, id, Some(kill)).await;
-    let counts = inbox.metrics().snapshot();
-    eprintln!(
-        "{backend:?} {kill:?}, default retry: {result:?}, {runs} runs, {counts:?}, {:?}",
-        started.elapsed()
-    );
-    assert!(matches!(result, Ok(Outcome::Processed(()))), "{result:?}");
-    assert_eq!(runs, 2, "the handler re-ran in the fresh transaction");
-    assert_eq!(
-        (counts.transient_retries, counts.processed),
-        (1, 1),
-        "{counts:?}"
-    );
-    assert_applied(&conn, 1, "after the retried delivery").await;
-    db.cleanup().await;
+        let started = Instant::now();
+        let (result, runs) = credit_with_kill(&inbox, &conn, &killer, id, Some(kill)).await;
+        let counts = inbox.metrics().snapshot();
+        eprintln!(
+            "{backend:?} {kill:?}, default retry: {result:?}, {runs} runs, {counts:?}, {:?}",
+            started.elapsed()
+        );
+        assert!(matches!(result, Ok(Outcome::Processed(()))), "{result:?}");
+        assert_eq!(runs, 2, "the handler re-ran in the fresh transaction");
+        assert_eq!(
+            (counts.transient_retries, counts.processed),
+            (1, 1),
+            "{counts:?}"
+        );
+        assert_applied(&conn, 1, "after the retried delivery").await;
+    })
+    .await;
 }
 
 async fn killed_before_commit_is_retried_by_process(backend: Backend) {
@@ -231,38 +233,39 @@ async fn killed_before_commit_then_redelivered(backend: Backend) {
 macro_rules! killed_in_a_handler_of_the_applications_error_type {
     ($name:ident, $report:ty, $wrap:path) => {
         async fn $name(backend: Backend) {
-            let db = migrated_db(backend).await;
-            let killer = Killer::new(&db).await;
-            let conn = db.connect().await;
-            create_accounts(&conn).await;
-            let inbox = Inbox::new(CONSUMER).expect("valid name");
-            let runs = Arc::new(AtomicU32::new(0));
-            let result = inbox
-                .process(&conn, Uuid::new_v4(), |txn| {
-                    let first_run = runs.fetch_add(1, Ordering::SeqCst) == 0;
-                    let killer = Arc::clone(&killer);
-                    Box::pin(async move {
-                        let victim = Killer::connection_id(txn).await?;
-                        if first_run {
-                            killer.kill(victim).await;
-                        }
-                        $wrap(credit(txn, 1).await, "crediting account 1")?;
-                        Ok::<_, $report>(())
+            with_migrated_db(backend, async |db| {
+                let killer = Killer::new(&db).await;
+                let conn = db.connect().await;
+                create_accounts(&conn).await;
+                let inbox = Inbox::new(CONSUMER).expect("valid name");
+                let runs = Arc::new(AtomicU32::new(0));
+                let result = inbox
+                    .process(&conn, Uuid::new_v4(), |txn| {
+                        let first_run = runs.fetch_add(1, Ordering::SeqCst) == 0;
+                        let killer = Arc::clone(&killer);
+                        Box::pin(async move {
+                            let victim = Killer::connection_id(txn).await?;
+                            if first_run {
+                                killer.kill(victim).await;
+                            }
+                            $wrap(credit(txn, 1).await, "crediting account 1")?;
+                            Ok::<_, $report>(())
+                        })
                     })
-                })
-                .await;
-            assert!(
-                matches!(result, Ok(Outcome::Processed(()))),
-                "{backend:?}: {result:?}"
-            );
-            assert_eq!(
-                runs.load(Ordering::SeqCst),
-                2,
-                "retried in a fresh transaction"
-            );
-            assert_eq!(inbox.metrics().snapshot().transient_retries, 1);
-            assert_applied(&conn, 1, "after the retried delivery").await;
-            db.cleanup().await;
+                    .await;
+                assert!(
+                    matches!(result, Ok(Outcome::Processed(()))),
+                    "{backend:?}: {result:?}"
+                );
+                assert_eq!(
+                    runs.load(Ordering::SeqCst),
+                    2,
+                    "retried in a fresh transaction"
+                );
+                assert_eq!(inbox.metrics().snapshot().transient_retries, 1);
+                assert_applied(&conn, 1, "after the retried delivery").await;
+            })
+            .await;
         }
     };
 }
@@ -282,48 +285,49 @@ killed_in_a_handler_of_the_applications_error_type!(
 /// channel closed): the broker redelivers, to another replica, and that gets `Duplicate`,
 /// which settles as Ack without running the handler.
 async fn lost_ack_redelivery_is_a_duplicate_and_acks(backend: Backend) {
-    let db = migrated_db(backend).await;
-    let (first_replica, second_replica) = (db.connect().await, db.connect().await);
-    create_accounts(&first_replica).await;
-    let (inbox_a, inbox_b) = (
-        Inbox::new(CONSUMER).expect("valid name"),
-        Inbox::new(CONSUMER).expect("valid name"),
-    );
-    let id = Uuid::new_v4();
-    let runs = AtomicU32::new(0);
-    let handle = |inbox: &Inbox, conn: &DatabaseConnection| {
-        let runs = &runs;
-        let (inbox, conn) = (inbox.clone(), conn.clone());
-        async move {
-            inbox
-                .process(&conn, id, |txn| {
-                    runs.fetch_add(1, Ordering::SeqCst);
-                    Box::pin(async move { credit(txn, 1).await })
-                })
-                .await
-        }
-    };
-
-    let committed = handle(&inbox_a, &first_replica).await;
-    assert!(
-        matches!(committed, Ok(Outcome::Processed(()))),
-        "{committed:?}"
-    );
-    // The ack is lost: drop the first replica as a crash would, and redeliver.
-    first_replica.close().await.ok();
-    for delivery in 0..2 {
-        let redelivered = handle(&inbox_b, &second_replica).await;
-        assert!(
-            matches!(redelivered, Ok(Outcome::Duplicate)),
-            "redelivery {delivery}: {redelivered:?}"
+    with_migrated_db(backend, async |db| {
+        let (first_replica, second_replica) = (db.connect().await, db.connect().await);
+        create_accounts(&first_replica).await;
+        let (inbox_a, inbox_b) = (
+            Inbox::new(CONSUMER).expect("valid name"),
+            Inbox::new(CONSUMER).expect("valid name"),
         );
-        assert_eq!(Settlement::of(&redelivered), Settlement::Ack);
-    }
-    assert_eq!(runs.load(Ordering::SeqCst), 1, "the handler ran once");
-    let counts = inbox_b.metrics().snapshot();
-    assert_eq!((counts.duplicates, counts.processed), (2, 0), "{counts:?}");
-    assert_applied(&second_replica, 1, "after the lost ack").await;
-    db.cleanup().await;
+        let id = Uuid::new_v4();
+        let runs = AtomicU32::new(0);
+        let handle = |inbox: &Inbox, conn: &DatabaseConnection| {
+            let runs = &runs;
+            let (inbox, conn) = (inbox.clone(), conn.clone());
+            async move {
+                inbox
+                    .process(&conn, id, |txn| {
+                        runs.fetch_add(1, Ordering::SeqCst);
+                        Box::pin(async move { credit(txn, 1).await })
+                    })
+                    .await
+            }
+        };
+
+        let committed = handle(&inbox_a, &first_replica).await;
+        assert!(
+            matches!(committed, Ok(Outcome::Processed(()))),
+            "{committed:?}"
+        );
+        // The ack is lost: drop the first replica as a crash would, and redeliver.
+        first_replica.close().await.ok();
+        for delivery in 0..2 {
+            let redelivered = handle(&inbox_b, &second_replica).await;
+            assert!(
+                matches!(redelivered, Ok(Outcome::Duplicate)),
+                "redelivery {delivery}: {redelivered:?}"
+            );
+            assert_eq!(Settlement::of(&redelivered), Settlement::Ack);
+        }
+        assert_eq!(runs.load(Ordering::SeqCst), 1, "the handler ran once");
+        let counts = inbox_b.metrics().snapshot();
+        assert_eq!((counts.duplicates, counts.processed), (2, 0), "{counts:?}");
+        assert_applied(&second_replica, 1, "after the lost ack").await;
+    })
+    .await;
 }
 
 on_every_backend!(lost_ack_redelivery_is_a_duplicate_and_acks);

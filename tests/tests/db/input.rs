@@ -3,7 +3,7 @@
 //! stored.
 
 use chrono::{TimeDelta, Utc};
-use inbox_tests::{Backend, migrated_db, on_every_backend, scalar_i64};
+use inbox_tests::{Backend, on_every_backend, scalar_i64, with_migrated_db};
 use sea_orm::{
     ActiveModelTrait, ActiveValue::Set, ConnectOptions, Database, DatabaseConnection,
     TransactionTrait,
@@ -56,16 +56,16 @@ async fn assert_name_refused(
 }
 
 async fn consumer_names_with_nul_are_refused_everywhere(backend: Backend) {
-    let db = migrated_db(backend).await;
-    let conn = db.connect().await;
-    for name in ["mail\0er", "mailer\0"] {
-        assert_name_refused(&conn, name, |err| {
-            matches!(err, InboxError::ConsumerContainsNul { .. })
-        })
-        .await;
-    }
-    conn.close().await.ok();
-    db.cleanup().await;
+    with_migrated_db(backend, async |db| {
+        let conn = db.connect().await;
+        for name in ["mail\0er", "mailer\0"] {
+            assert_name_refused(&conn, name, |err| {
+                matches!(err, InboxError::ConsumerContainsNul { .. })
+            })
+            .await;
+        }
+    })
+    .await;
 }
 
 /// A row some other writer stored under `consumer`, with an expired lease, parked as dead
@@ -89,78 +89,78 @@ async fn foreign_row(conn: &DatabaseConnection, consumer: &str, dead: bool) {
 }
 
 async fn listings_refuse_what_claims_refuse_and_compare_names_exactly(backend: Backend) {
-    let db = migrated_db(backend).await;
-    let conn = db.connect().await;
-    // Rows of "mailer " (with a space) that the library refuses to write, but another
-    // writer could: MySQL/MariaDB's PAD SPACE collation holds 'mailer ' = 'mailer'.
-    foreign_row(&conn, "mailer ", false).await;
-    foreign_row(&conn, "mailer ", true).await;
-    let options = LeaseOptions::new(Duration::from_secs(30)).expect("a valid lease");
-    let id = Uuid::new_v4();
-    let LeaseClaim::Claimed(lease) = claim_lease(&conn, id, CONSUMER, &options).await.unwrap()
-    else {
-        panic!("a new message is claimed")
-    };
-    release_lease(&conn, &lease).await.expect("release");
-    tokio::time::sleep(Duration::from_millis(10)).await;
+    with_migrated_db(backend, async |db| {
+        let conn = db.connect().await;
+        // Rows of "mailer " (with a space) that the library refuses to write, but another
+        // writer could: MySQL/MariaDB's PAD SPACE collation holds 'mailer ' = 'mailer'.
+        foreign_row(&conn, "mailer ", false).await;
+        foreign_row(&conn, "mailer ", true).await;
+        let options = LeaseOptions::new(Duration::from_secs(30)).expect("a valid lease");
+        let id = Uuid::new_v4();
+        let LeaseClaim::Claimed(lease) = claim_lease(&conn, id, CONSUMER, &options).await.unwrap()
+        else {
+            panic!("a new message is claimed")
+        };
+        release_lease(&conn, &lease).await.expect("release");
+        tokio::time::sleep(Duration::from_millis(10)).await;
 
-    let expired = list_expired_leases(&conn, Some(CONSUMER), 10)
-        .await
-        .unwrap();
-    let expired: Vec<_> = expired
-        .iter()
-        .map(|lease| (lease.message_id.as_uuid(), lease.consumer.as_str()))
-        .collect();
-    assert_eq!(expired, [(id, CONSUMER)], "only mailer's own lease");
-    assert!(
-        list_dead_claims(&conn, Some(CONSUMER), 10)
+        let expired = list_expired_leases(&conn, Some(CONSUMER), 10)
             .await
-            .unwrap()
-            .is_empty(),
-        "the dead row is \"mailer \"'s, not \"mailer\"'s"
-    );
-    assert_eq!(list_dead_claims(&conn, None, 10).await.unwrap().len(), 1);
+            .unwrap();
+        let expired: Vec<_> = expired
+            .iter()
+            .map(|lease| (lease.message_id.as_uuid(), lease.consumer.as_str()))
+            .collect();
+        assert_eq!(expired, [(id, CONSUMER)], "only mailer's own lease");
+        assert!(
+            list_dead_claims(&conn, Some(CONSUMER), 10)
+                .await
+                .unwrap()
+                .is_empty(),
+            "the dead row is \"mailer \"'s, not \"mailer\"'s"
+        );
+        assert_eq!(list_dead_claims(&conn, None, 10).await.unwrap().len(), 1);
 
-    for name in ["mailer ", " mailer"] {
-        assert_name_refused(&conn, name, |err| {
-            matches!(err, InboxError::ConsumerNotTrimmed { .. })
+        for name in ["mailer ", " mailer"] {
+            assert_name_refused(&conn, name, |err| {
+                matches!(err, InboxError::ConsumerNotTrimmed { .. })
+            })
+            .await;
+        }
+        for name in ["", " "] {
+            assert_name_refused(&conn, name, |err| matches!(err, InboxError::EmptyConsumer)).await;
+        }
+        assert_name_refused(&conn, &"x".repeat(201), |err| {
+            matches!(err, InboxError::ConsumerTooLong { chars: 201 })
         })
         .await;
-    }
-    for name in ["", " "] {
-        assert_name_refused(&conn, name, |err| matches!(err, InboxError::EmptyConsumer)).await;
-    }
-    assert_name_refused(&conn, &"x".repeat(201), |err| {
-        matches!(err, InboxError::ConsumerTooLong { chars: 201 })
     })
     .await;
-    conn.close().await.ok();
-    db.cleanup().await;
 }
 
 async fn listing_limits_above_i64_max_are_refused(backend: Backend) {
-    let db = migrated_db(backend).await;
-    let conn = db.connect().await;
-    for limit in [i64::MAX as u64 + 1, u64::MAX] {
-        let expired = list_expired_leases(&conn, None, limit).await;
+    with_migrated_db(backend, async |db| {
+        let conn = db.connect().await;
+        for limit in [i64::MAX as u64 + 1, u64::MAX] {
+            let expired = list_expired_leases(&conn, None, limit).await;
+            assert!(
+                matches!(expired, Err(InboxError::ValueOutOfRange { .. })),
+                "{expired:?}"
+            );
+            let dead = list_dead_claims(&conn, Some(CONSUMER), limit).await;
+            assert!(
+                matches!(dead, Err(InboxError::ValueOutOfRange { .. })),
+                "{dead:?}"
+            );
+        }
         assert!(
-            matches!(expired, Err(InboxError::ValueOutOfRange { .. })),
-            "{expired:?}"
+            list_expired_leases(&conn, None, i64::MAX as u64)
+                .await
+                .unwrap()
+                .is_empty()
         );
-        let dead = list_dead_claims(&conn, Some(CONSUMER), limit).await;
-        assert!(
-            matches!(dead, Err(InboxError::ValueOutOfRange { .. })),
-            "{dead:?}"
-        );
-    }
-    assert!(
-        list_expired_leases(&conn, None, i64::MAX as u64)
-            .await
-            .unwrap()
-            .is_empty()
-    );
-    conn.close().await.ok();
-    db.cleanup().await;
+    })
+    .await;
 }
 
 /// Claims with `token` twice: the retry reads the lease back from the row.
@@ -180,28 +180,28 @@ async fn claim_twice(
 }
 
 async fn a_lease_reports_the_expiry_the_database_stored(backend: Backend) {
-    let db = migrated_db(backend).await;
-    let conn = db.connect().await;
-    // Not a whole number of microseconds.
-    let options = LeaseOptions::new(Duration::from_nanos(200_000_500)).expect("a valid lease");
-    let id = Uuid::new_v4();
+    with_migrated_db(backend, async |db| {
+        let conn = db.connect().await;
+        // Not a whole number of microseconds.
+        let options = LeaseOptions::new(Duration::from_nanos(200_000_500)).expect("a valid lease");
+        let id = Uuid::new_v4();
 
-    let (first, again) = claim_twice(&conn, id, &options, ClaimToken::new()).await;
-    assert!(matches!(first, LeaseClaim::Claimed(_)), "{first:?}");
-    assert_eq!(again, first, "the same token gets the same lease back");
-    let LeaseClaim::Claimed(first) = first else {
-        unreachable!()
-    };
-    let left = (first.lease_until() - Utc::now())
-        .to_std()
-        .unwrap_or_default();
-    tokio::time::sleep(left + Duration::from_millis(100)).await;
+        let (first, again) = claim_twice(&conn, id, &options, ClaimToken::new()).await;
+        assert!(matches!(first, LeaseClaim::Claimed(_)), "{first:?}");
+        assert_eq!(again, first, "the same token gets the same lease back");
+        let LeaseClaim::Claimed(first) = first else {
+            unreachable!()
+        };
+        let left = (first.lease_until() - Utc::now())
+            .to_std()
+            .unwrap_or_default();
+        tokio::time::sleep(left + Duration::from_millis(100)).await;
 
-    let (taken, again) = claim_twice(&conn, id, &options, ClaimToken::new()).await;
-    assert!(matches!(taken, LeaseClaim::TakenOver(_)), "{taken:?}");
-    assert_eq!(again, taken, "the same token gets the same lease back");
-    conn.close().await.ok();
-    db.cleanup().await;
+        let (taken, again) = claim_twice(&conn, id, &options, ClaimToken::new()).await;
+        assert!(matches!(taken, LeaseClaim::TakenOver(_)), "{taken:?}");
+        assert_eq!(again, taken, "the same token gets the same lease back");
+    })
+    .await;
 }
 
 on_every_backend!(

@@ -1,10 +1,10 @@
-//! Issue 4, acceptance 4: stable keys. Each constructor matches golden vectors computed by
+//! Stable keys. Each constructor matches golden vectors computed by
 //! an independent implementation of the format (UUIDv5 under `MESSAGE_ID_NAMESPACE` of a
 //! kind label and length-prefixed fields); equal inputs give equal ids, any changed field a
 //! different one. The vectors pin the format: a change here breaks deduplication across an
 //! upgrade, so never update them to make a test pass.
 
-use inbox_tests::{Backend, migrated_db, on_every_backend};
+use inbox_tests::{Backend, on_every_backend, with_migrated_db};
 use sea_orm::TransactionTrait;
 use sea_orm_inbox::prelude::*;
 use sea_orm_inbox::{InboxError, MESSAGE_ID_NAMESPACE};
@@ -147,21 +147,21 @@ fn empty_fields_and_negative_positions_are_refused() {
 
 /// A redelivery with the same broker fields claims the same marker on every backend.
 async fn derived_keys_deduplicate_redeliveries(backend: Backend) {
-    let db = migrated_db(backend).await;
-    let conn = db.connect().await;
-    for delivery in 0..2 {
-        let id = MessageId::from_kafka("payments", 3, 1_000).unwrap();
-        let txn = conn.begin_with_options(CLAIM_TRANSACTION).await.unwrap();
-        let claim = txn.claim_message(id, "ledger").await.unwrap();
-        assert_eq!(claim.is_claimed(), delivery == 0, "delivery {delivery}");
-        if claim.is_claimed() {
-            txn.commit().await.unwrap();
-        } else {
-            txn.rollback().await.unwrap();
+    with_migrated_db(backend, async |db| {
+        let conn = db.connect().await;
+        for delivery in 0..2 {
+            let id = MessageId::from_kafka("payments", 3, 1_000).unwrap();
+            let txn = conn.begin_with_options(CLAIM_TRANSACTION).await.unwrap();
+            let claim = txn.claim_message(id, "ledger").await.unwrap();
+            assert_eq!(claim.is_claimed(), delivery == 0, "delivery {delivery}");
+            if claim.is_claimed() {
+                txn.commit().await.unwrap();
+            } else {
+                txn.rollback().await.unwrap();
+            }
         }
-    }
-    conn.close().await.ok();
-    db.cleanup().await;
+    })
+    .await;
 }
 
 on_every_backend!(derived_keys_deduplicate_redeliveries);

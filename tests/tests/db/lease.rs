@@ -1,8 +1,8 @@
-//! Issue 4, acceptance 1-3: two-phase claims with leases, fencing tokens, takeover after
+//! Leases: two-phase claims with leases, fencing tokens, takeover after
 //! expiry and dead-parking, raced by replicas with their own pools.
 
 use chrono::{DateTime, Utc};
-use inbox_tests::{Backend, migrated_db, on_every_backend, on_pgbouncer, scalar_i64};
+use inbox_tests::{Backend, on_every_backend, on_pgbouncer, scalar_i64, with_migrated_db};
 use sea_orm::{ColumnTrait, DatabaseConnection, EntityTrait, QueryFilter, TransactionTrait};
 use sea_orm_inbox::{
     ClaimToken, InboxError, Lease, LeaseClaim, LeaseOptions, MessageId, Settlement, claim_lease,
@@ -44,375 +44,375 @@ fn leased(claim: LeaseClaim) -> Lease {
 
 async fn two_replicas_race_a_two_phase_claim_and_call_once(backend: Backend) {
     const ROUNDS: u32 = 20;
-    let db = migrated_db(backend).await;
-    let replicas = [Arc::new(db.connect().await), Arc::new(db.connect().await)];
-    let options = LeaseOptions::new(Duration::from_secs(30)).unwrap();
+    with_migrated_db(backend, async |db| {
+        let replicas = [Arc::new(db.connect().await), Arc::new(db.connect().await)];
+        let options = LeaseOptions::new(Duration::from_secs(30)).unwrap();
 
-    for round in 0..ROUNDS {
-        let id = MessageId::from_uuid(Uuid::new_v4());
-        let calls = Arc::new(AtomicU32::new(0));
-        let barrier = Arc::new(Barrier::new(2));
-        let tasks: Vec<_> = replicas
-            .iter()
-            .map(|replica| {
-                let (replica, calls, barrier) = (
-                    Arc::clone(replica),
-                    Arc::clone(&calls),
-                    Arc::clone(&barrier),
-                );
-                tokio::spawn(async move {
-                    barrier.wait().await;
-                    let claim = claim_lease(&replica, id, CONSUMER, &options)
-                        .await
-                        .expect("claim");
-                    match claim {
-                        LeaseClaim::Claimed(lease) => {
-                            calls.fetch_add(1, Ordering::SeqCst); // the external call
-                            complete_lease(&replica, &lease).await.expect("complete");
-                            true
+        for round in 0..ROUNDS {
+            let id = MessageId::from_uuid(Uuid::new_v4());
+            let calls = Arc::new(AtomicU32::new(0));
+            let barrier = Arc::new(Barrier::new(2));
+            let tasks: Vec<_> = replicas
+                .iter()
+                .map(|replica| {
+                    let (replica, calls, barrier) = (
+                        Arc::clone(replica),
+                        Arc::clone(&calls),
+                        Arc::clone(&barrier),
+                    );
+                    tokio::spawn(async move {
+                        barrier.wait().await;
+                        let claim = claim_lease(&replica, id, CONSUMER, &options)
+                            .await
+                            .expect("claim");
+                        match claim {
+                            LeaseClaim::Claimed(lease) => {
+                                calls.fetch_add(1, Ordering::SeqCst); // the external call
+                                complete_lease(&replica, &lease).await.expect("complete");
+                                true
+                            }
+                            LeaseClaim::Held { .. } | LeaseClaim::AlreadyProcessed => false,
+                            other => panic!("round {round}: unexpected {other:?}"),
                         }
-                        LeaseClaim::Held { .. } | LeaseClaim::AlreadyProcessed => false,
-                        other => panic!("round {round}: unexpected {other:?}"),
-                    }
+                    })
                 })
-            })
-            .collect();
-        let mut winners = 0;
-        for task in tasks {
-            winners += u32::from(task.await.expect("replica task"));
+                .collect();
+            let mut winners = 0;
+            for task in tasks {
+                winners += u32::from(task.await.expect("replica task"));
+            }
+            assert_eq!(winners, 1, "round {round} on {backend:?}: one claimant");
+            assert_eq!(
+                calls.load(Ordering::SeqCst),
+                1,
+                "round {round} on {backend:?}: the side effect ran once"
+            );
+            assert_eq!(
+                claim_lease(&replicas[0], id, CONSUMER, &options)
+                    .await
+                    .expect("claim after completion"),
+                LeaseClaim::AlreadyProcessed
+            );
         }
-        assert_eq!(winners, 1, "round {round} on {backend:?}: one claimant");
         assert_eq!(
-            calls.load(Ordering::SeqCst),
-            1,
-            "round {round} on {backend:?}: the side effect ran once"
+            scalar_i64(replicas[0].as_ref(), "SELECT COUNT(*) FROM inbox").await,
+            i64::from(ROUNDS)
         );
-        assert_eq!(
-            claim_lease(&replicas[0], id, CONSUMER, &options)
-                .await
-                .expect("claim after completion"),
-            LeaseClaim::AlreadyProcessed
-        );
-    }
-    assert_eq!(
-        scalar_i64(replicas[0].as_ref(), "SELECT COUNT(*) FROM inbox").await,
-        i64::from(ROUNDS)
-    );
-    for replica in replicas {
-        replica.as_ref().clone().close().await.ok();
-    }
-    db.cleanup().await;
+        for replica in replicas {
+            replica.as_ref().clone().close().await.ok();
+        }
+    })
+    .await;
 }
 
 async fn crashed_claimant_is_taken_over_and_its_late_completion_rejected(backend: Backend) {
-    let db = migrated_db(backend).await;
-    let (a, b) = (db.connect().await, db.connect().await);
-    // Long enough that the Held check below runs well inside it on a loaded machine.
-    let options = LeaseOptions::new(Duration::from_secs(1)).unwrap();
-    let id = MessageId::from_broker_id("welcome-mail-for-user-7").unwrap();
-    let provider_keys = Mutex::new(Vec::new());
+    with_migrated_db(backend, async |db| {
+        let (a, b) = (db.connect().await, db.connect().await);
+        // Long enough that the Held check below runs well inside it on a loaded machine.
+        let options = LeaseOptions::new(Duration::from_secs(1)).unwrap();
+        let id = MessageId::from_broker_id("welcome-mail-for-user-7").unwrap();
+        let provider_keys = Mutex::new(Vec::new());
 
-    // Replica A claims, calls the provider, and crashes before completing.
-    let lease_a = match claim_lease(&a, id, CONSUMER, &options).await.unwrap() {
-        LeaseClaim::Claimed(lease) => lease,
-        other => panic!("expected Claimed, got {other:?}"),
-    };
-    assert_eq!(lease_a.attempt(), 1);
-    provider_keys
-        .lock()
-        .unwrap()
-        .push(lease_a.idempotency_key());
+        // Replica A claims, calls the provider, and crashes before completing.
+        let lease_a = match claim_lease(&a, id, CONSUMER, &options).await.unwrap() {
+            LeaseClaim::Claimed(lease) => lease,
+            other => panic!("expected Claimed, got {other:?}"),
+        };
+        assert_eq!(lease_a.attempt(), 1);
+        provider_keys
+            .lock()
+            .unwrap()
+            .push(lease_a.idempotency_key());
 
-    // Redelivered to B while A's lease is live: B must not call the provider, and nacks
-    // the message with a delay that ends when A's lease does.
-    let held = claim_lease(&b, id, CONSUMER, &options).await.unwrap();
-    match held {
-        LeaseClaim::Held {
-            attempts,
-            lease_until,
-        } => {
-            assert_eq!(attempts, 1);
-            assert_eq!(lease_until, lease_a.lease_until());
+        // Redelivered to B while A's lease is live: B must not call the provider, and nacks
+        // the message with a delay that ends when A's lease does.
+        let held = claim_lease(&b, id, CONSUMER, &options).await.unwrap();
+        match held {
+            LeaseClaim::Held {
+                attempts,
+                lease_until,
+            } => {
+                assert_eq!(attempts, 1);
+                assert_eq!(lease_until, lease_a.lease_until());
+            }
+            ref other => panic!("expected Held, got {other:?}"),
         }
-        ref other => panic!("expected Held, got {other:?}"),
-    }
-    let Some(Settlement::Nack(Some(delay))) = Settlement::of_lease(&held) else {
-        panic!("a held lease is nacked with a delay");
-    };
-    assert!(
-        Duration::ZERO < delay && delay <= options.lease(),
-        "{delay:?}"
-    );
+        let Some(Settlement::Nack(Some(delay))) = Settlement::of_lease(&held) else {
+            panic!("a held lease is nacked with a delay");
+        };
+        assert!(
+            Duration::ZERO < delay && delay <= options.lease(),
+            "{delay:?}"
+        );
 
-    // After the lease expires, B takes over as attempt 2 with the same idempotency key.
-    wait_past(lease_a.lease_until()).await;
-    let lease_b = match claim_lease(&b, id, CONSUMER, &options).await.unwrap() {
-        LeaseClaim::TakenOver(lease) => lease,
-        other => panic!("expected TakenOver, got {other:?}"),
-    };
-    assert_eq!(lease_b.attempt(), 2);
-    assert_ne!(lease_b.fencing_token(), lease_a.fencing_token());
-    provider_keys
-        .lock()
-        .unwrap()
-        .push(lease_b.idempotency_key());
-    complete_lease(&b, &lease_b).await.expect("B completes");
+        // After the lease expires, B takes over as attempt 2 with the same idempotency key.
+        wait_past(lease_a.lease_until()).await;
+        let lease_b = match claim_lease(&b, id, CONSUMER, &options).await.unwrap() {
+            LeaseClaim::TakenOver(lease) => lease,
+            other => panic!("expected TakenOver, got {other:?}"),
+        };
+        assert_eq!(lease_b.attempt(), 2);
+        assert_ne!(lease_b.fencing_token(), lease_a.fencing_token());
+        provider_keys
+            .lock()
+            .unwrap()
+            .push(lease_b.idempotency_key());
+        complete_lease(&b, &lease_b).await.expect("B completes");
 
-    // A wakes up and tries to record its outcome: fenced off.
-    match complete_lease(&a, &lease_a).await {
-        Err(InboxError::StaleLease {
-            message_id,
-            attempt,
-            ..
-        }) => {
-            assert_eq!((message_id, attempt), (id, 1));
+        // A wakes up and tries to record its outcome: fenced off.
+        match complete_lease(&a, &lease_a).await {
+            Err(InboxError::StaleLease {
+                message_id,
+                attempt,
+                ..
+            }) => {
+                assert_eq!((message_id, attempt), (id, 1));
+            }
+            other => panic!("expected StaleLease, got {other:?}"),
         }
-        other => panic!("expected StaleLease, got {other:?}"),
-    }
 
-    let keys = provider_keys.into_inner().unwrap();
-    assert_eq!(keys[0], keys[1], "one idempotency key across attempts");
-    assert_eq!(keys[0], id.idempotency_key(CONSUMER));
-    let saved = row(&a, id).await;
-    assert_eq!(saved.attempts, 2);
-    assert!(saved.processed_at.is_some());
-    assert_eq!(saved.claim_token, Some(lease_b.fencing_token()));
-    assert_eq!(
-        claim_lease(&a, id, CONSUMER, &options).await.unwrap(),
-        LeaseClaim::AlreadyProcessed
-    );
-    a.close().await.ok();
-    b.close().await.ok();
-    db.cleanup().await;
+        let keys = provider_keys.into_inner().unwrap();
+        assert_eq!(keys[0], keys[1], "one idempotency key across attempts");
+        assert_eq!(keys[0], id.idempotency_key(CONSUMER));
+        let saved = row(&a, id).await;
+        assert_eq!(saved.attempts, 2);
+        assert!(saved.processed_at.is_some());
+        assert_eq!(saved.claim_token, Some(lease_b.fencing_token()));
+        assert_eq!(
+            claim_lease(&a, id, CONSUMER, &options).await.unwrap(),
+            LeaseClaim::AlreadyProcessed
+        );
+    })
+    .await;
 }
 
 async fn expired_lease_nobody_took_over_still_completes(backend: Backend) {
-    let db = migrated_db(backend).await;
-    let conn = db.connect().await;
-    let options = LeaseOptions::new(Duration::from_millis(50)).unwrap();
-    let id = MessageId::from_uuid(Uuid::new_v4());
-    let lease = leased(claim_lease(&conn, id, CONSUMER, &options).await.unwrap());
-    wait_past(lease.lease_until()).await;
-    complete_lease(&conn, &lease)
-        .await
-        .expect("no takeover happened: the token still holds");
-    complete_lease(&conn, &lease)
-        .await
-        .expect("a repeated completion by the holder is idempotent");
-    conn.close().await.ok();
-    db.cleanup().await;
+    with_migrated_db(backend, async |db| {
+        let conn = db.connect().await;
+        let options = LeaseOptions::new(Duration::from_millis(50)).unwrap();
+        let id = MessageId::from_uuid(Uuid::new_v4());
+        let lease = leased(claim_lease(&conn, id, CONSUMER, &options).await.unwrap());
+        wait_past(lease.lease_until()).await;
+        complete_lease(&conn, &lease)
+            .await
+            .expect("no takeover happened: the token still holds");
+        complete_lease(&conn, &lease)
+            .await
+            .expect("a repeated completion by the holder is idempotent");
+    })
+    .await;
 }
 
-/// Issue 8, defect 4: a completion whose reply was lost is retried (by `complete_lease`'s
+/// A lease completion whose reply was lost is retried (by `complete_lease`'s
 /// own transient retry, or by the caller) after it committed. The holder's repeat must be
 /// `Ok` and keep the first `processed_at`; a stale token stays `StaleLease` before and
 /// after the holder completes, and a release after completion stays refused.
 async fn completion_is_idempotent_for_its_holder_only(backend: Backend) {
-    let db = migrated_db(backend).await;
-    let conn = db.connect().await;
-    let options = LeaseOptions::new(Duration::from_millis(50)).unwrap();
-    let id = MessageId::from_uuid(Uuid::new_v4());
-    let stale = leased(claim_lease(&conn, id, CONSUMER, &options).await.unwrap());
-    wait_past(stale.lease_until()).await;
-    let holder = match claim_lease(&conn, id, CONSUMER, &options).await.unwrap() {
-        LeaseClaim::TakenOver(lease) => lease,
-        other => panic!("expected TakenOver, got {other:?}"),
-    };
-    let is_stale = |result: Result<(), InboxError>| {
-        matches!(result, Err(InboxError::StaleLease { attempt: 1, .. }))
-    };
-    assert!(is_stale(complete_lease(&conn, &stale).await), "before");
+    with_migrated_db(backend, async |db| {
+        let conn = db.connect().await;
+        let options = LeaseOptions::new(Duration::from_millis(50)).unwrap();
+        let id = MessageId::from_uuid(Uuid::new_v4());
+        let stale = leased(claim_lease(&conn, id, CONSUMER, &options).await.unwrap());
+        wait_past(stale.lease_until()).await;
+        let holder = match claim_lease(&conn, id, CONSUMER, &options).await.unwrap() {
+            LeaseClaim::TakenOver(lease) => lease,
+            other => panic!("expected TakenOver, got {other:?}"),
+        };
+        let is_stale = |result: Result<(), InboxError>| {
+            matches!(result, Err(InboxError::StaleLease { attempt: 1, .. }))
+        };
+        assert!(is_stale(complete_lease(&conn, &stale).await), "before");
 
-    complete_lease(&conn, &holder)
-        .await
-        .expect("the holder completes");
-    let first = row(&conn, id).await.processed_at;
-    assert!(first.is_some());
-    complete_lease(&conn, &holder)
-        .await
-        .expect("the holder's repeated completion (after a lost reply) is Ok");
-    assert_eq!(row(&conn, id).await.processed_at, first, "kept the first");
+        complete_lease(&conn, &holder)
+            .await
+            .expect("the holder completes");
+        let first = row(&conn, id).await.processed_at;
+        assert!(first.is_some());
+        complete_lease(&conn, &holder)
+            .await
+            .expect("the holder's repeated completion (after a lost reply) is Ok");
+        assert_eq!(row(&conn, id).await.processed_at, first, "kept the first");
 
-    assert!(is_stale(complete_lease(&conn, &stale).await), "after");
-    assert!(
-        matches!(
-            release_lease(&conn, &holder).await,
-            Err(InboxError::StaleLease { attempt: 2, .. })
-        ),
-        "a completed lease cannot be given back"
-    );
-    conn.close().await.ok();
-    db.cleanup().await;
+        assert!(is_stale(complete_lease(&conn, &stale).await), "after");
+        assert!(
+            matches!(
+                release_lease(&conn, &holder).await,
+                Err(InboxError::StaleLease { attempt: 2, .. })
+            ),
+            "a completed lease cannot be given back"
+        );
+    })
+    .await;
 }
 
 async fn claims_are_parked_dead_after_max_attempts_and_listed(backend: Backend) {
-    let db = migrated_db(backend).await;
-    let conn = db.connect().await;
-    let options = LeaseOptions::new(Duration::from_millis(200))
-        .unwrap()
-        .with_max_attempts(2)
-        .unwrap();
-    let id = MessageId::from_uuid(Uuid::new_v4());
-    let healthy = MessageId::from_uuid(Uuid::new_v4());
-
-    let first = leased(claim_lease(&conn, id, CONSUMER, &options).await.unwrap());
-    let _healthy = leased(
-        claim_lease(&conn, healthy, CONSUMER, &options)
-            .await
-            .unwrap(),
-    );
-    wait_past(first.lease_until()).await;
-    let second = match claim_lease(&conn, id, CONSUMER, &options).await.unwrap() {
-        LeaseClaim::TakenOver(lease) => lease,
-        other => panic!("expected TakenOver, got {other:?}"),
-    };
-    assert_eq!(second.attempt(), 2);
-    wait_past(second.lease_until()).await;
-
-    let dead = match claim_lease(&conn, id, CONSUMER, &options).await.unwrap() {
-        LeaseClaim::Dead(dead) => dead,
-        other => panic!("expected Dead after 2 attempts, got {other:?}"),
-    };
-    assert_eq!((dead.message_id, dead.attempts), (id, 2));
-    assert_eq!(
-        claim_lease(&conn, id, CONSUMER, &options).await.unwrap(),
-        LeaseClaim::Dead(dead.clone()),
-        "stays parked"
-    );
-    assert!(matches!(
-        complete_lease(&conn, &second).await,
-        Err(InboxError::StaleLease { attempt: 2, .. })
-    ));
-
-    let listed = list_dead_claims(&conn, Some(CONSUMER), 10).await.unwrap();
-    assert_eq!(listed, std::slice::from_ref(&dead));
-    assert_eq!(list_dead_claims(&conn, None, 10).await.unwrap(), [dead]);
-    assert!(
-        list_dead_claims(&conn, Some("another.consumer"), 10)
-            .await
+    with_migrated_db(backend, async |db| {
+        let conn = db.connect().await;
+        let options = LeaseOptions::new(Duration::from_millis(200))
             .unwrap()
-            .is_empty()
-    );
-    let saved = row(&conn, id).await;
-    assert_eq!(saved.attempts, 2);
-    assert!(saved.dead_at.is_some() && saved.processed_at.is_none());
-    conn.close().await.ok();
-    db.cleanup().await;
+            .with_max_attempts(2)
+            .unwrap();
+        let id = MessageId::from_uuid(Uuid::new_v4());
+        let healthy = MessageId::from_uuid(Uuid::new_v4());
+
+        let first = leased(claim_lease(&conn, id, CONSUMER, &options).await.unwrap());
+        let _healthy = leased(
+            claim_lease(&conn, healthy, CONSUMER, &options)
+                .await
+                .unwrap(),
+        );
+        wait_past(first.lease_until()).await;
+        let second = match claim_lease(&conn, id, CONSUMER, &options).await.unwrap() {
+            LeaseClaim::TakenOver(lease) => lease,
+            other => panic!("expected TakenOver, got {other:?}"),
+        };
+        assert_eq!(second.attempt(), 2);
+        wait_past(second.lease_until()).await;
+
+        let dead = match claim_lease(&conn, id, CONSUMER, &options).await.unwrap() {
+            LeaseClaim::Dead(dead) => dead,
+            other => panic!("expected Dead after 2 attempts, got {other:?}"),
+        };
+        assert_eq!((dead.message_id, dead.attempts), (id, 2));
+        assert_eq!(
+            claim_lease(&conn, id, CONSUMER, &options).await.unwrap(),
+            LeaseClaim::Dead(dead.clone()),
+            "stays parked"
+        );
+        assert!(matches!(
+            complete_lease(&conn, &second).await,
+            Err(InboxError::StaleLease { attempt: 2, .. })
+        ));
+
+        let listed = list_dead_claims(&conn, Some(CONSUMER), 10).await.unwrap();
+        assert_eq!(listed, std::slice::from_ref(&dead));
+        assert_eq!(list_dead_claims(&conn, None, 10).await.unwrap(), [dead]);
+        assert!(
+            list_dead_claims(&conn, Some("another.consumer"), 10)
+                .await
+                .unwrap()
+                .is_empty()
+        );
+        let saved = row(&conn, id).await;
+        assert_eq!(saved.attempts, 2);
+        assert!(saved.dead_at.is_some() && saved.processed_at.is_none());
+    })
+    .await;
 }
 
 async fn one_phase_markers_count_as_processed_and_bad_input_is_refused(backend: Backend) {
     use sea_orm::TransactionTrait;
     use sea_orm_inbox::prelude::*;
-    let db = migrated_db(backend).await;
-    let conn = db.connect().await;
-    let options = LeaseOptions::new(Duration::from_secs(30)).unwrap();
-    let id = Uuid::new_v4();
-    let txn = conn.begin_with_options(CLAIM_TRANSACTION).await.unwrap();
-    assert!(txn.claim_message(id, CONSUMER).await.unwrap().is_claimed());
-    txn.commit().await.unwrap();
-    assert_eq!(
-        claim_lease(&conn, id, CONSUMER, &options).await.unwrap(),
-        LeaseClaim::AlreadyProcessed
-    );
-    assert!(matches!(
-        claim_lease(&conn, Uuid::nil(), CONSUMER, &options).await,
-        Err(InboxError::NilMessageId)
-    ));
-    assert!(matches!(
-        claim_lease(&conn, Uuid::new_v4(), "", &options).await,
-        Err(InboxError::EmptyConsumer)
-    ));
-    assert_eq!(scalar_i64(&conn, "SELECT COUNT(*) FROM inbox").await, 1);
-    conn.close().await.ok();
-    db.cleanup().await;
+    with_migrated_db(backend, async |db| {
+        let conn = db.connect().await;
+        let options = LeaseOptions::new(Duration::from_secs(30)).unwrap();
+        let id = Uuid::new_v4();
+        let txn = conn.begin_with_options(CLAIM_TRANSACTION).await.unwrap();
+        assert!(txn.claim_message(id, CONSUMER).await.unwrap().is_claimed());
+        txn.commit().await.unwrap();
+        assert_eq!(
+            claim_lease(&conn, id, CONSUMER, &options).await.unwrap(),
+            LeaseClaim::AlreadyProcessed
+        );
+        assert!(matches!(
+            claim_lease(&conn, Uuid::nil(), CONSUMER, &options).await,
+            Err(InboxError::NilMessageId)
+        ));
+        assert!(matches!(
+            claim_lease(&conn, Uuid::new_v4(), "", &options).await,
+            Err(InboxError::EmptyConsumer)
+        ));
+        assert_eq!(scalar_i64(&conn, "SELECT COUNT(*) FROM inbox").await, 1);
+    })
+    .await;
 }
 
 async fn released_leases_are_listed_for_sweepers_and_taken_over_at_once(backend: Backend) {
-    let db = migrated_db(backend).await;
-    let conn = db.connect().await;
-    let options = LeaseOptions::new(Duration::from_secs(30)).unwrap();
-    let (x, y) = (
-        MessageId::from_uuid(Uuid::new_v4()),
-        MessageId::from_uuid(Uuid::new_v4()),
-    );
-    let lease_x = leased(claim_lease(&conn, x, CONSUMER, &options).await.unwrap());
-    let _lease_y = leased(claim_lease(&conn, y, CONSUMER, &options).await.unwrap());
-    assert!(
-        list_expired_leases(&conn, None, 10)
-            .await
-            .unwrap()
-            .is_empty()
-    );
+    with_migrated_db(backend, async |db| {
+        let conn = db.connect().await;
+        let options = LeaseOptions::new(Duration::from_secs(30)).unwrap();
+        let (x, y) = (
+            MessageId::from_uuid(Uuid::new_v4()),
+            MessageId::from_uuid(Uuid::new_v4()),
+        );
+        let lease_x = leased(claim_lease(&conn, x, CONSUMER, &options).await.unwrap());
+        let _lease_y = leased(claim_lease(&conn, y, CONSUMER, &options).await.unwrap());
+        assert!(
+            list_expired_leases(&conn, None, 10)
+                .await
+                .unwrap()
+                .is_empty()
+        );
 
-    // The provider failed: give x back instead of waiting 30 s.
-    release_lease(&conn, &lease_x).await.expect("release");
-    tokio::time::sleep(Duration::from_millis(10)).await;
-    let expired = list_expired_leases(&conn, Some(CONSUMER), 10)
-        .await
-        .unwrap();
-    assert_eq!(expired.len(), 1, "only x: y's lease is live");
-    assert_eq!((expired[0].message_id, expired[0].attempts), (x, 1));
-    assert!(
-        list_expired_leases(&conn, Some("another.consumer"), 10)
+        // The provider failed: give x back instead of waiting 30 s.
+        release_lease(&conn, &lease_x).await.expect("release");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let expired = list_expired_leases(&conn, Some(CONSUMER), 10)
             .await
-            .unwrap()
-            .is_empty()
-    );
+            .unwrap();
+        assert_eq!(expired.len(), 1, "only x: y's lease is live");
+        assert_eq!((expired[0].message_id, expired[0].attempts), (x, 1));
+        assert!(
+            list_expired_leases(&conn, Some("another.consumer"), 10)
+                .await
+                .unwrap()
+                .is_empty()
+        );
 
-    let retry = match claim_lease(&conn, x, CONSUMER, &options).await.unwrap() {
-        LeaseClaim::TakenOver(lease) => lease,
-        other => panic!("expected TakenOver at once, got {other:?}"),
-    };
-    assert_eq!(retry.attempt(), 2);
-    assert!(matches!(
-        release_lease(&conn, &lease_x).await,
-        Err(InboxError::StaleLease { attempt: 1, .. })
-    ));
-    assert!(
-        list_expired_leases(&conn, None, 10)
-            .await
-            .unwrap()
-            .is_empty()
-    );
-    complete_lease(&conn, &retry).await.unwrap();
-    conn.close().await.ok();
-    db.cleanup().await;
+        let retry = match claim_lease(&conn, x, CONSUMER, &options).await.unwrap() {
+            LeaseClaim::TakenOver(lease) => lease,
+            other => panic!("expected TakenOver at once, got {other:?}"),
+        };
+        assert_eq!(retry.attempt(), 2);
+        assert!(matches!(
+            release_lease(&conn, &lease_x).await,
+            Err(InboxError::StaleLease { attempt: 1, .. })
+        ));
+        assert!(
+            list_expired_leases(&conn, None, 10)
+                .await
+                .unwrap()
+                .is_empty()
+        );
+        complete_lease(&conn, &retry).await.unwrap();
+    })
+    .await;
 }
 
 /// A caller retrying a claim with its own token (after an error that may hide a committed
 /// claim) gets its lease back; any other token sees it held.
 async fn a_kept_token_recognises_its_own_claim(backend: Backend) {
-    let db = migrated_db(backend).await;
-    let conn = db.connect().await;
-    let options = LeaseOptions::new(Duration::from_secs(30)).unwrap();
-    let id = MessageId::from_uuid(Uuid::new_v4());
-    let token = ClaimToken::new();
-    let first = claim_lease_with_token(&conn, id, CONSUMER, &options, token)
-        .await
-        .unwrap();
-    let lease = leased(first.clone());
-    assert_eq!(lease.fencing_token(), token.as_uuid());
-    assert_eq!(
-        claim_lease_with_token(&conn, id, CONSUMER, &options, token)
+    with_migrated_db(backend, async |db| {
+        let conn = db.connect().await;
+        let options = LeaseOptions::new(Duration::from_secs(30)).unwrap();
+        let id = MessageId::from_uuid(Uuid::new_v4());
+        let token = ClaimToken::new();
+        let first = claim_lease_with_token(&conn, id, CONSUMER, &options, token)
             .await
-            .unwrap(),
-        first,
-        "the same token gets the same lease back"
-    );
-    assert!(matches!(
-        claim_lease(&conn, id, CONSUMER, &options).await.unwrap(),
-        LeaseClaim::Held { attempts: 1, .. }
-    ));
-    assert_eq!(row(&conn, id).await.attempts, 1);
-    complete_lease(&conn, &lease).await.unwrap();
-    assert_eq!(
-        claim_lease_with_token(&conn, id, CONSUMER, &options, token)
-            .await
-            .unwrap(),
-        LeaseClaim::AlreadyProcessed
-    );
-    conn.close().await.ok();
-    db.cleanup().await;
+            .unwrap();
+        let lease = leased(first.clone());
+        assert_eq!(lease.fencing_token(), token.as_uuid());
+        assert_eq!(
+            claim_lease_with_token(&conn, id, CONSUMER, &options, token)
+                .await
+                .unwrap(),
+            first,
+            "the same token gets the same lease back"
+        );
+        assert!(matches!(
+            claim_lease(&conn, id, CONSUMER, &options).await.unwrap(),
+            LeaseClaim::Held { attempts: 1, .. }
+        ));
+        assert_eq!(row(&conn, id).await.attempts, 1);
+        complete_lease(&conn, &lease).await.unwrap();
+        assert_eq!(
+            claim_lease_with_token(&conn, id, CONSUMER, &options, token)
+                .await
+                .unwrap(),
+            LeaseClaim::AlreadyProcessed
+        );
+    })
+    .await;
 }
 
 on_every_backend!(

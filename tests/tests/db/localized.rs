@@ -10,7 +10,7 @@
 //! translated texts of PostgreSQL 15's catalogues instead.
 
 use inbox_tests::{
-    Backend, TestDb, create_accounts, credit_once, fresh_db, migrated_db, run, scalar_i64,
+    Backend, TestDb, create_accounts, credit_once, run, scalar_i64, with_fresh_db, with_migrated_db,
 };
 use sea_orm::{ConnectionTrait, DatabaseConnection, DbErr, TransactionTrait};
 use sea_orm_inbox::prelude::*;
@@ -43,102 +43,104 @@ const LANGUAGES: [(&str, &str); 4] = [
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[cfg_attr(not(inbox_mysql), ignore = "set INBOX_TEST_MYSQL_URL")]
 async fn mysql_duplicates_are_duplicates_in_every_language() {
-    let db = migrated_db(Backend::MySql).await;
-    let setup = db.connect().await;
-    create_accounts(&setup).await;
-    run(
-        &setup,
-        "CREATE TABLE orders (order_no BIGINT NOT NULL, UNIQUE KEY uq_order_no (order_no))",
-    )
-    .await;
-    run(&setup, "INSERT INTO orders (order_no) VALUES (1)").await;
+    with_migrated_db(Backend::MySql, async |db| {
+        let setup = db.connect().await;
+        create_accounts(&setup).await;
+        run(
+            &setup,
+            "CREATE TABLE orders (order_no BIGINT NOT NULL, UNIQUE KEY uq_order_no (order_no))",
+        )
+        .await;
+        run(&setup, "INSERT INTO orders (order_no) VALUES (1)").await;
 
-    for (language, word) in LANGUAGES {
-        let conn = localized_pool(&db, language, word).await;
-        let inbox = Inbox::new(format!("billing.{language}")).expect("valid name");
-        let id = Uuid::new_v4();
-        for expected_duplicate in [false, true] {
-            let result = credit_once(&inbox, &conn, id).await;
-            match (&result, expected_duplicate) {
-                (Ok(Outcome::Processed(())), false) | (Ok(Outcome::Duplicate), true) => {}
-                (other, _) => panic!(
-                    "{language}: delivery {} got {other:?}",
-                    u8::from(expected_duplicate) + 1
-                ),
+        for (language, word) in LANGUAGES {
+            let conn = localized_pool(db, language, word).await;
+            let inbox = Inbox::new(format!("billing.{language}")).expect("valid name");
+            let id = Uuid::new_v4();
+            for expected_duplicate in [false, true] {
+                let result = credit_once(&inbox, &conn, id).await;
+                match (&result, expected_duplicate) {
+                    (Ok(Outcome::Processed(())), false) | (Ok(Outcome::Duplicate), true) => {}
+                    (other, _) => panic!(
+                        "{language}: delivery {} got {other:?}",
+                        u8::from(expected_duplicate) + 1
+                    ),
+                }
             }
-        }
-        let txn = conn
-            .begin_with_options(CLAIM_TRANSACTION)
-            .await
-            .expect("begin");
-        let claim = txn
-            .claim_message(id, inbox.consumer())
-            .await
-            .expect("claim");
-        assert!(claim.is_duplicate(), "{language}: {claim:?}");
-        txn.rollback().await.expect("rollback");
+            let txn = conn
+                .begin_with_options(CLAIM_TRANSACTION)
+                .await
+                .expect("begin");
+            let claim = txn
+                .claim_message(id, inbox.consumer())
+                .await
+                .expect("claim");
+            assert!(claim.is_duplicate(), "{language}: {claim:?}");
+            txn.rollback().await.expect("rollback");
 
-        let other = conn
-            .execute_unprepared("INSERT INTO orders (order_no) VALUES (1)")
-            .await
-            .expect_err("order 1 exists");
-        assert_eq!(
-            classify(&other),
-            DbErrorKind::OtherUniqueViolation,
-            "{language}: {other}"
-        );
-        let result = inbox
-            .process(&conn, Uuid::new_v4(), |txn| {
-                Box::pin(async move {
-                    txn.execute_unprepared("INSERT INTO orders (order_no) VALUES (1)")
-                        .await?;
-                    Ok::<_, DbErr>(())
+            let other = conn
+                .execute_unprepared("INSERT INTO orders (order_no) VALUES (1)")
+                .await
+                .expect_err("order 1 exists");
+            assert_eq!(
+                classify(&other),
+                DbErrorKind::OtherUniqueViolation,
+                "{language}: {other}"
+            );
+            let result = inbox
+                .process(&conn, Uuid::new_v4(), |txn| {
+                    Box::pin(async move {
+                        txn.execute_unprepared("INSERT INTO orders (order_no) VALUES (1)")
+                            .await?;
+                        Ok::<_, DbErr>(())
+                    })
                 })
-            })
-            .await;
-        assert!(
-            matches!(&result, Err(ProcessError::Handler(err)) if classify(err) == DbErrorKind::OtherUniqueViolation),
-            "{language}: {result:?}"
+                .await;
+            assert!(
+                matches!(&result, Err(ProcessError::Handler(err)) if classify(err) == DbErrorKind::OtherUniqueViolation),
+                "{language}: {result:?}"
+            );
+            conn.close().await.ok();
+        }
+        assert_eq!(
+            scalar_i64(&setup, "SELECT balance FROM account WHERE id = 1").await,
+            LANGUAGES.len() as i64,
+            "each language's message applied once"
         );
-        conn.close().await.ok();
-    }
-    assert_eq!(
-        scalar_i64(&setup, "SELECT balance FROM account WHERE id = 1").await,
-        LANGUAGES.len() as i64,
-        "each language's message applied once"
-    );
-    db.cleanup().await;
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[cfg_attr(not(inbox_mysql), ignore = "set INBOX_TEST_MYSQL_URL")]
 async fn mysql_missing_table_is_reported_in_every_language() {
-    let db = fresh_db(Backend::MySql).await;
-    for (language, word) in LANGUAGES {
-        let conn = localized_pool(&db, language, word).await;
-        let inbox = Inbox::new("billing.credit").expect("valid name");
-        let result = inbox
-            .process(&conn, Uuid::new_v4(), |_txn| {
-                Box::pin(async move { Ok::<_, DbErr>(()) })
-            })
-            .await;
-        assert!(
-            matches!(
-                &result,
-                Err(ProcessError::Inbox(InboxError::MissingTable { .. }))
-            ),
-            "{language}: {result:?}"
-        );
-        let elsewhere = conn
-            .execute_unprepared("SELECT * FROM orders")
-            .await
-            .expect_err("no orders table");
-        assert_eq!(
-            classify(&elsewhere),
-            DbErrorKind::Other,
-            "{language}: {elsewhere}"
-        );
-        conn.close().await.ok();
-    }
-    db.cleanup().await;
+    with_fresh_db(Backend::MySql, async |db| {
+        for (language, word) in LANGUAGES {
+            let conn = localized_pool(db, language, word).await;
+            let inbox = Inbox::new("billing.credit").expect("valid name");
+            let result = inbox
+                .process(&conn, Uuid::new_v4(), |_txn| {
+                    Box::pin(async move { Ok::<_, DbErr>(()) })
+                })
+                .await;
+            assert!(
+                matches!(
+                    &result,
+                    Err(ProcessError::Inbox(InboxError::MissingTable { .. }))
+                ),
+                "{language}: {result:?}"
+            );
+            let elsewhere = conn
+                .execute_unprepared("SELECT * FROM orders")
+                .await
+                .expect_err("no orders table");
+            assert_eq!(
+                classify(&elsewhere),
+                DbErrorKind::Other,
+                "{language}: {elsewhere}"
+            );
+            conn.close().await.ok();
+        }
+    })
+    .await;
 }

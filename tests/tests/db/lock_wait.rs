@@ -12,35 +12,34 @@
 
 use inbox_tests::{
     Backend, create_accounts, credit_once, hold_claim_then_roll_back, impatient_replica,
-    migrated_db, on_pgbouncer, run, scalar_i64, stmt,
+    on_pgbouncer, run, scalar_i64, stmt, with_migrated_db,
 };
-use sea_orm::{ConnectionTrait, DbErr, Statement, TransactionTrait};
+use sea_orm::{ConnectionTrait, DatabaseConnection, DbErr, Statement, TransactionTrait};
 use sea_orm_inbox::prelude::*;
 use sea_orm_inbox::{DbErrorKind, classify};
 use std::time::{Duration, Instant};
 use uuid::Uuid;
 
-async fn held_claim_ends_as_transient_within_the_lock_timeout(backend: Backend) {
-    let db = migrated_db(backend).await;
-    let replica = db.connect_with(1).await;
-    create_accounts(&replica).await;
-    let id = Uuid::new_v4();
-    // The holder hangs far longer than the test may wait.
-    let holder =
-        hold_claim_then_roll_back(&db, id, "billing.credit", Duration::from_secs(120)).await;
+/// Two attempts with a short backoff between them.
+fn two_quick_attempts() -> RetryPolicy {
+    RetryPolicy::default()
+        .max_attempts(2)
+        .backoff(Duration::from_millis(10), Duration::from_millis(50))
+        .expect("a short backoff")
+}
 
-    let inbox = Inbox::new("billing.credit")
-        .expect("valid name")
-        .with_lock_timeout(Duration::from_secs(1))
-        .expect("within bounds")
-        .with_retry(
-            RetryPolicy::default()
-                .max_attempts(2)
-                .backoff(Duration::from_millis(10), Duration::from_millis(50))
-                .expect("a short backoff"),
-        );
+/// A delivery of `id` through `inbox` (two attempts, each bounded to 1 s of lock wait) on
+/// `replica` while another replica holds the claim: both attempts end in a transient lock
+/// timeout whose message holds `needle`, and the delivery is nacked well within the time
+/// the holder (or the server's default bound) would take.
+async fn gives_up_after_two_lock_waits(
+    inbox: &Inbox,
+    replica: &DatabaseConnection,
+    id: Uuid,
+    needle: &str,
+) {
     let started = Instant::now();
-    let result = credit_once(&inbox, &replica, id).await;
+    let result = credit_once(inbox, replica, id).await;
     let waited = started.elapsed();
     match &result {
         Err(ProcessError::RetriesExhausted {
@@ -49,42 +48,60 @@ async fn held_claim_ends_as_transient_within_the_lock_timeout(backend: Backend) 
         }) => {
             let cause = source.db_err().expect("a database cause");
             assert_eq!(classify(cause), DbErrorKind::Transient, "{cause}");
-            assert!(cause.to_string().contains("lock timeout"), "{cause}");
+            assert!(cause.to_string().contains(needle), "{cause}");
         }
         other => panic!("expected RetriesExhausted after two 1 s lock waits, got {other:?}"),
     }
     assert_eq!(Settlement::of(&result), Settlement::Nack(None));
-    // Two attempts of 1 s each; generous for a loaded machine, far below the holder's 120 s.
+    // Two attempts of 1 s each; generous for a loaded machine.
     assert!(
         waited < Duration::from_secs(30),
         "the claim waited {waited:?}"
     );
+}
 
-    // The pool's only connection is back, usable, and its session setting untouched:
-    // the bound was SET LOCAL, so it ended with the claim transaction (through PgBouncer:
-    // no server connection it lends out keeps it).
-    let setting = tokio::time::timeout(Duration::from_secs(10), async {
-        let txn = replica.begin().await.expect("begin");
-        let row = txn
-            .query_one_raw(Statement::from_string(
-                replica.get_database_backend(),
-                "SHOW lock_timeout",
-            ))
-            .await
-            .expect("SHOW lock_timeout")
-            .expect("one row");
-        txn.commit().await.expect("commit");
-        row
+async fn held_claim_ends_as_transient_within_the_lock_timeout(backend: Backend) {
+    with_migrated_db(backend, async |db| {
+        let replica = db.connect_with(1).await;
+        create_accounts(&replica).await;
+        let id = Uuid::new_v4();
+        // The holder hangs far longer than the test may wait.
+        let holder =
+            hold_claim_then_roll_back(db, id, "billing.credit", Duration::from_secs(120)).await;
+
+        let inbox = Inbox::new("billing.credit")
+            .expect("valid name")
+            .with_lock_timeout(Duration::from_secs(1))
+            .expect("within bounds")
+            .with_retry(two_quick_attempts());
+        gives_up_after_two_lock_waits(&inbox, &replica, id, "lock timeout").await;
+
+        // The pool's only connection is back, usable, and its session setting untouched:
+        // the bound was SET LOCAL, so it ended with the claim transaction (through PgBouncer:
+        // no server connection it lends out keeps it).
+        let setting = tokio::time::timeout(Duration::from_secs(10), async {
+            let txn = replica.begin().await.expect("begin");
+            let row = txn
+                .query_one_raw(Statement::from_string(
+                    replica.get_database_backend(),
+                    "SHOW lock_timeout",
+                ))
+                .await
+                .expect("SHOW lock_timeout")
+                .expect("one row");
+            txn.commit().await.expect("commit");
+            row
+        })
+        .await
+        .expect("the pooled connection is free");
+        assert_eq!(
+            setting.try_get_by_index::<String>(0).expect("text"),
+            "0",
+            "the session keeps its own lock_timeout"
+        );
+        holder.abort();
     })
-    .await
-    .expect("the pooled connection is free");
-    assert_eq!(
-        setting.try_get_by_index::<String>(0).expect("text"),
-        "0",
-        "the session keeps its own lock_timeout"
-    );
-    holder.abort();
-    db.cleanup().await;
+    .await;
 }
 
 mod postgres {
@@ -134,66 +151,67 @@ fn lock_timeouts_outside_the_bounds_are_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[cfg_attr(not(inbox_mysql), ignore = "set INBOX_TEST_MYSQL_URL")]
 async fn mysql_lock_wait_timeout_rolls_back_the_statement_only() {
-    let db = migrated_db(Backend::MySql).await;
-    let conn = db.connect().await;
-    create_accounts(&conn).await;
-    run(&conn, "INSERT INTO account (id, balance) VALUES (2, 0)").await;
-    let handler_pool = impatient_replica(&db).await;
-    let rollback_on_timeout =
-        scalar_i64(&handler_pool, "SELECT @@innodb_rollback_on_timeout").await;
-    assert_eq!(rollback_on_timeout, 0, "the server's default");
-    let blocker = db.connect_with(1).await;
-    let blocking = blocker.begin().await.expect("begin the blocker");
-    run(
-        &blocking,
-        "UPDATE account SET balance = balance WHERE id = 1",
-    )
+    with_migrated_db(Backend::MySql, async |db| {
+        let conn = db.connect().await;
+        create_accounts(&conn).await;
+        run(&conn, "INSERT INTO account (id, balance) VALUES (2, 0)").await;
+        let handler_pool = impatient_replica(db).await;
+        let rollback_on_timeout =
+            scalar_i64(&handler_pool, "SELECT @@innodb_rollback_on_timeout").await;
+        assert_eq!(rollback_on_timeout, 0, "the server's default");
+        let blocker = db.connect_with(1).await;
+        let blocking = blocker.begin().await.expect("begin the blocker");
+        run(
+            &blocking,
+            "UPDATE account SET balance = balance WHERE id = 1",
+        )
+        .await;
+
+        let id = Uuid::new_v4();
+        let txn = handler_pool
+            .begin_with_options(CLAIM_TRANSACTION)
+            .await
+            .expect("begin");
+        let Claim::Claimed(claimed) = txn
+            .claim_message(id, "billing.credit")
+            .await
+            .expect("claim")
+        else {
+            panic!("a new message is claimed")
+        };
+        credit_account(&txn, 2).await.expect("account 2 is free");
+        let timed_out = credit_account(&txn, 1)
+            .await
+            .expect_err("account 1 is locked by the blocker");
+        assert!(timed_out.to_string().contains("1205"), "{timed_out}");
+        assert_eq!(classify(&timed_out), DbErrorKind::Transient);
+        claimed
+            .ensure_held(&txn)
+            .await
+            .expect("the marker survived the timeout");
+        claimed
+            .commit(txn)
+            .await
+            .expect("the transaction commits what it still holds");
+        blocking.rollback().await.expect("release the blocker");
+
+        assert_eq!(
+            scalar_i64(&conn, "SELECT COUNT(*) FROM inbox").await,
+            1,
+            "the marker committed"
+        );
+        assert_eq!(
+            scalar_i64(&conn, "SELECT balance FROM account WHERE id = 2").await,
+            1,
+            "the write before the timeout committed"
+        );
+        assert_eq!(
+            scalar_i64(&conn, "SELECT balance FROM account WHERE id = 1").await,
+            0,
+            "the timed-out statement did not"
+        );
+    })
     .await;
-
-    let id = Uuid::new_v4();
-    let txn = handler_pool
-        .begin_with_options(CLAIM_TRANSACTION)
-        .await
-        .expect("begin");
-    let Claim::Claimed(claimed) = txn
-        .claim_message(id, "billing.credit")
-        .await
-        .expect("claim")
-    else {
-        panic!("a new message is claimed")
-    };
-    credit_account(&txn, 2).await.expect("account 2 is free");
-    let timed_out = credit_account(&txn, 1)
-        .await
-        .expect_err("account 1 is locked by the blocker");
-    assert!(timed_out.to_string().contains("1205"), "{timed_out}");
-    assert_eq!(classify(&timed_out), DbErrorKind::Transient);
-    claimed
-        .ensure_held(&txn)
-        .await
-        .expect("the marker survived the timeout");
-    claimed
-        .commit(txn)
-        .await
-        .expect("the transaction commits what it still holds");
-    blocking.rollback().await.expect("release the blocker");
-
-    assert_eq!(
-        scalar_i64(&conn, "SELECT COUNT(*) FROM inbox").await,
-        1,
-        "the marker committed"
-    );
-    assert_eq!(
-        scalar_i64(&conn, "SELECT balance FROM account WHERE id = 2").await,
-        1,
-        "the write before the timeout committed"
-    );
-    assert_eq!(
-        scalar_i64(&conn, "SELECT balance FROM account WHERE id = 1").await,
-        0,
-        "the timed-out statement did not"
-    );
-    db.cleanup().await;
 }
 
 /// Adds 1 to account `id` through `txn`.
@@ -219,63 +237,42 @@ async fn mysql_pool_bound_by_the_helper_ends_a_held_claim_within_the_bound() {
         sea_orm_inbox::bound_mysql_lock_waits(&mut refused, Duration::ZERO),
         Err(InboxError::LockTimeoutOutOfRange { .. })
     ));
-    let db = migrated_db(Backend::MySql).await;
-    let replica = db
-        .connect_configured(2, |options| {
-            sea_orm_inbox::bound_mysql_lock_waits(options, Duration::from_secs(1))
-                .expect("within bounds");
-        })
-        .await;
-    create_accounts(&replica).await;
-    // Two transactions at once hold the pool's two connections.
-    let (first, second) = (
-        replica.begin().await.unwrap(),
-        replica.begin().await.unwrap(),
-    );
-    for txn in [&first, &second] {
-        let bound = txn
-            .query_one_raw(Statement::from_string(
-                txn.get_database_backend(),
-                "SELECT CAST(@@session.innodb_lock_wait_timeout AS SIGNED)",
-            ))
-            .await
-            .unwrap()
-            .expect("a row")
-            .try_get_by_index::<i64>(0)
-            .unwrap();
-        assert_eq!(bound, 1, "every connection of the pool");
-    }
-    drop((first, second));
-
-    let id = Uuid::new_v4();
-    let holder =
-        hold_claim_then_roll_back(&db, id, "billing.credit", Duration::from_secs(120)).await;
-    let inbox = Inbox::new("billing.credit")
-        .expect("valid name")
-        .with_retry(
-            RetryPolicy::default()
-                .max_attempts(2)
-                .backoff(Duration::from_millis(10), Duration::from_millis(50))
-                .expect("a short backoff"),
+    with_migrated_db(Backend::MySql, async |db| {
+        let replica = db
+            .connect_configured(2, |options| {
+                sea_orm_inbox::bound_mysql_lock_waits(options, Duration::from_secs(1))
+                    .expect("within bounds");
+            })
+            .await;
+        create_accounts(&replica).await;
+        // Two transactions at once hold the pool's two connections.
+        let (first, second) = (
+            replica.begin().await.unwrap(),
+            replica.begin().await.unwrap(),
         );
-    let started = Instant::now();
-    let result = credit_once(&inbox, &replica, id).await;
-    let waited = started.elapsed();
-    match &result {
-        Err(ProcessError::RetriesExhausted { source, .. }) => {
-            let cause = source.db_err().expect("a database cause");
-            assert_eq!(classify(cause), DbErrorKind::Transient, "{cause}");
-            assert!(cause.to_string().contains("1205"), "{cause}");
+        for txn in [&first, &second] {
+            let bound = txn
+                .query_one_raw(Statement::from_string(
+                    txn.get_database_backend(),
+                    "SELECT CAST(@@session.innodb_lock_wait_timeout AS SIGNED)",
+                ))
+                .await
+                .unwrap()
+                .expect("a row")
+                .try_get_by_index::<i64>(0)
+                .unwrap();
+            assert_eq!(bound, 1, "every connection of the pool");
         }
-        other => panic!("expected RetriesExhausted after two 1 s lock waits, got {other:?}"),
-    }
-    assert_eq!(Settlement::of(&result), Settlement::Nack(None));
-    // Two attempts of 1 s each; generous for a loaded machine, far below the default 50 s.
-    assert!(
-        waited < Duration::from_secs(30),
-        "the claim waited {waited:?}"
-    );
-    holder.abort();
-    replica.close().await.ok();
-    db.cleanup().await;
+        drop((first, second));
+
+        let id = Uuid::new_v4();
+        let holder =
+            hold_claim_then_roll_back(db, id, "billing.credit", Duration::from_secs(120)).await;
+        let inbox = Inbox::new("billing.credit")
+            .expect("valid name")
+            .with_retry(two_quick_attempts());
+        gives_up_after_two_lock_waits(&inbox, &replica, id, "1205").await;
+        holder.abort();
+    })
+    .await;
 }

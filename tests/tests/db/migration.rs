@@ -4,7 +4,7 @@
 
 use chrono::{DateTime, TimeZone, Utc};
 use inbox_tests::stmt;
-use inbox_tests::{Backend, fresh_db, on_every_backend, scalar_i64};
+use inbox_tests::{Backend, on_every_backend, scalar_i64, with_fresh_db};
 use sea_orm::{
     ActiveModelTrait, ActiveValue::Set, ColumnTrait, ConnectionTrait, EntityTrait, QueryFilter,
     TransactionTrait,
@@ -57,77 +57,76 @@ async fn inbox_index_count(
 }
 
 async fn up_down_up_keeps_the_exact_index(backend: Backend) {
-    let db = fresh_db(backend).await;
-    let conn = db.connect().await;
+    with_fresh_db(backend, async |db| {
+        let conn = db.connect().await;
 
-    Migrator::up(&conn, None).await.expect("first up");
-    assert_eq!(inbox_table_count(backend, &conn).await, 1);
-    assert_eq!(
-        inbox_index_count(backend, &conn).await,
-        1,
-        "unique index {INDEX_NAME} on (message_id, consumer)"
-    );
-
-    Migrator::down(&conn, None).await.expect("down");
-    assert_eq!(
-        inbox_table_count(backend, &conn).await,
-        0,
-        "down drops the table"
-    );
-
-    Migrator::up(&conn, None)
-        .await
-        .expect("second up after down");
-    assert_eq!(inbox_table_count(backend, &conn).await, 1);
-    assert_eq!(inbox_index_count(backend, &conn).await, 1);
-    if backend.is_postgres() {
+        Migrator::up(&conn, None).await.expect("first up");
+        assert_eq!(inbox_table_count(backend, &conn).await, 1);
         assert_eq!(
-            scalar_i64(
-                &conn,
-                &format!(
-                    "SELECT COUNT(*) FROM pg_constraint WHERE conname = '{INDEX_NAME}' \
-                     AND contype = 'u' AND conrelid = 'inbox'::regclass"
-                ),
-            )
-            .await,
+            inbox_index_count(backend, &conn).await,
             1,
-            "the index is the UNIQUE constraint {INDEX_NAME} the claims' ON CONFLICT names"
+            "unique index {INDEX_NAME} on (message_id, consumer)"
         );
-    }
-    verify_schema(&conn)
-        .await
-        .expect("the startup check passes");
 
-    conn.close().await.ok();
-    db.cleanup().await;
+        Migrator::down(&conn, None).await.expect("down");
+        assert_eq!(
+            inbox_table_count(backend, &conn).await,
+            0,
+            "down drops the table"
+        );
+
+        Migrator::up(&conn, None)
+            .await
+            .expect("second up after down");
+        assert_eq!(inbox_table_count(backend, &conn).await, 1);
+        assert_eq!(inbox_index_count(backend, &conn).await, 1);
+        if backend.is_postgres() {
+            assert_eq!(
+                scalar_i64(
+                    &conn,
+                    &format!(
+                        "SELECT COUNT(*) FROM pg_constraint WHERE conname = '{INDEX_NAME}' \
+                     AND contype = 'u' AND conrelid = 'inbox'::regclass"
+                    ),
+                )
+                .await,
+                1,
+                "the index is the UNIQUE constraint {INDEX_NAME} the claims' ON CONFLICT names"
+            );
+        }
+        verify_schema(&conn)
+            .await
+            .expect("the startup check passes");
+    })
+    .await;
 }
 
 async fn second_up_is_a_no_op(backend: Backend) {
-    let db = fresh_db(backend).await;
-    let conn = db.connect().await;
-    Migrator::up(&conn, None).await.expect("first up");
-    inbox::ActiveModel {
-        message_id: Set(uuid::Uuid::new_v4()),
-        consumer: Set("kept".into()),
-        received_at: Set(Utc::now()),
-        ..Default::default()
-    }
-    .insert(&conn)
-    .await
-    .expect("insert a marker");
-
-    Migrator::up(&conn, None).await.expect("second up");
-    let applied = Migrator::get_applied_migrations(&conn)
+    with_fresh_db(backend, async |db| {
+        let conn = db.connect().await;
+        Migrator::up(&conn, None).await.expect("first up");
+        inbox::ActiveModel {
+            message_id: Set(uuid::Uuid::new_v4()),
+            consumer: Set("kept".into()),
+            received_at: Set(Utc::now()),
+            ..Default::default()
+        }
+        .insert(&conn)
         .await
-        .expect("applied");
-    assert_eq!(applied.len(), Migrator::migrations().len());
-    assert_eq!(
-        inbox::Entity::find().all(&conn).await.expect("read").len(),
-        1,
-        "data kept"
-    );
-    conn.close().await.ok();
-    db.cleanup().await;
+        .expect("insert a marker");
+
+        Migrator::up(&conn, None).await.expect("second up");
+        let applied = Migrator::get_applied_migrations(&conn)
+            .await
+            .expect("applied");
+        assert_eq!(applied.len(), Migrator::migrations().len());
+        assert_eq!(
+            inbox::Entity::find().all(&conn).await.expect("read").len(),
+            1,
+            "data kept"
+        );
+    })
+    .await;
 }
 
 fn at(year: i32, micros: u32) -> DateTime<Utc> {
@@ -136,100 +135,100 @@ fn at(year: i32, micros: u32) -> DateTime<Utc> {
 }
 
 async fn timestamps_keep_microseconds_past_2038(backend: Backend) {
-    let db = fresh_db(backend).await;
-    let conn = db.connect().await;
-    Migrator::up(&conn, None).await.expect("up");
+    with_fresh_db(backend, async |db| {
+        let conn = db.connect().await;
+        Migrator::up(&conn, None).await.expect("up");
 
-    for (received_at, processed_at) in [
-        (at(2026, 123_456), Some(at(2026, 999_999))),
-        (at(2099, 1), Some(at(2150, 654_321))),
-        (at(1999, 500_001), None),
-    ] {
-        // Written as the library writes (see `timestamp_value`), read back through the entity.
-        let message_id = uuid::Uuid::new_v4();
-        let sea_backend = conn.get_database_backend();
-        conn.execute_raw(stmt(
-            sea_backend,
-            "INSERT INTO inbox (message_id, consumer, received_at, processed_at) VALUES (?, ?, ?, ?)",
-            vec![
-                message_id.into(),
-                "clock".into(),
-                timestamp_value(sea_backend, received_at),
-                processed_at.map_or(sea_orm::Value::ChronoDateTimeUtc(None), |t| timestamp_value(sea_backend, t)),
-            ],
-        ))
-        .await
-        .expect("insert");
-        let saved = inbox::Entity::find()
-            .filter(inbox::Column::MessageId.eq(message_id))
-            .one(&conn)
+        for (received_at, processed_at) in [
+            (at(2026, 123_456), Some(at(2026, 999_999))),
+            (at(2099, 1), Some(at(2150, 654_321))),
+            (at(1999, 500_001), None),
+        ] {
+            // Written as the library writes (see `timestamp_value`), read back through the entity.
+            let message_id = uuid::Uuid::new_v4();
+            let sea_backend = conn.get_database_backend();
+            conn.execute_raw(stmt(
+                sea_backend,
+                "INSERT INTO inbox (message_id, consumer, received_at, processed_at) VALUES (?, ?, ?, ?)",
+                vec![
+                    message_id.into(),
+                    "clock".into(),
+                    timestamp_value(sea_backend, received_at),
+                    processed_at.map_or(sea_orm::Value::ChronoDateTimeUtc(None), |t| timestamp_value(sea_backend, t)),
+                ],
+            ))
             .await
-            .expect("find")
-            .expect("row");
-        let read = inbox::Entity::find_by_id(saved.id)
-            .one(&conn)
-            .await
-            .expect("read")
-            .expect("row");
-        assert_eq!(
-            read.received_at, received_at,
-            "received_at round-trips on {backend:?}"
-        );
-        assert_eq!(
-            read.processed_at, processed_at,
-            "processed_at round-trips on {backend:?}"
-        );
-    }
-    conn.close().await.ok();
-    db.cleanup().await;
+            .expect("insert");
+            let saved = inbox::Entity::find()
+                .filter(inbox::Column::MessageId.eq(message_id))
+                .one(&conn)
+                .await
+                .expect("find")
+                .expect("row");
+            let read = inbox::Entity::find_by_id(saved.id)
+                .one(&conn)
+                .await
+                .expect("read")
+                .expect("row");
+            assert_eq!(
+                read.received_at, received_at,
+                "received_at round-trips on {backend:?}"
+            );
+            assert_eq!(
+                read.processed_at, processed_at,
+                "processed_at round-trips on {backend:?}"
+            );
+        }
+    })
+    .await;
 }
 
 async fn down_refuses_to_drop_markers_until_they_are_deleted(backend: Backend) {
-    let db = fresh_db(backend).await;
-    let conn = db.connect().await;
-    Migrator::up(&conn, None).await.expect("up");
-    inbox::ActiveModel {
-        message_id: Set(uuid::Uuid::new_v4()),
-        consumer: Set("kept".into()),
-        received_at: Set(Utc::now()),
-        ..Default::default()
-    }
-    .insert(&conn)
-    .await
-    .expect("insert a marker");
+    with_fresh_db(backend, async |db| {
+        let conn = db.connect().await;
+        Migrator::up(&conn, None).await.expect("up");
+        inbox::ActiveModel {
+            message_id: Set(uuid::Uuid::new_v4()),
+            consumer: Set("kept".into()),
+            received_at: Set(Utc::now()),
+            ..Default::default()
+        }
+        .insert(&conn)
+        .await
+        .expect("insert a marker");
 
-    let refused = Migrator::down(&conn, None)
-        .await
-        .expect_err("down must not drop the table while it holds a marker");
-    assert!(
-        matches!(&refused, sea_orm::DbErr::Migration(message) if message.contains("DELETE FROM inbox")),
-        "the refusal says how to opt in: {refused:?}"
-    );
-    assert_eq!(
-        scalar_i64(&conn, "SELECT COUNT(*) FROM inbox").await,
-        1,
-        "the marker is kept"
-    );
-    let applied = Migrator::get_applied_migrations(&conn)
-        .await
-        .expect("applied");
-    assert!(
-        applied
-            .iter()
-            .any(|m| m.name() == "m20261130_000001_create_inbox"),
-        "CreateInbox is still recorded as applied"
-    );
+        let refused = Migrator::down(&conn, None)
+            .await
+            .expect_err("down must not drop the table while it holds a marker");
+        assert!(
+            matches!(&refused, sea_orm::DbErr::Migration(message) if message.contains("DELETE FROM inbox")),
+            "the refusal says how to opt in: {refused:?}"
+        );
+        assert_eq!(
+            scalar_i64(&conn, "SELECT COUNT(*) FROM inbox").await,
+            1,
+            "the marker is kept"
+        );
+        let applied = Migrator::get_applied_migrations(&conn)
+            .await
+            .expect("applied");
+        assert!(
+            applied
+                .iter()
+                .any(|m| m.name() == "m20261130_000001_create_inbox"),
+            "CreateInbox is still recorded as applied"
+        );
 
-    // The explicit opt-in: the operator deletes the markers, then the rollback goes through.
-    conn.execute_unprepared("DELETE FROM inbox")
-        .await
-        .expect("delete the markers");
-    Migrator::down(&conn, None)
-        .await
-        .expect("down of an empty inbox");
-    assert_eq!(inbox_table_count(backend, &conn).await, 0);
-    conn.close().await.ok();
-    db.cleanup().await;
+        // The explicit opt-in: the operator deletes the markers, then the rollback goes through.
+        conn.execute_unprepared("DELETE FROM inbox")
+            .await
+            .expect("delete the markers");
+        Migrator::down(&conn, None)
+            .await
+            .expect("down of an empty inbox");
+        assert_eq!(inbox_table_count(backend, &conn).await, 0);
+    })
+    .await;
 }
 
 on_every_backend!(

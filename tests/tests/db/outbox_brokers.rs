@@ -4,7 +4,7 @@
 //! its marks).
 
 use futures_util::StreamExt;
-use inbox_tests::{Backend, TestDb, create_accounts, credit, migrated_outbox_db, scalar_i64};
+use inbox_tests::{Backend, TestDb, create_accounts, credit, scalar_i64, with_migrated_outbox_db};
 use sea_orm::{ConnectionTrait, DatabaseConnection, TransactionTrait};
 use sea_orm_inbox::jetstream::JetStreamPublisher;
 use sea_orm_inbox::rabbitmq::RabbitMqPublisher;
@@ -71,153 +71,153 @@ async fn handle(
 async fn rabbitmq_end_to_end(backend: Backend) {
     use lapin::options::{BasicConsumeOptions, ConfirmSelectOptions, QueueDeclareOptions};
     use lapin::types::{AMQPValue, FieldTable};
-    let db = migrated_outbox_db(backend).await;
-    let conn = db.connect().await;
-    create_accounts(&conn).await;
-    let properties = lapin::ConnectionProperties::default()
-        .with_executor(tokio_executor_trait::Tokio::current())
-        .with_reactor(tokio_reactor_trait::Tokio::current());
-    let amqp = lapin::Connection::connect(&env("INBOX_TEST_AMQP_URL"), properties)
-        .await
-        .expect("connect to RabbitMQ");
-    let queue = format!("outbox-e2e-{}", uuid::Uuid::new_v4().simple());
-    let channel = amqp.create_channel().await.expect("channel");
-    let mut arguments = FieldTable::default();
-    arguments.insert("x-expires".into(), AMQPValue::LongUInt(60_000));
-    channel
-        .queue_declare(&queue, QueueDeclareOptions::default(), arguments)
-        .await
-        .expect("declare the queue");
-    channel
-        .confirm_select(ConfirmSelectOptions::default())
-        .await
-        .expect("confirm mode");
-    publish_twice(
-        &db,
-        &conn,
-        Relay::new(RabbitMqPublisher::new(channel, "")),
-        &queue,
-    )
-    .await;
-
-    let inbox = Inbox::new("downstream.credit").expect("valid name");
-    let consuming = amqp.create_channel().await.expect("channel");
-    let mut consumer = consuming
-        .basic_consume(
+    with_migrated_outbox_db(backend, async |db| {
+        let conn = db.connect().await;
+        create_accounts(&conn).await;
+        let properties = lapin::ConnectionProperties::default()
+            .with_executor(tokio_executor_trait::Tokio::current())
+            .with_reactor(tokio_reactor_trait::Tokio::current());
+        let amqp = lapin::Connection::connect(&env("INBOX_TEST_AMQP_URL"), properties)
+            .await
+            .expect("connect to RabbitMQ");
+        let queue = format!("outbox-e2e-{}", uuid::Uuid::new_v4().simple());
+        let channel = amqp.create_channel().await.expect("channel");
+        let mut arguments = FieldTable::default();
+        arguments.insert("x-expires".into(), AMQPValue::LongUInt(60_000));
+        channel
+            .queue_declare(&queue, QueueDeclareOptions::default(), arguments)
+            .await
+            .expect("declare the queue");
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .expect("confirm mode");
+        publish_twice(
+            db,
+            &conn,
+            Relay::new(RabbitMqPublisher::new(channel, "")),
             &queue,
-            "e2e",
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
         )
-        .await
-        .expect("consume");
-    let consumed = async {
-        for _ in 0..2 * MESSAGES {
-            let message = consumer
-                .next()
-                .await
-                .expect("a delivery")
-                .expect("delivered");
-            let result = handle(&inbox, &conn, rabbitmq::delivery(&message)).await;
-            assert_eq!(Settlement::of(&result), Settlement::Ack, "{result:?}");
-            rabbitmq::settle(&message, Settlement::of(&result))
-                .await
-                .expect("ack");
-        }
-    };
-    tokio::time::timeout(DEADLINE, consumed)
-        .await
-        .expect("every copy arrives");
-    let metrics = inbox.metrics().snapshot();
-    assert_eq!(
-        (metrics.processed, metrics.duplicates),
-        (MESSAGES as u64, MESSAGES as u64)
-    );
-    assert_eq!(
-        scalar_i64(&conn, "SELECT balance FROM account WHERE id = 1").await,
-        MESSAGES as i64,
-        "one effect per message"
-    );
-    consuming
-        .queue_delete(&queue, lapin::options::QueueDeleteOptions::default())
-        .await
-        .ok();
-    amqp.close(200, "test over").await.ok();
-    conn.close().await.ok();
-    db.cleanup().await;
+        .await;
+
+        let inbox = Inbox::new("downstream.credit").expect("valid name");
+        let consuming = amqp.create_channel().await.expect("channel");
+        let mut consumer = consuming
+            .basic_consume(
+                &queue,
+                "e2e",
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .expect("consume");
+        let consumed = async {
+            for _ in 0..2 * MESSAGES {
+                let message = consumer
+                    .next()
+                    .await
+                    .expect("a delivery")
+                    .expect("delivered");
+                let result = handle(&inbox, &conn, rabbitmq::delivery(&message)).await;
+                assert_eq!(Settlement::of(&result), Settlement::Ack, "{result:?}");
+                rabbitmq::settle(&message, Settlement::of(&result))
+                    .await
+                    .expect("ack");
+            }
+        };
+        tokio::time::timeout(DEADLINE, consumed)
+            .await
+            .expect("every copy arrives");
+        let metrics = inbox.metrics().snapshot();
+        assert_eq!(
+            (metrics.processed, metrics.duplicates),
+            (MESSAGES as u64, MESSAGES as u64)
+        );
+        assert_eq!(
+            scalar_i64(&conn, "SELECT balance FROM account WHERE id = 1").await,
+            MESSAGES as i64,
+            "one effect per message"
+        );
+        consuming
+            .queue_delete(&queue, lapin::options::QueueDeleteOptions::default())
+            .await
+            .ok();
+        amqp.close(200, "test over").await.ok();
+    })
+    .await;
 }
 
 async fn jetstream_end_to_end(backend: Backend) {
     use async_nats::jetstream::consumer::{AckPolicy, pull};
     use async_nats::jetstream::stream;
-    let db = migrated_outbox_db(backend).await;
-    let conn = db.connect().await;
-    create_accounts(&conn).await;
-    let client = async_nats::connect(env("INBOX_TEST_NATS_URL"))
-        .await
-        .expect("connect to NATS");
-    let js = async_nats::jetstream::new(client);
-    let run = uuid::Uuid::new_v4().simple().to_string();
-    let (name, subject) = (format!("OUTBOX_E2E_{run}"), format!("outbox-e2e.{run}"));
-    let mut created = js
-        .create_stream(stream::Config {
-            name: name.clone(),
-            subjects: vec![subject.clone()],
-            max_age: Duration::from_secs(600),
-            duplicate_window: Duration::from_secs(120),
-            ..stream::Config::default()
-        })
-        .await
-        .expect("create the stream");
-    publish_twice(
-        &db,
-        &conn,
-        Relay::new(JetStreamPublisher::new(js.clone())),
-        &subject,
-    )
-    .await;
-    let stored = created.info().await.expect("stream info").state.messages;
-    assert_eq!(
-        stored, MESSAGES as u64,
-        "JetStream dropped the republished copies by Nats-Msg-Id"
-    );
+    with_migrated_outbox_db(backend, async |db| {
+        let conn = db.connect().await;
+        create_accounts(&conn).await;
+        let client = async_nats::connect(env("INBOX_TEST_NATS_URL"))
+            .await
+            .expect("connect to NATS");
+        let js = async_nats::jetstream::new(client);
+        let run = uuid::Uuid::new_v4().simple().to_string();
+        let (name, subject) = (format!("OUTBOX_E2E_{run}"), format!("outbox-e2e.{run}"));
+        let mut created = js
+            .create_stream(stream::Config {
+                name: name.clone(),
+                subjects: vec![subject.clone()],
+                max_age: Duration::from_secs(600),
+                duplicate_window: Duration::from_secs(120),
+                ..stream::Config::default()
+            })
+            .await
+            .expect("create the stream");
+        publish_twice(
+            db,
+            &conn,
+            Relay::new(JetStreamPublisher::new(js.clone())),
+            &subject,
+        )
+        .await;
+        let stored = created.info().await.expect("stream info").state.messages;
+        assert_eq!(
+            stored, MESSAGES as u64,
+            "JetStream dropped the republished copies by Nats-Msg-Id"
+        );
 
-    let inbox = Inbox::new("downstream.credit").expect("valid name");
-    let consumer = created
-        .create_consumer(pull::Config {
-            durable_name: Some("e2e".into()),
-            ack_policy: AckPolicy::Explicit,
-            ..pull::Config::default()
-        })
-        .await
-        .expect("consumer");
-    let mut messages = consumer.messages().await.expect("messages");
-    let consumed = async {
-        for _ in 0..MESSAGES {
-            let message = messages
-                .next()
-                .await
-                .expect("a delivery")
-                .expect("delivered");
-            let result = handle(&inbox, &conn, jetstream::delivery(&message)).await;
-            assert_eq!(Settlement::of(&result), Settlement::Ack, "{result:?}");
-            jetstream::settle(&message, Settlement::of(&result))
-                .await
-                .expect("ack");
-        }
-    };
-    tokio::time::timeout(DEADLINE, consumed)
-        .await
-        .expect("every message arrives");
-    assert_eq!(inbox.metrics().snapshot().processed, MESSAGES as u64);
-    assert_eq!(
-        scalar_i64(&conn, "SELECT balance FROM account WHERE id = 1").await,
-        MESSAGES as i64,
-        "one effect per message"
-    );
-    js.delete_stream(&name).await.ok();
-    conn.close().await.ok();
-    db.cleanup().await;
+        let inbox = Inbox::new("downstream.credit").expect("valid name");
+        let consumer = created
+            .create_consumer(pull::Config {
+                durable_name: Some("e2e".into()),
+                ack_policy: AckPolicy::Explicit,
+                ..pull::Config::default()
+            })
+            .await
+            .expect("consumer");
+        let mut messages = consumer.messages().await.expect("messages");
+        let consumed = async {
+            for _ in 0..MESSAGES {
+                let message = messages
+                    .next()
+                    .await
+                    .expect("a delivery")
+                    .expect("delivered");
+                let result = handle(&inbox, &conn, jetstream::delivery(&message)).await;
+                assert_eq!(Settlement::of(&result), Settlement::Ack, "{result:?}");
+                jetstream::settle(&message, Settlement::of(&result))
+                    .await
+                    .expect("ack");
+            }
+        };
+        tokio::time::timeout(DEADLINE, consumed)
+            .await
+            .expect("every message arrives");
+        assert_eq!(inbox.metrics().snapshot().processed, MESSAGES as u64);
+        assert_eq!(
+            scalar_i64(&conn, "SELECT balance FROM account WHERE id = 1").await,
+            MESSAGES as i64,
+            "one effect per message"
+        );
+        js.delete_stream(&name).await.ok();
+    })
+    .await;
 }
 
 mod rabbitmq_suite {

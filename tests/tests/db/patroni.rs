@@ -24,13 +24,13 @@
 //! ```sh
 //! tests/cluster/patroni.sh start
 //! INBOX_TEST_PATRONI_URLS=$(tests/cluster/patroni.sh urls) \
-//!   cargo test -p inbox-tests --test patroni -- --test-threads=1 --nocapture
+//!   cargo test -p inbox-tests --test db patroni:: -- --test-threads=1 --nocapture
 //! tests/cluster/patroni.sh stop
 //! ```
 
 use inbox_tests::{
-    Backend, Broker, Plan, Report, TestDb, assert_exactly_once, create_effects, fresh_db_at, run,
-    run_replicas, scalar_i64, stmt,
+    Backend, Broker, Plan, Report, TestDb, assert_exactly_once, cluster_script, create_effects,
+    fresh_db_at, run, run_replicas, scalar_i64, stmt, with_db,
 };
 use sea_orm::{ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DbBackend, DbErr};
 use sea_orm_inbox::{
@@ -40,7 +40,6 @@ use sea_orm_inbox::{
 };
 use std::collections::BTreeMap;
 use std::fmt;
-use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -101,20 +100,7 @@ impl Urls {
 
 /// Runs `patroni.sh <args>`, failing the test if it fails; returns its trimmed stdout.
 async fn script(args: &[&str]) -> String {
-    let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
-    let shown = args.join(" ");
-    let output =
-        tokio::task::spawn_blocking(move || Command::new("bash").arg(SCRIPT).args(&args).output())
-            .await
-            .expect("script task")
-            .unwrap_or_else(|e| panic!("run {SCRIPT} {shown}: {e}"));
-    assert!(
-        output.status.success(),
-        "{SCRIPT} {shown} failed: {}\n{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    String::from_utf8_lossy(&output.stdout).trim().to_owned()
+    cluster_script(SCRIPT, args).await.trim().to_owned()
 }
 
 /// What happens to the leader.
@@ -239,108 +225,109 @@ impl WriteProbe {
 async fn soak_through(event: Event, seed: u64) {
     let urls = Urls::from_env();
     script(&["wait-healthy", "60"]).await;
-    let db = fresh_db_at(Backend::Postgres, &urls.stable).await;
-    db.migrate().await;
-    let conn = db.connect().await;
-    create_effects(&conn).await;
-    conn.close().await.ok();
-    let plan = Plan::new(MAX_MESSAGES, 30, 5, seed);
-    let broker = Broker::open();
-    let rejoined = Arc::new(AtomicBool::new(false));
-    let feeder = {
-        let (broker, rejoined, deliveries) =
-            (broker.clone(), rejoined.clone(), plan.deliveries.clone());
-        tokio::spawn(async move {
-            let (mut published, mut until) = (0, deliveries.len());
-            while published < until {
-                if broker.stats().pending < 200 {
-                    let next = (published + 100).min(until);
-                    broker.publish(&deliveries[published..next]);
-                    published = next;
+    with_db(fresh_db_at(Backend::Postgres, &urls.stable).await, async |db| {
+        db.migrate().await;
+        let conn = db.connect().await;
+        create_effects(&conn).await;
+        conn.close().await.ok();
+        let plan = Plan::new(MAX_MESSAGES, 30, 5, seed);
+        let broker = Broker::open();
+        let rejoined = Arc::new(AtomicBool::new(false));
+        let feeder = {
+            let (broker, rejoined, deliveries) =
+                (broker.clone(), rejoined.clone(), plan.deliveries.clone());
+            tokio::spawn(async move {
+                let (mut published, mut until) = (0, deliveries.len());
+                while published < until {
+                    if broker.stats().pending < 200 {
+                        let next = (published + 100).min(until);
+                        broker.publish(&deliveries[published..next]);
+                        published = next;
+                    }
+                    if until == deliveries.len() && rejoined.load(Ordering::Relaxed) {
+                        until = (published + AFTER_REJOIN).min(until);
+                    }
+                    tokio::time::sleep(Duration::from_millis(5)).await;
                 }
-                if until == deliveries.len() && rejoined.load(Ordering::Relaxed) {
-                    until = (published + AFTER_REJOIN).min(until);
+                broker.close();
+                published
+            })
+        };
+        let probe = WriteProbe::start(&urls.stable).await;
+
+        let disturbance = {
+            let broker = broker.clone();
+            tokio::spawn(async move {
+                broker
+                    .wait_for_acks(ACKS_BEFORE_EVENT, Duration::from_secs(300))
+                    .await;
+                let rewinds_before = rewinds().await;
+                let acks_before = broker.stats().acks;
+                let started = Instant::now();
+                let handover = event.happen().await;
+                // Healthy again: the old leader streams from the new one on its timeline, and
+                // a synchronous standby is named.
+                script(&["wait-healthy", "60"]).await;
+                rejoined.store(true, Ordering::Relaxed);
+                Disturbance {
+                    started,
+                    acks_before,
+                    handover,
+                    rejoined: started.elapsed(),
+                    pending_at_rejoin: broker.stats().pending,
+                    rewound: rewound(&rewinds_before, &rewinds().await),
                 }
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
-            broker.close();
-            published
-        })
-    };
-    let probe = WriteProbe::start(&urls.stable).await;
+            })
+        };
+        let mut report = run_replicas(db, &broker, &plan, REPLICAS, Duration::from_secs(600)).await;
+        let Disturbance {
+            started,
+            acks_before,
+            handover,
+            rejoined,
+            pending_at_rejoin,
+            rewound,
+        } = disturbance.await.expect("the event ran");
+        let unwritable = probe.unwritable_since(started).await;
+        let published = feeder.await.expect("the publisher");
+        let all_published = published == plan.deliveries.len();
+        let plan = plan.truncated(published);
+        report.messages = plan.ids.len() as u64;
 
-    let disturbance = {
-        let broker = broker.clone();
-        tokio::spawn(async move {
-            broker
-                .wait_for_acks(ACKS_BEFORE_EVENT, Duration::from_secs(300))
-                .await;
-            let rewinds_before = rewinds().await;
-            let acks_before = broker.stats().acks;
-            let started = Instant::now();
-            let handover = event.happen().await;
-            // Healthy again: the old leader streams from the new one on its timeline, and
-            // a synchronous standby is named.
-            script(&["wait-healthy", "60"]).await;
-            rejoined.store(true, Ordering::Relaxed);
-            Disturbance {
-                started,
-                acks_before,
-                handover,
-                rejoined: started.elapsed(),
-                pending_at_rejoin: broker.stats().pending,
-                rewound: rewound(&rewinds_before, &rewinds().await),
-            }
-        })
-    };
-    let mut report = run_replicas(&db, &broker, &plan, REPLICAS, Duration::from_secs(600)).await;
-    let Disturbance {
-        started,
-        acks_before,
-        handover,
-        rejoined,
-        pending_at_rejoin,
-        rewound,
-    } = disturbance.await.expect("the event ran");
-    let unwritable = probe.unwritable_since(started).await;
-    let published = feeder.await.expect("the publisher");
-    let all_published = published == plan.deliveries.len();
-    let plan = plan.truncated(published);
-    report.messages = plan.ids.len() as u64;
-
-    let conn = db.connect().await;
-    let effects = scalar_i64(&conn, "SELECT COUNT(*) FROM effect").await;
-    let distinct = scalar_i64(&conn, "SELECT COUNT(DISTINCT message_id) FROM effect").await;
-    let messages = plan.ids.len() as i64;
-    print_counts(
-        event,
-        &report,
-        effects,
-        distinct,
-        messages,
-        &format!(
-            "{} -> {} after {acks_before} acks (new leader routed after {:.1?}); without a \
-             writable primary {unwritable:.1?}; {} rejoined as a replica {rejoined:.1?} after \
-             the event (pg_rewind on: {rewound:?}) with {pending_at_rejoin} deliveries pending; run \
-             {:.1?}",
-            handover.old, handover.new, handover.took, handover.old, report.duration
-        ),
-    );
-    assert!(
-        pending_at_rejoin > 0 && !all_published,
-        "the old leader must rejoin while the replicas still consume: {report}"
-    );
-    if let Event::LeaderKilled = event {
-        // The other replica may rewind too: it can have received WAL from the old leader
-        // that the synchronous standby had not yet flushed when it was promoted.
-        assert!(
-            rewound.contains(&handover.old),
-            "the old leader's WAL diverged: it rejoins through pg_rewind ({rewound:?})"
+        let conn = db.connect().await;
+        let effects = scalar_i64(&conn, "SELECT COUNT(*) FROM effect").await;
+        let distinct = scalar_i64(&conn, "SELECT COUNT(DISTINCT message_id) FROM effect").await;
+        let messages = plan.ids.len() as i64;
+        print_counts(
+            event,
+            &report,
+            effects,
+            distinct,
+            messages,
+            &format!(
+                "{} -> {} after {acks_before} acks (new leader routed after {:.1?}); without a \
+                 writable primary {unwritable:.1?}; {} rejoined as a replica {rejoined:.1?} after \
+                 the event (pg_rewind on: {rewound:?}) with {pending_at_rejoin} deliveries pending; run \
+                 {:.1?}",
+                handover.old, handover.new, handover.took, handover.old, report.duration
+            ),
         );
-    }
-    assert_exactly_once(&conn, &plan, &report).await;
-    conn.close().await.ok();
-    db.cleanup().await;
+        assert!(
+            pending_at_rejoin > 0 && !all_published,
+            "the old leader must rejoin while the replicas still consume: {report}"
+        );
+        if let Event::LeaderKilled = event {
+            // The other replica may rewind too: it can have received WAL from the old leader
+            // that the synchronous standby had not yet flushed when it was promoted.
+            assert!(
+                rewound.contains(&handover.old),
+                "the old leader's WAL diverged: it rejoins through pg_rewind ({rewound:?})"
+            );
+        }
+        assert_exactly_once(&conn, &plan, &report).await;
+        conn.close().await.ok();
+    })
+    .await;
 }
 
 /// What the event task saw.
@@ -499,180 +486,181 @@ async fn fill_for_the_purge(conn: &DatabaseConnection) {
 async fn leases_and_a_purge_across(event: Event) {
     let urls = Urls::from_env();
     script(&["wait-healthy", "60"]).await;
-    let db = fresh_db_at(Backend::Postgres, &urls.stable).await;
-    db.migrate().await;
-    let admin = db.connect_with(2).await;
-    let replica_a = db.connect_with(2).await;
-    let options = LeaseOptions::new(LEASE).expect("a valid lease");
+    with_db(fresh_db_at(Backend::Postgres, &urls.stable).await, async |db| {
+        db.migrate().await;
+        let admin = db.connect_with(2).await;
+        let replica_a = db.connect_with(2).await;
+        let options = LeaseOptions::new(LEASE).expect("a valid lease");
 
-    fill_for_the_purge(&admin).await;
-    run(
-        &admin,
-        "CREATE TABLE inbox_before AS SELECT id, received_at, processed_at FROM inbox",
-    )
-    .await;
-    let before = scalar_i64(&admin, "SELECT COUNT(*) FROM inbox").await;
-    // Batches of at most 10 rows, resting 99 times as long as each took (the pacing caps
-    // a rest): several minutes for the 30,000 expired markers, so the event surely cuts it
-    // off. (With batches of 100 it took 33 s on a quiet machine and once ended before the
-    // switchover came; the purge fails at its first batch in the event's window without a
-    // writable primary, a few seconds at most, so its length does not lengthen the test.)
-    let slow = RetentionPolicy::with_window(WINDOW)
-        .and_then(|policy| policy.with_batch_size(10))
-        .and_then(|policy| Ok(policy.with_pacing(PurgePacing::default().with_busy_percent(1)?)))
-        .expect("a valid retention policy");
-    let purger = db.connect_with(1).await;
-    let interrupted = {
-        let purger = purger.clone();
-        tokio::spawn(async move { purge(&purger, &slow).await })
-    };
-    while scalar_i64(&admin, "SELECT COUNT(*) FROM inbox").await > before - 2_000 {
-        assert!(
-            !interrupted.is_finished(),
-            "the purge ended before the event"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    // The leases last from here: claimed right before the event, so they outlive it.
-    let ids: Vec<Uuid> = (0..LEASES).map(|_| Uuid::new_v4()).collect();
-    let mut held: Vec<Lease> = Vec::new();
-    for (i, id) in ids.iter().enumerate() {
-        let lease = match claim_lease(&replica_a, *id, LEASE_CONSUMER, &options).await {
-            Ok(LeaseClaim::Claimed(lease)) => lease,
-            other => panic!("a new message is claimed: {other:?}"),
-        };
-        if i % 2 == 0 {
-            complete_lease(&replica_a, &lease)
-                .await
-                .expect("A completes");
-        } else {
-            held.push(lease);
-        }
-    }
-
-    let deleted_when_hit = before - scalar_i64(&admin, "SELECT COUNT(*) FROM inbox").await;
-    let handover = event.happen().await;
-
-    let interrupted = interrupted.await.expect("the purge task");
-    let cut_off = match &interrupted {
-        Err(err) => {
-            assert!(
-                !err.is_permanent(),
-                "the event is a transient failure: {err:?}"
-            );
-            err.to_string()
-        }
-        Ok(report) => panic!("the purge was still running when the event hit: {report:?}"),
-    };
-
-    // Replica B, after the event.
-    let replica_b = db.connect_with(2).await;
-    for id in ids.iter().step_by(2) {
-        let claim = patiently("a completed lease", || {
-            claim_lease(&replica_b, *id, LEASE_CONSUMER, &options)
-        })
-        .await;
-        assert_eq!(
-            claim.expect("claim"),
-            LeaseClaim::AlreadyProcessed,
-            "{id}: completed before the event"
-        );
-    }
-    for lease in &held {
-        assert!(
-            chrono::Utc::now() < lease.lease_until(),
-            "the event outlasted the lease of {LEASE:?}: lengthen LEASE"
-        );
-        let claim = patiently("a live lease", || {
-            claim_lease(&replica_b, lease.message_id(), LEASE_CONSUMER, &options)
-        })
-        .await
-        .expect("claim");
-        assert!(
-            matches!(claim, LeaseClaim::Held { attempts: 1, .. }),
-            "A's live lease survived the event: {claim:?}"
-        );
-    }
-    // The next run, at the default pace: a purge keeps no state, each run starts over.
-    let policy = RetentionPolicy::with_window(WINDOW).expect("a valid retention policy");
-    let resumed = {
-        let purger = purger.clone();
-        tokio::spawn(
-            async move { patiently("the resumed purge", || purge(&purger, &policy)).await },
+        fill_for_the_purge(&admin).await;
+        run(
+            &admin,
+            "CREATE TABLE inbox_before AS SELECT id, received_at, processed_at FROM inbox",
         )
-    };
-
-    let expiry = held
-        .iter()
-        .map(Lease::lease_until)
-        .max()
-        .expect("open leases");
-    let wait = (expiry - chrono::Utc::now()).to_std().unwrap_or_default();
-    tokio::time::sleep(wait + Duration::from_millis(100)).await;
-    let mut taken_over = 0;
-    for lease in &held {
-        let token = ClaimToken::new();
-        let claim = patiently("a takeover", || {
-            claim_lease_with_token(
-                &replica_b,
-                lease.message_id(),
-                LEASE_CONSUMER,
-                &options,
-                token,
-            )
-        })
-        .await
-        .expect("claim");
-        let LeaseClaim::TakenOver(new) = claim else {
-            panic!("the expired lease is B's to take over: {claim:?}");
-        };
-        assert_eq!(new.attempt(), 2);
-        let late = patiently("A's late completion", || complete_lease(&replica_a, lease)).await;
-        assert!(
-            matches!(late, Err(InboxError::StaleLease { attempt: 1, .. })),
-            "A is fenced: {late:?}"
-        );
-        patiently("B's completion", || complete_lease(&replica_b, &new))
-            .await
-            .expect("B completes");
-        taken_over += 1;
-    }
-    for lease in &held {
-        let claim = patiently("a finished lease", || {
-            claim_lease(&replica_b, lease.message_id(), LEASE_CONSUMER, &options)
-        })
         .await;
-        assert_eq!(claim.expect("claim"), LeaseClaim::AlreadyProcessed);
-    }
+        let before = scalar_i64(&admin, "SELECT COUNT(*) FROM inbox").await;
+        // Batches of at most 10 rows, resting 99 times as long as each took (the pacing caps
+        // a rest): several minutes for the 30,000 expired markers, so the event surely cuts it
+        // off. (With batches of 100 it took 33 s on a quiet machine and once ended before the
+        // switchover came; the purge fails at its first batch in the event's window without a
+        // writable primary, a few seconds at most, so its length does not lengthen the test.)
+        let slow = RetentionPolicy::with_window(WINDOW)
+            .and_then(|policy| policy.with_batch_size(10))
+            .and_then(|policy| Ok(policy.with_pacing(PurgePacing::default().with_busy_percent(1)?)))
+            .expect("a valid retention policy");
+        let purger = db.connect_with(1).await;
+        let interrupted = {
+            let purger = purger.clone();
+            tokio::spawn(async move { purge(&purger, &slow).await })
+        };
+        while scalar_i64(&admin, "SELECT COUNT(*) FROM inbox").await > before - 2_000 {
+            assert!(
+                !interrupted.is_finished(),
+                "the purge ended before the event"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        // The leases last from here: claimed right before the event, so they outlive it.
+        let ids: Vec<Uuid> = (0..LEASES).map(|_| Uuid::new_v4()).collect();
+        let mut held: Vec<Lease> = Vec::new();
+        for (i, id) in ids.iter().enumerate() {
+            let lease = match claim_lease(&replica_a, *id, LEASE_CONSUMER, &options).await {
+                Ok(LeaseClaim::Claimed(lease)) => lease,
+                other => panic!("a new message is claimed: {other:?}"),
+            };
+            if i % 2 == 0 {
+                complete_lease(&replica_a, &lease)
+                    .await
+                    .expect("A completes");
+            } else {
+                held.push(lease);
+            }
+        }
 
-    let resumed = resumed
-        .await
-        .expect("the resumed purge task")
-        .expect("the resumed purge");
-    let (wrongly_deleted, expired_left, kept) = purge_verdict(&admin, &resumed).await;
-    println!(
-        "Patroni, {event}: leases: {} completed before the event stayed AlreadyProcessed, {} \
-         held ones stayed Held, then {taken_over} taken over (attempt 2) and the old holder \
-         fenced (StaleLease); purge: the run cut off by the event deleted {} markers \
-         ({deleted_when_hit} when the event began) and failed ({cut_off}); resumed, it deleted \
-         {} more in {} batches; {kept} kept, {wrongly_deleted} deleted that had to stay, \
-         {expired_left} expired left ({} -> {})",
-        LEASES / 2,
-        held.len(),
-        before - kept - resumed.rows as i64,
-        resumed.rows,
-        resumed.batches,
-        handover.old,
-        handover.new,
-    );
-    assert_eq!(wrongly_deleted, 0, "nothing the purge must keep is gone");
-    assert_eq!(expired_left, 0, "the resumed purge finished the job");
-    assert_eq!(taken_over, held.len());
+        let deleted_when_hit = before - scalar_i64(&admin, "SELECT COUNT(*) FROM inbox").await;
+        let handover = event.happen().await;
 
-    for conn in [admin, replica_a, replica_b, purger] {
-        conn.close().await.ok();
-    }
-    db.cleanup().await;
+        let interrupted = interrupted.await.expect("the purge task");
+        let cut_off = match &interrupted {
+            Err(err) => {
+                assert!(
+                    !err.is_permanent(),
+                    "the event is a transient failure: {err:?}"
+                );
+                err.to_string()
+            }
+            Ok(report) => panic!("the purge was still running when the event hit: {report:?}"),
+        };
+
+        // Replica B, after the event.
+        let replica_b = db.connect_with(2).await;
+        for id in ids.iter().step_by(2) {
+            let claim = patiently("a completed lease", || {
+                claim_lease(&replica_b, *id, LEASE_CONSUMER, &options)
+            })
+            .await;
+            assert_eq!(
+                claim.expect("claim"),
+                LeaseClaim::AlreadyProcessed,
+                "{id}: completed before the event"
+            );
+        }
+        for lease in &held {
+            assert!(
+                chrono::Utc::now() < lease.lease_until(),
+                "the event outlasted the lease of {LEASE:?}: lengthen LEASE"
+            );
+            let claim = patiently("a live lease", || {
+                claim_lease(&replica_b, lease.message_id(), LEASE_CONSUMER, &options)
+            })
+            .await
+            .expect("claim");
+            assert!(
+                matches!(claim, LeaseClaim::Held { attempts: 1, .. }),
+                "A's live lease survived the event: {claim:?}"
+            );
+        }
+        // The next run, at the default pace: a purge keeps no state, each run starts over.
+        let policy = RetentionPolicy::with_window(WINDOW).expect("a valid retention policy");
+        let resumed = {
+            let purger = purger.clone();
+            tokio::spawn(
+                async move { patiently("the resumed purge", || purge(&purger, &policy)).await },
+            )
+        };
+
+        let expiry = held
+            .iter()
+            .map(Lease::lease_until)
+            .max()
+            .expect("open leases");
+        let wait = (expiry - chrono::Utc::now()).to_std().unwrap_or_default();
+        tokio::time::sleep(wait + Duration::from_millis(100)).await;
+        let mut taken_over = 0;
+        for lease in &held {
+            let token = ClaimToken::new();
+            let claim = patiently("a takeover", || {
+                claim_lease_with_token(
+                    &replica_b,
+                    lease.message_id(),
+                    LEASE_CONSUMER,
+                    &options,
+                    token,
+                )
+            })
+            .await
+            .expect("claim");
+            let LeaseClaim::TakenOver(new) = claim else {
+                panic!("the expired lease is B's to take over: {claim:?}");
+            };
+            assert_eq!(new.attempt(), 2);
+            let late = patiently("A's late completion", || complete_lease(&replica_a, lease)).await;
+            assert!(
+                matches!(late, Err(InboxError::StaleLease { attempt: 1, .. })),
+                "A is fenced: {late:?}"
+            );
+            patiently("B's completion", || complete_lease(&replica_b, &new))
+                .await
+                .expect("B completes");
+            taken_over += 1;
+        }
+        for lease in &held {
+            let claim = patiently("a finished lease", || {
+                claim_lease(&replica_b, lease.message_id(), LEASE_CONSUMER, &options)
+            })
+            .await;
+            assert_eq!(claim.expect("claim"), LeaseClaim::AlreadyProcessed);
+        }
+
+        let resumed = resumed
+            .await
+            .expect("the resumed purge task")
+            .expect("the resumed purge");
+        let (wrongly_deleted, expired_left, kept) = purge_verdict(&admin, &resumed).await;
+        println!(
+            "Patroni, {event}: leases: {} completed before the event stayed AlreadyProcessed, {} \
+             held ones stayed Held, then {taken_over} taken over (attempt 2) and the old holder \
+             fenced (StaleLease); purge: the run cut off by the event deleted {} markers \
+             ({deleted_when_hit} when the event began) and failed ({cut_off}); resumed, it deleted \
+             {} more in {} batches; {kept} kept, {wrongly_deleted} deleted that had to stay, \
+             {expired_left} expired left ({} -> {})",
+            LEASES / 2,
+            held.len(),
+            before - kept - resumed.rows as i64,
+            resumed.rows,
+            resumed.batches,
+            handover.old,
+            handover.new,
+        );
+        assert_eq!(wrongly_deleted, 0, "nothing the purge must keep is gone");
+        assert_eq!(expired_left, 0, "the resumed purge finished the job");
+        assert_eq!(taken_over, held.len());
+
+        for conn in [admin, replica_a, replica_b, purger] {
+            conn.close().await.ok();
+        }
+    })
+    .await;
 }
 
 /// After a finished purge: rows of the snapshot that had to stay (unfinished, or used after
@@ -780,89 +768,90 @@ async fn synchronous_mode_strict_decides_whether_an_ack_waits_for_a_standby() {
     for strict in [false, true] {
         script(&["wait-healthy", "60"]).await;
         script(&["strict", if strict { "on" } else { "off" }]).await;
-        let db = fresh_db_at(Backend::Postgres, &urls.stable).await;
-        db.migrate().await;
-        let conn = db.connect().await;
-        create_effects(&conn).await;
-        let leader = script(&["leader"]).await;
-        let standbys: Vec<String> = ["node1", "node2", "node3"]
-            .into_iter()
-            .filter(|node| *node != leader)
-            .map(str::to_owned)
-            .collect();
-        for standby in &standbys {
-            script(&["stop-node", standby]).await;
-        }
-        let leader_conn = db.connect_at(urls.node(&leader), 1).await;
+        with_db(fresh_db_at(Backend::Postgres, &urls.stable).await, async |db| {
+            db.migrate().await;
+            let conn = db.connect().await;
+            create_effects(&conn).await;
+            let leader = script(&["leader"]).await;
+            let standbys: Vec<String> = ["node1", "node2", "node3"]
+                .into_iter()
+                .filter(|node| *node != leader)
+                .map(str::to_owned)
+                .collect();
+            for standby in &standbys {
+                script(&["stop-node", standby]).await;
+            }
+            let leader_conn = db.connect_at(urls.node(&leader), 1).await;
 
-        let id = Uuid::new_v4();
-        let started = Instant::now();
-        let waiting = {
-            let (inbox, conn) = (inbox.clone(), conn.clone());
-            tokio::spawn(async move { process_once(&inbox, &conn, id).await })
-        };
-        if strict {
-            tokio::time::sleep(Duration::from_secs(5)).await;
-            assert!(
-                !waiting.is_finished(),
-                "strict: no ack without a standby: {:?}",
-                waiting.await
-            );
-            let visible = marker_count(&db, urls.node(&leader), id).await;
-            let restarted = Instant::now();
-            script(&["start-node", &standbys[0]]).await;
-            let outcome = tokio::time::timeout(Duration::from_secs(120), waiting)
-                .await
-                .expect("the COMMIT returns once a standby is back")
-                .expect("the processing task");
-            let acked_after = restarted.elapsed();
-            assert!(matches!(outcome, Ok(Outcome::Processed(()))), "{outcome:?}");
-            let on_standby = marker_count(&db, urls.node(&standbys[0]), id).await;
-            println!(
-                "Patroni, synchronous_mode_strict on, every standby gone: the COMMIT waited \
-                 {:.1?} with no error and no ack ({visible} markers visible meanwhile), \
-                 returned {acked_after:.1?} after {} was started again; the marker is on it \
-                 ({on_standby})",
-                started.elapsed(),
-                standbys[0]
-            );
-            assert_eq!(visible, 0, "a waiting commit is invisible to others");
-            assert_eq!(
-                on_standby, 1,
-                "the acked message is on the returning standby"
-            );
-        } else {
-            let outcome = tokio::time::timeout(Duration::from_secs(60), waiting)
-                .await
-                .expect("the COMMIT returns without a standby")
-                .expect("the processing task");
-            let acked_after = started.elapsed();
-            assert!(matches!(outcome, Ok(Outcome::Processed(()))), "{outcome:?}");
-            let streaming =
-                scalar_i64(&leader_conn, "SELECT COUNT(*) FROM pg_stat_replication").await;
-            let on_primary = marker_count(&db, urls.node(&leader), id).await;
-            println!(
-                "Patroni, synchronous_mode_strict off, every standby gone: acked \
-                 {acked_after:.1?} after the last standby stopped, with {streaming} standbys \
-                 connected: the message is on the primary alone ({on_primary} marker)"
-            );
-            assert_eq!(streaming, 0);
-            assert_eq!(on_primary, 1);
-        }
-        for standby in &standbys {
-            script(&["start-node", standby]).await;
-        }
-        script(&["wait-healthy", "60"]).await;
-        for standby in &standbys {
-            assert_eq!(
-                marker_count(&db, urls.node(standby), id).await,
-                1,
-                "{standby} caught up"
-            );
-        }
-        leader_conn.close().await.ok();
-        conn.close().await.ok();
-        db.cleanup().await;
+            let id = Uuid::new_v4();
+            let started = Instant::now();
+            let waiting = {
+                let (inbox, conn) = (inbox.clone(), conn.clone());
+                tokio::spawn(async move { process_once(&inbox, &conn, id).await })
+            };
+            if strict {
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                assert!(
+                    !waiting.is_finished(),
+                    "strict: no ack without a standby: {:?}",
+                    waiting.await
+                );
+                let visible = marker_count(db, urls.node(&leader), id).await;
+                let restarted = Instant::now();
+                script(&["start-node", &standbys[0]]).await;
+                let outcome = tokio::time::timeout(Duration::from_secs(120), waiting)
+                    .await
+                    .expect("the COMMIT returns once a standby is back")
+                    .expect("the processing task");
+                let acked_after = restarted.elapsed();
+                assert!(matches!(outcome, Ok(Outcome::Processed(()))), "{outcome:?}");
+                let on_standby = marker_count(db, urls.node(&standbys[0]), id).await;
+                println!(
+                    "Patroni, synchronous_mode_strict on, every standby gone: the COMMIT waited \
+                     {:.1?} with no error and no ack ({visible} markers visible meanwhile), \
+                     returned {acked_after:.1?} after {} was started again; the marker is on it \
+                     ({on_standby})",
+                    started.elapsed(),
+                    standbys[0]
+                );
+                assert_eq!(visible, 0, "a waiting commit is invisible to others");
+                assert_eq!(
+                    on_standby, 1,
+                    "the acked message is on the returning standby"
+                );
+            } else {
+                let outcome = tokio::time::timeout(Duration::from_secs(60), waiting)
+                    .await
+                    .expect("the COMMIT returns without a standby")
+                    .expect("the processing task");
+                let acked_after = started.elapsed();
+                assert!(matches!(outcome, Ok(Outcome::Processed(()))), "{outcome:?}");
+                let streaming =
+                    scalar_i64(&leader_conn, "SELECT COUNT(*) FROM pg_stat_replication").await;
+                let on_primary = marker_count(db, urls.node(&leader), id).await;
+                println!(
+                    "Patroni, synchronous_mode_strict off, every standby gone: acked \
+                     {acked_after:.1?} after the last standby stopped, with {streaming} standbys \
+                     connected: the message is on the primary alone ({on_primary} marker)"
+                );
+                assert_eq!(streaming, 0);
+                assert_eq!(on_primary, 1);
+            }
+            for standby in &standbys {
+                script(&["start-node", standby]).await;
+            }
+            script(&["wait-healthy", "60"]).await;
+            for standby in &standbys {
+                assert_eq!(
+                    marker_count(db, urls.node(standby), id).await,
+                    1,
+                    "{standby} caught up"
+                );
+            }
+            leader_conn.close().await.ok();
+            conn.close().await.ok();
+        })
+        .await;
     }
     script(&["strict", "off"]).await;
 }

@@ -20,16 +20,15 @@
 //! and stops it at the end, so they run one at a time and only when asked:
 //!
 //! ```sh
-//! INBOX_TEST_PG_FAILOVER=1 cargo test -p inbox-tests --test pg_failover -- --nocapture
+//! INBOX_TEST_PG_FAILOVER=1 cargo test -p inbox-tests --test db pg_failover:: -- --nocapture
 //! ```
 
 use inbox_tests::{
-    Backend, Broker, Plan, Report, assert_exactly_once, create_effects, fresh_db_at, run,
-    run_replicas, scalar_i64,
+    Backend, Broker, Plan, Report, assert_exactly_once, cluster_script, create_effects,
+    fresh_db_at, run, run_replicas, scalar_i64,
 };
 use sea_orm::{DatabaseConnection, DbErr};
 use sea_orm_inbox::{Inbox, Outcome, RetryPolicy};
-use std::process::Command;
 use std::time::{Duration, Instant};
 use tokio::sync::Mutex;
 
@@ -45,24 +44,7 @@ static CLUSTER: Mutex<()> = Mutex::const_new(());
 
 /// Runs `pg-failover.sh <args>`, failing the test if it fails; returns its stdout.
 async fn cluster(args: &[&str]) -> String {
-    let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
-    let shown = args.join(" ");
-    let output = tokio::task::spawn_blocking(move || {
-        Command::new("bash")
-            .arg(CLUSTER_SCRIPT)
-            .args(&args)
-            .output()
-    })
-    .await
-    .expect("cluster task")
-    .unwrap_or_else(|e| panic!("run {CLUSTER_SCRIPT} {shown}: {e}"));
-    assert!(
-        output.status.success(),
-        "{CLUSTER_SCRIPT} {shown} failed: {}\n{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    String::from_utf8_lossy(&output.stdout).into_owned()
+    cluster_script(CLUSTER_SCRIPT, args).await
 }
 
 /// A fresh cluster in `mode` (`sync` or `async`).

@@ -2,8 +2,11 @@
 //! index, or the collation) to fix, on every backend; and the per-message error for a
 //! migration that has not run names it too, instead of generic advice.
 
-use inbox_tests::{Backend, fresh_db, migrated_db, on_every_backend, run};
-use sea_orm::{DbErr, TransactionTrait};
+use inbox_tests::{
+    Backend, claim_names_the_missing_constraint, on_every_backend, run, with_fresh_db,
+    with_migrated_db,
+};
+use sea_orm::DbErr;
 use sea_orm_inbox::prelude::*;
 use sea_orm_inbox::{InboxMigration, ProcessError, SchemaError, verify_schema};
 use sea_orm_inbox_entity::INDEX_NAME;
@@ -24,117 +27,117 @@ async fn drop_inbox_index(backend: Backend, conn: &sea_orm::DatabaseConnection) 
 }
 
 async fn accepts_a_migrated_database(backend: Backend) {
-    let db = migrated_db(backend).await;
-    let conn = db.connect().await;
-    verify_schema(&conn)
-        .await
-        .expect("a migrated database passes");
-    conn.close().await.ok();
-    db.cleanup().await;
+    with_migrated_db(backend, async |db| {
+        let conn = db.connect().await;
+        verify_schema(&conn)
+            .await
+            .expect("a migrated database passes");
+    })
+    .await;
 }
 
 async fn names_create_inbox_without_the_table(backend: Backend) {
-    let db = fresh_db(backend).await;
-    let conn = db.connect().await;
-    let err = verify_schema(&conn).await.expect_err("no table");
-    assert!(matches!(err, SchemaError::MissingTable), "{err:?}");
-    assert!(err.to_string().contains("CreateInbox"), "{err}");
-    conn.close().await.ok();
-    db.cleanup().await;
+    with_fresh_db(backend, async |db| {
+        let conn = db.connect().await;
+        let err = verify_schema(&conn).await.expect_err("no table");
+        assert!(matches!(err, SchemaError::MissingTable), "{err:?}");
+        assert!(err.to_string().contains("CreateInbox"), "{err}");
+    })
+    .await;
 }
 
 async fn names_add_inbox_leases_after_create_inbox_only(backend: Backend) {
-    let db = fresh_db(backend).await;
-    let conn = db.connect().await;
-    Migrator::up(&conn, Some(1))
-        .await
-        .expect("CreateInbox only");
-    let err = verify_schema(&conn).await.expect_err("columns missing");
-    assert!(
-        matches!(
-            err,
-            SchemaError::MissingMigration {
-                migration: InboxMigration::AddInboxLeases,
-                ..
-            }
-        ),
-        "{err:?}"
-    );
-    assert!(err.to_string().contains("claim_token"), "{err}");
-    conn.close().await.ok();
-    db.cleanup().await;
+    with_fresh_db(backend, async |db| {
+        let conn = db.connect().await;
+        Migrator::up(&conn, Some(1))
+            .await
+            .expect("CreateInbox only");
+        let err = verify_schema(&conn).await.expect_err("columns missing");
+        assert!(
+            matches!(
+                err,
+                SchemaError::MissingMigration {
+                    migration: InboxMigration::AddInboxLeases,
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("claim_token"), "{err}");
+    })
+    .await;
 }
 
 /// The per-message error of `process` on a database with only `CreateInbox` names the
 /// migration to add (it said "check the database error above" before).
 async fn process_names_the_missing_migration(backend: Backend) {
-    let db = fresh_db(backend).await;
-    let conn = db.connect().await;
-    Migrator::up(&conn, Some(1))
-        .await
-        .expect("CreateInbox only");
-    let result = Inbox::new("schema.process")
-        .unwrap()
-        .process(&conn, Uuid::new_v4(), |_txn| {
-            Box::pin(async { Ok::<_, DbErr>(()) })
-        })
-        .await;
-    let Err(ProcessError::Inbox(err)) = result else {
-        panic!("process fails on the missing column: {result:?}")
-    };
-    let message = err.to_string();
-    assert!(
-        message.contains("sea_orm_inbox_migration::AddInboxLeases"),
-        "the error names the migration to add: {message}"
-    );
-    conn.close().await.ok();
-    db.cleanup().await;
+    with_fresh_db(backend, async |db| {
+        let conn = db.connect().await;
+        Migrator::up(&conn, Some(1))
+            .await
+            .expect("CreateInbox only");
+        let result = Inbox::new("schema.process")
+            .unwrap()
+            .process(&conn, Uuid::new_v4(), |_txn| {
+                Box::pin(async { Ok::<_, DbErr>(()) })
+            })
+            .await;
+        let Err(ProcessError::Inbox(err)) = result else {
+            panic!("process fails on the missing column: {result:?}")
+        };
+        let message = err.to_string();
+        assert!(
+            message.contains("sea_orm_inbox_migration::AddInboxLeases"),
+            "the error names the migration to add: {message}"
+        );
+    })
+    .await;
 }
 
 async fn names_the_missing_index(backend: Backend) {
-    let db = migrated_db(backend).await;
-    let conn = db.connect().await;
-    drop_inbox_index(backend, &conn).await;
-    let err = verify_schema(&conn).await.expect_err("no index");
-    assert!(matches!(err, SchemaError::MissingIndex), "{err:?}");
-    conn.close().await.ok();
-    db.cleanup().await;
+    with_migrated_db(backend, async |db| {
+        let conn = db.connect().await;
+        drop_inbox_index(backend, &conn).await;
+        let err = verify_schema(&conn).await.expect_err("no index");
+        assert!(matches!(err, SchemaError::MissingIndex), "{err:?}");
+    })
+    .await;
 }
 
 async fn refuses_an_index_on_other_columns(backend: Backend) {
-    let db = migrated_db(backend).await;
-    let conn = db.connect().await;
-    drop_inbox_index(backend, &conn).await;
-    run(
-        &conn,
-        &format!("CREATE UNIQUE INDEX {INDEX_NAME} ON inbox (message_id)"),
-    )
+    with_migrated_db(backend, async |db| {
+        let conn = db.connect().await;
+        drop_inbox_index(backend, &conn).await;
+        run(
+            &conn,
+            &format!("CREATE UNIQUE INDEX {INDEX_NAME} ON inbox (message_id)"),
+        )
+        .await;
+        let err = verify_schema(&conn).await.expect_err("wrong columns");
+        let SchemaError::WrongIndex { found } = &err else {
+            panic!("{err:?}")
+        };
+        assert_eq!(found, "on (message_id)");
+    })
     .await;
-    let err = verify_schema(&conn).await.expect_err("wrong columns");
-    let SchemaError::WrongIndex { found } = &err else {
-        panic!("{err:?}")
-    };
-    assert_eq!(found, "on (message_id)");
-    conn.close().await.ok();
-    db.cleanup().await;
 }
 
 async fn refuses_a_non_unique_index(backend: Backend) {
-    let db = migrated_db(backend).await;
-    let conn = db.connect().await;
-    drop_inbox_index(backend, &conn).await;
-    run(
-        &conn,
-        &format!("CREATE INDEX {INDEX_NAME} ON inbox (message_id, consumer)"),
-    )
+    with_migrated_db(backend, async |db| {
+        let conn = db.connect().await;
+        drop_inbox_index(backend, &conn).await;
+        run(
+            &conn,
+            &format!("CREATE INDEX {INDEX_NAME} ON inbox (message_id, consumer)"),
+        )
+        .await;
+        let err = verify_schema(&conn).await.expect_err("not unique");
+        let SchemaError::WrongIndex { found } = &err else {
+            panic!("{err:?}")
+        };
+        assert_eq!(found, "not unique");
+    })
     .await;
-    let err = verify_schema(&conn).await.expect_err("not unique");
-    let SchemaError::WrongIndex { found } = &err else {
-        panic!("{err:?}")
-    };
-    assert_eq!(found, "not unique");
-    conn.close().await.ok();
-    db.cleanup().await;
 }
 
 on_every_backend!(
@@ -152,44 +155,29 @@ on_every_backend!(
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[cfg_attr(not(inbox_postgres), ignore = "set INBOX_TEST_POSTGRES_URL")]
 async fn postgres_names_the_unique_constraint_migration() {
-    let db = fresh_db(Backend::Postgres).await;
-    let conn = db.connect().await;
-    Migrator::up(&conn, Some(2)).await.expect("two migrations");
-    let err = verify_schema(&conn).await.expect_err("no constraint");
-    assert!(
-        matches!(
-            err,
-            SchemaError::MissingMigration {
-                migration: InboxMigration::InboxUniqueConstraint,
-                ..
-            }
-        ),
-        "{err:?}"
-    );
+    with_fresh_db(Backend::Postgres, async |db| {
+        let conn = db.connect().await;
+        Migrator::up(&conn, Some(2)).await.expect("two migrations");
+        let err = verify_schema(&conn).await.expect_err("no constraint");
+        assert!(
+            matches!(
+                err,
+                SchemaError::MissingMigration {
+                    migration: InboxMigration::InboxUniqueConstraint,
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
 
-    let txn = conn.begin_with_options(CLAIM_TRANSACTION).await.unwrap();
-    let claim = txn.claim_message(Uuid::new_v4(), "schema.claim").await;
-    txn.rollback().await.unwrap();
-    let Err(err) = claim else {
-        panic!("the claim needs the constraint: {claim:?}")
-    };
-    assert!(
-        matches!(
-            err,
-            InboxError::MissingMigration {
-                migration: InboxMigration::InboxUniqueConstraint,
-                ..
-            }
-        ),
-        "{err:?}"
-    );
+        claim_names_the_missing_constraint(&conn, "schema.claim").await;
 
-    Migrator::up(&conn, None)
-        .await
-        .expect("the third migration");
-    verify_schema(&conn).await.expect("migrated");
-    conn.close().await.ok();
-    db.cleanup().await;
+        Migrator::up(&conn, None)
+            .await
+            .expect("the third migration");
+        verify_schema(&conn).await.expect("migrated");
+    })
+    .await;
 }
 
 /// A `consumer` column that ignores case would merge "Billing" and "billing" into one
@@ -197,20 +185,20 @@ async fn postgres_names_the_unique_constraint_migration() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[cfg_attr(not(inbox_mysql), ignore = "set INBOX_TEST_MYSQL_URL")]
 async fn mariadb_refuses_a_consumer_collation_that_ignores_case() {
-    let db = migrated_db(Backend::MySql).await;
-    let conn = db.connect().await;
-    run(
-        &conn,
-        "ALTER TABLE inbox MODIFY consumer varchar(200) CHARACTER SET utf8mb4 COLLATE utf8mb4_general_ci NOT NULL",
-    )
+    with_migrated_db(Backend::MySql, async |db| {
+        let conn = db.connect().await;
+        run(
+            &conn,
+            "ALTER TABLE inbox MODIFY consumer varchar(200) CHARACTER SET utf8mb4 COLLATE utf8mb4_general_ci NOT NULL",
+        )
+        .await;
+        let err = verify_schema(&conn).await.expect_err("case-insensitive");
+        let SchemaError::ConsumerCollation { collation } = &err else {
+            panic!("{err:?}")
+        };
+        assert_eq!(collation, "utf8mb4_general_ci");
+    })
     .await;
-    let err = verify_schema(&conn).await.expect_err("case-insensitive");
-    let SchemaError::ConsumerCollation { collation } = &err else {
-        panic!("{err:?}")
-    };
-    assert_eq!(collation, "utf8mb4_general_ci");
-    conn.close().await.ok();
-    db.cleanup().await;
 }
 
 #[test]

@@ -6,8 +6,8 @@
 //! `INBOX_SOAK_REPORT`).
 
 use inbox_tests::{
-    Backend, Broker, Plan, assert_exactly_once, create_effects, migrated_db, on_every_backend,
-    run_replicas,
+    Backend, Broker, Plan, assert_exactly_once, create_effects, on_every_backend, run_replicas,
+    with_migrated_db,
 };
 use std::time::Duration;
 
@@ -17,29 +17,29 @@ const DUPLICATE_PERCENT: usize = 30;
 const FAILURE_PERCENT: usize = 5;
 
 async fn soak_8_replicas_20000_messages(backend: Backend) {
-    let db = migrated_db(backend).await;
-    let messages = std::env::var("INBOX_SOAK_MESSAGES")
-        .ok()
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(MESSAGES);
-    let conn = db.connect().await;
-    create_effects(&conn).await;
-    let plan = Plan::new(messages, DUPLICATE_PERCENT, FAILURE_PERCENT, 0x5eed);
-    let broker = Broker::new(&plan.deliveries);
+    with_migrated_db(backend, async |db| {
+        let messages = std::env::var("INBOX_SOAK_MESSAGES")
+            .ok()
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(MESSAGES);
+        let conn = db.connect().await;
+        create_effects(&conn).await;
+        let plan = Plan::new(messages, DUPLICATE_PERCENT, FAILURE_PERCENT, 0x5eed);
+        let broker = Broker::new(&plan.deliveries);
 
-    let report = run_replicas(&db, &broker, &plan, REPLICAS, Duration::from_secs(900)).await;
-    let line = format!("soak on {backend:?}, {REPLICAS} replicas: {report}");
-    println!("{line}");
-    append_to_report_file(&line);
-    assert_exactly_once(&conn, &plan, &report).await;
-    assert_eq!(report.processed, messages as u64, "{report}");
-    assert_eq!(
-        report.broker.deliveries,
-        (messages + plan.duplicated.len() + plan.failing.len()) as u64,
-        "one extra delivery per duplicate and per injected failure, none for anything else: {report}"
-    );
-    conn.close().await.ok();
-    db.cleanup().await;
+        let report = run_replicas(db, &broker, &plan, REPLICAS, Duration::from_secs(900)).await;
+        let line = format!("soak on {backend:?}, {REPLICAS} replicas: {report}");
+        println!("{line}");
+        append_to_report_file(&line);
+        assert_exactly_once(&conn, &plan, &report).await;
+        assert_eq!(report.processed, messages as u64, "{report}");
+        assert_eq!(
+            report.broker.deliveries,
+            (messages + plan.duplicated.len() + plan.failing.len()) as u64,
+            "one extra delivery per duplicate and per injected failure, none for anything else: {report}"
+        );
+    })
+    .await;
 }
 
 /// CI sets `INBOX_SOAK_REPORT` to a file so the counts reach its log without `--nocapture`.
