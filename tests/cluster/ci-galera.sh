@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # CI step for the Galera suite: installs the packages if they are missing, starts the
-# 3-node cluster (tests/cluster/galera.sh), runs the suite `tests/tests/galera.rs` against
+# 3-node cluster (tests/cluster/galera.sh), runs the suite `tests/tests/db/galera.rs` against
 # it and stops the cluster, also when the tests fail. A cluster that cannot start fails
 # the step: the suite is mandatory, never skipped.
 set -euo pipefail
@@ -19,7 +19,7 @@ echo "ci-galera: INBOX_TEST_GALERA_URLS=$INBOX_TEST_GALERA_URLS"
 
 log=$(mktemp)
 status=0
-cargo test -p inbox-tests --test galera -- --nocapture 2>&1 | tee "$log" || status=$?
+cargo test -p inbox-tests --test db galera:: -- --nocapture 2>&1 | tee "$log" || status=$?
 echo "ci-galera: counts"
 grep -E '^Galera ' "$log" || true
 rm -f "$log"

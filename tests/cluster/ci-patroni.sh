@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # CI step for the Patroni failover suite: installs what is missing (etcd, HAProxy, jq, and
 # Patroni in a virtual environment), starts etcd + 3 PostgreSQL nodes under Patroni behind
-# HAProxy (tests/cluster/patroni.sh), runs tests/tests/patroni.rs against it, prints the
+# HAProxy (tests/cluster/patroni.sh), runs tests/tests/db/patroni.rs against it, prints the
 # counts of every event, and stops the cluster, also when the tests fail. A cluster that
 # cannot start fails the step: the suite is mandatory, never skipped. About 2.5 minutes.
 #
@@ -21,7 +21,7 @@ echo "ci-patroni: cluster up after $((SECONDS - started)) s: INBOX_TEST_PATRONI_
 
 log=$(mktemp)
 status=0
-cargo test -p inbox-tests --test patroni -- --test-threads=1 --nocapture 2>&1 | tee "$log" || status=$?
+cargo test -p inbox-tests --test db patroni:: -- --test-threads=1 --nocapture 2>&1 | tee "$log" || status=$?
 echo "ci-patroni: counts"
 grep -o 'Patroni, .*' "$log" || true
 rm -f "$log"

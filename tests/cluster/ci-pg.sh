@@ -27,9 +27,10 @@ trap cleanup EXIT
 INBOX_TEST_PGBOUNCER_URL=$("$HERE/pgbouncer.sh" start)
 export INBOX_TEST_PGBOUNCER_URL
 echo "== PgBouncer (transaction pooling): $INBOX_TEST_PGBOUNCER_URL"
-cargo test -p inbox-tests --test claim --test process --test lease --test batch --test lock_wait \
-    --test retention --test lost_reply --test pooler pgbouncer::
+# Every suite's pgbouncer:: module (claim, process, lease, batch, lock_wait, retention,
+# lost_reply, pooler): the scenarios that hold up under transaction pooling.
+cargo test -p inbox-tests --test db pgbouncer::
 
 echo "== PostgreSQL failover behind HAProxy (synchronous, asynchronous, standby down)"
-INBOX_TEST_PG_FAILOVER=1 cargo test -p inbox-tests --test pg_failover -- \
+INBOX_TEST_PG_FAILOVER=1 cargo test -p inbox-tests --test db pg_failover:: -- \
     --test-threads=1 --nocapture

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Three PostgreSQL 15 nodes managed by Patroni, with a one-node etcd as Patroni's store and
 # HAProxy in front routing to whichever node Patroni's REST API calls the primary, for the
-# inbox's failover suite (tests/tests/patroni.rs). Everything runs on loopback, as the
+# inbox's failover suite (tests/tests/db/patroni.rs). Everything runs on loopback, as the
 # `postgres` user, under $PATRONI_DIR; `stop` ends only the processes whose pids this
 # script recorded there (never the system server on 5432, MariaDB on 3306 or the other
 # test clusters) and deletes the directory.

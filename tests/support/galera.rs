@@ -5,9 +5,11 @@
 //! reached fails the test; it never skips.
 
 use crate::{Backend, TestDb, replace_database, run};
+use futures_util::FutureExt;
 use sea_orm::{ConnectOptions, Database, DatabaseConnection};
 use sea_orm_inbox_migration::Migrator;
 use sea_orm_migration::MigratorTrait;
+use std::panic::AssertUnwindSafe;
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
@@ -64,6 +66,15 @@ pub async fn migrated_galera_db() -> GaleraDb {
     conn.close().await.ok();
     galera.wait_for_replication(&[0, 1]).await;
     galera
+}
+
+/// Runs `body` on a [`migrated_galera_db`], then drops the database, also when `body`
+/// panics (the panic resumes after the cleanup).
+pub async fn with_galera_db<T>(body: impl AsyncFnOnce(&GaleraDb) -> T) -> T {
+    let galera = migrated_galera_db().await;
+    let outcome = AssertUnwindSafe(body(&galera)).catch_unwind().await;
+    galera.cleanup().await;
+    outcome.unwrap_or_else(|panic| std::panic::resume_unwind(panic))
 }
 
 async fn connect_admin(url: &str) -> DatabaseConnection {

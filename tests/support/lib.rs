@@ -8,6 +8,9 @@
 //! (`tests/cluster/pgbouncer.sh start` prints it). A set URL that cannot be reached fails
 //! the test; it never skips. Each test creates its own database with a
 //! unique name, so tests run in parallel and on servers that earlier runs left dirty.
+//! A test runs its body in [`with_migrated_db`] (or [`with_fresh_db`],
+//! [`with_migrated_outbox_db`], [`with_db`]), which drops that database afterwards, also
+//! when the body fails.
 //!
 //! # Tests that cannot run are ignored, never passed
 //!
@@ -28,21 +31,26 @@
 //!
 //! The Galera suite reads `INBOX_TEST_GALERA_URLS` (see [`migrated_galera_db`]).
 
+use futures_util::FutureExt;
 use sea_orm::{
-    ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DbBackend, Statement,
-    TransactionSession, TransactionTrait,
+    ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DatabaseTransaction, DbBackend,
+    Statement, TransactionSession, TransactionTrait,
 };
-use sea_orm_inbox::{CLAIM_TRANSACTION, InboxTransactionExt, for_transaction_pooler};
+use sea_orm_inbox::{
+    CLAIM_TRANSACTION, Claim, ClaimedMessage, InboxError, InboxMigration, InboxTransactionExt,
+    for_transaction_pooler,
+};
 use sea_orm_inbox_migration::Migrator;
 use sea_orm_migration::MigratorTrait;
+use std::panic::AssertUnwindSafe;
 use std::time::Duration;
 
 mod galera;
 mod proxy;
 pub mod scenario;
 mod stream;
-pub use galera::{GALERA_URLS_VAR, GaleraDb, galera_script, migrated_galera_db};
-pub use proxy::LostReplyProxy;
+pub use galera::{GALERA_URLS_VAR, GaleraDb, galera_script, migrated_galera_db, with_galera_db};
+pub use proxy::{LostReplyProxy, ProxiedDb, with_proxied_db};
 pub use stream::{
     Broker, BrokerStats, HandlerError, Plan, Report, STREAM_CONSUMER, XorShift,
     assert_exactly_once, create_effects, run_replicas, run_replicas_on,
@@ -146,6 +154,36 @@ pub async fn migrated_outbox_db(backend: Backend) -> TestDb {
     db
 }
 
+/// Runs `body` on `db`, then drops the database, also when `body` panics (a failed
+/// assertion): the panic resumes after the cleanup, so the test still fails with its own
+/// message and the server keeps no database of a failed run.
+pub async fn with_db<T>(db: TestDb, body: impl AsyncFnOnce(&TestDb) -> T) -> T {
+    let outcome = AssertUnwindSafe(body(&db)).catch_unwind().await;
+    db.cleanup().await;
+    outcome.unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+}
+
+/// Runs `body` on a fresh, empty database of `backend` and drops it afterwards (see
+/// [`with_db`]).
+pub async fn with_fresh_db<T>(backend: Backend, body: impl AsyncFnOnce(&TestDb) -> T) -> T {
+    with_db(fresh_db(backend).await, body).await
+}
+
+/// Runs `body` on a fresh database with the inbox migration applied and drops it
+/// afterwards (see [`with_db`]).
+pub async fn with_migrated_db<T>(backend: Backend, body: impl AsyncFnOnce(&TestDb) -> T) -> T {
+    with_db(migrated_db(backend).await, body).await
+}
+
+/// Runs `body` on a fresh database with the inbox and outbox migrations applied and
+/// drops it afterwards (see [`with_db`]).
+pub async fn with_migrated_outbox_db<T>(
+    backend: Backend,
+    body: impl AsyncFnOnce(&TestDb) -> T,
+) -> T {
+    with_db(migrated_outbox_db(backend).await, body).await
+}
+
 fn replace_database(url: &str, name: &str) -> String {
     let (base, query) = match url.split_once('?') {
         Some((base, query)) => (base, Some(query)),
@@ -224,7 +262,15 @@ impl TestDb {
                 }
                 _ => format!("DROP DATABASE IF EXISTS {name}"),
             };
-            run(&admin, &drop).await;
+            // A loaded MariaDB now and then fails the DROP with 1010 (errno 39, "Directory
+            // not empty") and leaves the database half dropped; dropping it again finishes.
+            let mut attempt = 1;
+            while let Err(err) = admin.execute_unprepared(&drop).await {
+                let retry = self.backend == Backend::MySql && err.to_string().contains("1010");
+                assert!(retry && attempt < 5, "{drop}: {err}");
+                attempt += 1;
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
             admin.close().await.ok();
         }
     }
@@ -323,6 +369,24 @@ pub async fn create_accounts(conn: &impl ConnectionTrait) {
     run(conn, "INSERT INTO account (id, balance) VALUES (1, 0)").await;
 }
 
+/// A pool to `db` with account 1 (balance 0) and an audit table already holding row 1,
+/// which a handler's audit INSERT of 1 then violates.
+pub async fn accounts_and_audit_row(db: &TestDb) -> DatabaseConnection {
+    let conn = db.connect().await;
+    create_accounts(&conn).await;
+    run(&conn, "CREATE TABLE audit (ref BIGINT PRIMARY KEY)").await;
+    run(&conn, "INSERT INTO audit (ref) VALUES (1)").await;
+    conn
+}
+
+/// The markers in the inbox and the balance of account 1, read through `conn`.
+pub async fn committed(conn: &(impl ConnectionTrait + TransactionTrait)) -> (i64, i64) {
+    (
+        scalar_i64(conn, "SELECT COUNT(*) FROM inbox").await,
+        scalar_i64(conn, "SELECT balance FROM account WHERE id = 1").await,
+    )
+}
+
 /// Adds `amount` to account 1 through `conn` (pass the transaction, not the pool).
 pub async fn credit(conn: &impl ConnectionTrait, amount: i64) -> Result<(), sea_orm::DbErr> {
     let backend = conn.get_database_backend();
@@ -387,6 +451,70 @@ pub async fn hold_claim_then_roll_back(
         txn.rollback().await.expect("holder rollback");
         holder.close().await.ok();
     })
+}
+
+/// Begins a claim transaction on `conn` and claims the new message `id` for `consumer`
+/// in it, panicking when the claim is not `Claimed`.
+pub async fn begin_and_claim(
+    conn: &DatabaseConnection,
+    id: uuid::Uuid,
+    consumer: &str,
+) -> (DatabaseTransaction, ClaimedMessage) {
+    let txn = conn
+        .begin_with_options(CLAIM_TRANSACTION)
+        .await
+        .expect("begin");
+    let Claim::Claimed(claimed) = txn.claim_message(id, consumer).await.expect("claim") else {
+        panic!("a fresh message is claimed");
+    };
+    (txn, claimed)
+}
+
+/// Claims a new message for `consumer` on a PostgreSQL database without the third
+/// migration's unique constraint: the claim needs it and must fail naming that migration.
+pub async fn claim_names_the_missing_constraint(conn: &DatabaseConnection, consumer: &str) {
+    let txn = conn
+        .begin_with_options(CLAIM_TRANSACTION)
+        .await
+        .expect("begin");
+    let claim = txn.claim_message(uuid::Uuid::new_v4(), consumer).await;
+    txn.rollback().await.expect("roll back");
+    let Err(err) = claim else {
+        panic!("the claim needs the constraint: {claim:?}")
+    };
+    assert!(
+        matches!(
+            err,
+            InboxError::MissingMigration {
+                migration: InboxMigration::InboxUniqueConstraint,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+}
+
+/// Runs the fixture script `script` (a cluster's start, stop or fault) with `args` under
+/// `bash`, off the async workers, failing the test when it fails; returns its stdout.
+pub async fn cluster_script(script: &'static str, args: &[&str]) -> String {
+    let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    let shown = args.join(" ");
+    let output = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("bash")
+            .arg(script)
+            .args(&args)
+            .output()
+    })
+    .await
+    .expect("script task")
+    .unwrap_or_else(|e| panic!("run {script} {shown}: {e}"));
+    assert!(
+        output.status.success(),
+        "{script} {shown} failed: {}\n{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).into_owned()
 }
 
 /// Defines one `#[tokio::test]` per backend calling `$body(Backend)`, in modules named

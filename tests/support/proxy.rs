@@ -37,10 +37,13 @@
 //! SQLite is embedded: there is no network between the client and the database, so the
 //! proxy (and every lost-reply test) exists only for the server backends.
 
-use crate::{Backend, TestDb, connect_pool};
+use crate::{Backend, TestDb, connect_pool, create_accounts, scalar_i64, with_migrated_db};
+use futures_util::FutureExt;
 use sea_orm::DatabaseConnection;
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
@@ -562,6 +565,62 @@ fn is_commit_sql(sql: &[u8]) -> bool {
         .trim_end_matches(';')
         .trim()
         .eq_ignore_ascii_case("COMMIT")
+}
+
+/// A migrated test database behind a [`LostReplyProxy`]: a direct pool (the healthy
+/// replica, set-up and checks), the proxy, and a pool through it (the replica under test).
+/// Account 1 (balance 0) exists for handlers to credit.
+pub struct ProxiedDb {
+    pub direct: DatabaseConnection,
+    pub proxy: Arc<LostReplyProxy>,
+    pub through_proxy: DatabaseConnection,
+}
+
+impl ProxiedDb {
+    /// Waits until the proxy's partition is on, and returns when it was seen.
+    pub async fn partition_started(&self) -> Instant {
+        while !self.proxy.is_partitioned() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        Instant::now()
+    }
+
+    /// The balance of account 1, read through the direct pool.
+    pub async fn balance(&self) -> i64 {
+        scalar_i64(&self.direct, "SELECT balance FROM account WHERE id = 1").await
+    }
+
+    /// The markers in the inbox, counted through the direct pool.
+    pub async fn markers(&self) -> i64 {
+        scalar_i64(&self.direct, "SELECT COUNT(*) FROM inbox").await
+    }
+}
+
+/// Runs `body` on a [`ProxiedDb`] of `backend`, then heals any partition (a pool cannot
+/// close while a connection of it waits in the black hole), closes the pools, checks the
+/// proxy (see [`LostReplyProxy::expect_reply_dropped`]) and drops the database, also when
+/// `body` panics; the body's panic wins over the proxy check's.
+pub async fn with_proxied_db<T>(backend: Backend, body: impl AsyncFnOnce(&ProxiedDb) -> T) -> T {
+    with_migrated_db(backend, async |db| {
+        let proxy = Arc::new(LostReplyProxy::start(db).await);
+        let direct = db.connect().await;
+        let through_proxy = proxy.connect().await;
+        create_accounts(&direct).await;
+        let fixture = ProxiedDb {
+            direct,
+            proxy,
+            through_proxy,
+        };
+        let outcome = AssertUnwindSafe(body(&fixture)).catch_unwind().await;
+        fixture.proxy.heal();
+        fixture.through_proxy.close().await.ok();
+        fixture.direct.close().await.ok();
+        let checked = std::panic::catch_unwind(AssertUnwindSafe(|| drop(fixture.proxy)));
+        let value = outcome.unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+        checked.unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+        value
+    })
+    .await
 }
 
 #[cfg(test)]

@@ -6,8 +6,8 @@
 //! name of its own and reads only its spans, so the tests run in parallel.
 
 use inbox_tests::{
-    Backend, create_accounts, credit, hold_claim_then_roll_back, impatient_replica, migrated_db,
-    on_every_backend,
+    Backend, create_accounts, credit, hold_claim_then_roll_back, impatient_replica,
+    on_every_backend, with_migrated_db,
 };
 use sea_orm::{DatabaseConnection, DbErr};
 use sea_orm_inbox::prelude::*;
@@ -169,135 +169,138 @@ async fn credit_or_fail(
 /// replica's lock and is retried: spans, events and counters all tell the same story.
 async fn spans_and_counters_describe_a_scripted_run(backend: Backend) {
     let _ = captures();
-    let db = migrated_db(backend).await;
-    let consumer = format!("observability.{backend:?}");
-    let conn = impatient_replica(&db).await;
-    create_accounts(&conn).await;
-    let inbox = Inbox::new(consumer.clone())
-        .expect("valid name")
-        .with_retry(
-            RetryPolicy::default()
-                .max_attempts(30)
-                .backoff(Duration::from_millis(50), Duration::from_millis(200))
-                .expect("a short backoff"),
+    with_migrated_db(backend, async |db| {
+        let consumer = format!("observability.{backend:?}");
+        let conn = impatient_replica(db).await;
+        create_accounts(&conn).await;
+        let inbox = Inbox::new(consumer.clone())
+            .expect("valid name")
+            .with_retry(
+                RetryPolicy::default()
+                    .max_attempts(30)
+                    .backoff(Duration::from_millis(50), Duration::from_millis(200))
+                    .expect("a short backoff"),
+            );
+        let (a, b, c) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
+
+        let script = [(a, false), (a, false), (b, true), (b, false)];
+        for (id, fail) in script {
+            let _ = credit_or_fail(&inbox, &conn, id, fail).await;
+        }
+        let hold = if backend == Backend::MySql { 2500 } else { 600 };
+        let holder = hold_claim_then_roll_back(db, c, &consumer, Duration::from_millis(hold)).await;
+        let retried = credit_or_fail(&inbox, &conn, c, false).await;
+        holder.await.expect("holder");
+        assert!(matches!(retried, Ok(Outcome::Processed(()))), "{retried:?}");
+
+        let (spans, events) = captured_for(&consumer);
+        let summary: Vec<(String, String)> = spans
+            .iter()
+            .map(|s| {
+                (
+                    s.field("message_id").to_owned(),
+                    s.field("outcome").to_owned(),
+                )
+            })
+            .collect();
+        let expected: Vec<(String, String)> = [
+            (a, "processed"),
+            (a, "duplicate"),
+            (b, "handler_error"),
+            (b, "processed"),
+            (c, "processed"),
+        ]
+        .iter()
+        .map(|(id, outcome)| (id.to_string(), (*outcome).to_owned()))
+        .collect();
+        assert_eq!(summary, expected, "one span per call, in order");
+
+        let mut retries_in_spans = 0;
+        for span in &spans {
+            assert_eq!(span.field("consumer"), consumer);
+            let attempts: u64 = span
+                .field("attempts")
+                .parse()
+                .expect("attempts is a number");
+            let duration: f64 = span
+                .field("duration_ms")
+                .parse()
+                .expect("duration is a number");
+            assert!(attempts >= 1 && duration >= 0.0, "{span:?}");
+            retries_in_spans += attempts - 1;
+        }
+        let c_attempts: u64 = spans[4].field("attempts").parse().expect("number");
+        assert!(
+            c_attempts >= 2,
+            "the claim met the holder's lock: {:?}",
+            spans[4]
         );
-    let (a, b, c) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
+        assert!(
+            spans[4]
+                .field("duration_ms")
+                .parse::<f64>()
+                .expect("number")
+                >= 50.0,
+            "the retried call lasted at least one backoff: {:?}",
+            spans[4]
+        );
 
-    let script = [(a, false), (a, false), (b, true), (b, false)];
-    for (id, fail) in script {
-        let _ = credit_or_fail(&inbox, &conn, id, fail).await;
-    }
-    let hold = if backend == Backend::MySql { 2500 } else { 600 };
-    let holder = hold_claim_then_roll_back(&db, c, &consumer, Duration::from_millis(hold)).await;
-    let retried = credit_or_fail(&inbox, &conn, c, false).await;
-    holder.await.expect("holder");
-    assert!(matches!(retried, Ok(Outcome::Processed(()))), "{retried:?}");
+        use tracing::Level;
+        let settled: Vec<(&str, Option<Level>)> = events
+            .iter()
+            .filter_map(|e| Some((e.fields.get("message")?.as_str(), e.level)))
+            .filter(|(m, _)| !m.starts_with("transient"))
+            .collect();
+        assert_eq!(
+            settled,
+            [
+                ("delivery settled: ack", Some(Level::DEBUG)),
+                ("delivery settled: ack", Some(Level::DEBUG)),
+                ("handler failed: nack", Some(Level::INFO)),
+                ("delivery settled: ack", Some(Level::DEBUG)),
+                ("delivery settled: ack", Some(Level::DEBUG)),
+            ],
+            "{events:#?}"
+        );
+        let retry_events: Vec<&Captured> = events
+            .iter()
+            .filter(|e| {
+                e.fields
+                    .get("message")
+                    .is_some_and(|m| m.starts_with("transient"))
+            })
+            .collect();
+        assert_eq!(
+            retry_events.len() as u64,
+            c_attempts - 1,
+            "{retry_events:#?}"
+        );
+        for event in &retry_events {
+            assert_eq!(event.level, Some(Level::INFO), "{event:?}");
+            assert_eq!(event.span_fields.get("message_id"), Some(&c.to_string()));
+            assert!(event.fields.contains_key("error"), "{event:?}");
+        }
 
-    let (spans, events) = captured_for(&consumer);
-    let summary: Vec<(String, String)> = spans
-        .iter()
-        .map(|s| {
+        let counts = inbox.metrics().snapshot();
+        assert_eq!(
             (
-                s.field("message_id").to_owned(),
-                s.field("outcome").to_owned(),
-            )
-        })
-        .collect();
-    let expected: Vec<(String, String)> = [
-        (a, "processed"),
-        (a, "duplicate"),
-        (b, "handler_error"),
-        (b, "processed"),
-        (c, "processed"),
-    ]
-    .iter()
-    .map(|(id, outcome)| (id.to_string(), (*outcome).to_owned()))
-    .collect();
-    assert_eq!(summary, expected, "one span per call, in order");
-
-    let mut retries_in_spans = 0;
-    for span in &spans {
-        assert_eq!(span.field("consumer"), consumer);
-        let attempts: u64 = span
-            .field("attempts")
-            .parse()
-            .expect("attempts is a number");
-        let duration: f64 = span
-            .field("duration_ms")
-            .parse()
-            .expect("duration is a number");
-        assert!(attempts >= 1 && duration >= 0.0, "{span:?}");
-        retries_in_spans += attempts - 1;
-    }
-    let c_attempts: u64 = spans[4].field("attempts").parse().expect("number");
-    assert!(
-        c_attempts >= 2,
-        "the claim met the holder's lock: {:?}",
-        spans[4]
-    );
-    assert!(
-        spans[4]
-            .field("duration_ms")
-            .parse::<f64>()
-            .expect("number")
-            >= 50.0,
-        "the retried call lasted at least one backoff: {:?}",
-        spans[4]
-    );
-
-    use tracing::Level;
-    let settled: Vec<(&str, Option<Level>)> = events
-        .iter()
-        .filter_map(|e| Some((e.fields.get("message")?.as_str(), e.level)))
-        .filter(|(m, _)| !m.starts_with("transient"))
-        .collect();
-    assert_eq!(
-        settled,
-        [
-            ("delivery settled: ack", Some(Level::DEBUG)),
-            ("delivery settled: ack", Some(Level::DEBUG)),
-            ("handler failed: nack", Some(Level::INFO)),
-            ("delivery settled: ack", Some(Level::DEBUG)),
-            ("delivery settled: ack", Some(Level::DEBUG)),
-        ],
-        "{events:#?}"
-    );
-    let retry_events: Vec<&Captured> = events
-        .iter()
-        .filter(|e| {
-            e.fields
-                .get("message")
-                .is_some_and(|m| m.starts_with("transient"))
-        })
-        .collect();
-    assert_eq!(
-        retry_events.len() as u64,
-        c_attempts - 1,
-        "{retry_events:#?}"
-    );
-    for event in &retry_events {
-        assert_eq!(event.level, Some(Level::INFO), "{event:?}");
-        assert_eq!(event.span_fields.get("message_id"), Some(&c.to_string()));
-        assert!(event.fields.contains_key("error"), "{event:?}");
-    }
-
-    let counts = inbox.metrics().snapshot();
-    assert_eq!(
-        (
-            counts.processed,
-            counts.duplicates,
-            counts.handler_errors,
-            counts.failures
-        ),
-        (3, 1, 1, 0),
-        "{counts:?}"
-    );
-    assert_eq!(
-        counts.transient_retries, retries_in_spans,
-        "{counts:?} vs spans {spans:#?}"
-    );
-    println!("observability on {backend:?}: {counts:?}, retried claim took {c_attempts} attempts");
-    db.cleanup().await;
+                counts.processed,
+                counts.duplicates,
+                counts.handler_errors,
+                counts.failures
+            ),
+            (3, 1, 1, 0),
+            "{counts:?}"
+        );
+        assert_eq!(
+            counts.transient_retries, retries_in_spans,
+            "{counts:?} vs spans {spans:#?}"
+        );
+        println!(
+            "observability on {backend:?}: {counts:?}, retried claim took {c_attempts} attempts"
+        );
+    })
+    .await;
 }
 
 on_every_backend!(spans_and_counters_describe_a_scripted_run);

@@ -15,7 +15,7 @@
 //! restart`; set `INBOX_TEST_RESTART_POSTGRES_COMMAND` (run by `sh -c`) for another setup.
 
 use inbox_tests::{
-    Backend, Broker, Plan, assert_exactly_once, create_effects, migrated_db, run_replicas,
+    Backend, Broker, Plan, assert_exactly_once, create_effects, run_replicas, with_migrated_db,
 };
 use std::time::{Duration, Instant};
 
@@ -34,58 +34,58 @@ const DEFAULT_RESTART: &str =
     ignore = "set INBOX_TEST_POSTGRES_URL"
 )]
 async fn replicas_recover_from_a_postgres_restart() {
-    let db = migrated_db(Backend::Postgres).await;
-    let conn = db.connect().await;
-    create_effects(&conn).await;
-    conn.close().await.ok();
-    let plan = Plan::new(MESSAGES, 30, 5, 0xfa11);
-    let broker = Broker::new(&plan.deliveries);
-    let command =
-        std::env::var("INBOX_TEST_RESTART_POSTGRES_COMMAND").unwrap_or(DEFAULT_RESTART.into());
+    with_migrated_db(Backend::Postgres, async |db| {
+        let conn = db.connect().await;
+        create_effects(&conn).await;
+        conn.close().await.ok();
+        let plan = Plan::new(MESSAGES, 30, 5, 0xfa11);
+        let broker = Broker::new(&plan.deliveries);
+        let command =
+            std::env::var("INBOX_TEST_RESTART_POSTGRES_COMMAND").unwrap_or(DEFAULT_RESTART.into());
 
-    let restart = {
-        let broker = broker.clone();
-        tokio::spawn(async move {
-            broker
-                .wait_for_acks(MESSAGES as u64 / 4, Duration::from_secs(300))
-                .await;
-            let before = broker.stats();
-            let started = Instant::now();
-            let status = tokio::task::spawn_blocking(move || {
-                std::process::Command::new("sh")
-                    .arg("-c")
-                    .arg(&command)
-                    .status()
+        let restart = {
+            let broker = broker.clone();
+            tokio::spawn(async move {
+                broker
+                    .wait_for_acks(MESSAGES as u64 / 4, Duration::from_secs(300))
+                    .await;
+                let before = broker.stats();
+                let started = Instant::now();
+                let status = tokio::task::spawn_blocking(move || {
+                    std::process::Command::new("sh")
+                        .arg("-c")
+                        .arg(&command)
+                        .status()
+                })
+                .await
+                .expect("restart task")
+                .expect("run the restart command");
+                assert!(status.success(), "the restart command failed: {status}");
+                (before, started.elapsed(), broker.stats())
             })
-            .await
-            .expect("restart task")
-            .expect("run the restart command");
-            assert!(status.success(), "the restart command failed: {status}");
-            (before, started.elapsed(), broker.stats())
-        })
-    };
+        };
 
-    let report = run_replicas(&db, &broker, &plan, REPLICAS, Duration::from_secs(600)).await;
-    let (before, took, after) = restart.await.expect("the restart ran");
-    println!(
-        "postgres restart after {} acks (took {took:.1?}; {} pending when it was back); \
-         {REPLICAS} replicas: {report}",
-        before.acks, after.pending
-    );
-    assert!(
-        after.pending > 0,
-        "the restart must land in the middle of the run: {after:?}"
-    );
-    assert!(
-        report.broker.nacks + report.transient_retries > plan.failing.len() as u64,
-        "the restart disrupted some deliveries: {report}"
-    );
-    assert_eq!(
-        report.inbox_errors, 0,
-        "every failure the restart caused is classified transient (retried or nacked as such): {report}"
-    );
-    let conn = db.connect().await;
-    assert_exactly_once(&conn, &plan, &report).await;
-    conn.close().await.ok();
-    db.cleanup().await;
+        let report = run_replicas(db, &broker, &plan, REPLICAS, Duration::from_secs(600)).await;
+        let (before, took, after) = restart.await.expect("the restart ran");
+        println!(
+            "postgres restart after {} acks (took {took:.1?}; {} pending when it was back); \
+             {REPLICAS} replicas: {report}",
+            before.acks, after.pending
+        );
+        assert!(
+            after.pending > 0,
+            "the restart must land in the middle of the run: {after:?}"
+        );
+        assert!(
+            report.broker.nacks + report.transient_retries > plan.failing.len() as u64,
+            "the restart disrupted some deliveries: {report}"
+        );
+        assert_eq!(
+            report.inbox_errors, 0,
+            "every failure the restart caused is classified transient (retried or nacked as such): {report}"
+        );
+        let conn = db.connect().await;
+        assert_exactly_once(&conn, &plan, &report).await;
+    })
+    .await;
 }

@@ -1,9 +1,9 @@
-//! Issue 9, acceptance 5: with the `metrics` feature, a consumer's outcomes, process
+//! Prometheus: with the `metrics` feature, a consumer's outcomes, process
 //! durations and claim waits reach a Prometheus scrape with no glue. One test in this
 //! binary: the recorder is process-global.
 
 use inbox_examples::metrics_demo::{StreamCounts, consume_stream, install_prometheus};
-use inbox_tests::{Backend, migrated_db};
+use inbox_tests::{Backend, with_migrated_db};
 
 const CONSUMER: &str = "billing.credit";
 
@@ -19,50 +19,50 @@ fn sample(scrape: &str, name: &str, labels: &str) -> Option<f64> {
 #[tokio::test]
 async fn a_prometheus_scrape_counts_every_outcome() {
     let prometheus = install_prometheus().expect("no other recorder in this test binary");
-    let db = migrated_db(Backend::Sqlite).await;
-    let conn = db.connect().await;
-    let counts = consume_stream(&conn, CONSUMER, 20)
-        .await
-        .expect("the stream");
-    assert_eq!(
-        counts,
-        StreamCounts {
-            messages: 20,
-            duplicates: 20,
-            handler_errors: 4
+    with_migrated_db(Backend::Sqlite, async |db| {
+        let conn = db.connect().await;
+        let counts = consume_stream(&conn, CONSUMER, 20)
+            .await
+            .expect("the stream");
+        assert_eq!(
+            counts,
+            StreamCounts {
+                messages: 20,
+                duplicates: 20,
+                handler_errors: 4
+            }
+        );
+        let scrape = prometheus.render();
+        let consumer = format!("messaging_consumer_group_name=\"{CONSUMER}\"");
+        for (outcome, expected) in [
+            ("processed", counts.messages),
+            ("duplicate", counts.duplicates),
+            ("handler_error", counts.handler_errors),
+        ] {
+            let labels = format!("{consumer},inbox_outcome=\"{outcome}\"");
+            assert_eq!(
+                sample(&scrape, "messaging_client_consumed_messages", &labels),
+                Some(expected as f64),
+                "{outcome} in\n{scrape}"
+            );
+            assert_eq!(
+                sample(&scrape, "messaging_process_duration_count", &labels),
+                Some(expected as f64),
+                "{outcome} durations in\n{scrape}"
+            );
         }
-    );
-    let scrape = prometheus.render();
-    let consumer = format!("messaging_consumer_group_name=\"{CONSUMER}\"");
-    for (outcome, expected) in [
-        ("processed", counts.messages),
-        ("duplicate", counts.duplicates),
-        ("handler_error", counts.handler_errors),
-    ] {
-        let labels = format!("{consumer},inbox_outcome=\"{outcome}\"");
+        // Every attempt claims once: processed + duplicate + failed first deliveries.
+        let claims = counts.messages + counts.duplicates + counts.handler_errors;
         assert_eq!(
-            sample(&scrape, "messaging_client_consumed_messages", &labels),
-            Some(expected as f64),
-            "{outcome} in\n{scrape}"
+            sample(&scrape, "inbox_claim_wait_duration_count", &consumer),
+            Some(claims as f64),
+            "claim waits in\n{scrape}"
         );
         assert_eq!(
-            sample(&scrape, "messaging_process_duration_count", &labels),
-            Some(expected as f64),
-            "{outcome} durations in\n{scrape}"
+            sample(&scrape, "inbox_transient_retries", &consumer),
+            None,
+            "nothing was retried:\n{scrape}"
         );
-    }
-    // Every attempt claims once: processed + duplicate + failed first deliveries.
-    let claims = counts.messages + counts.duplicates + counts.handler_errors;
-    assert_eq!(
-        sample(&scrape, "inbox_claim_wait_duration_count", &consumer),
-        Some(claims as f64),
-        "claim waits in\n{scrape}"
-    );
-    assert_eq!(
-        sample(&scrape, "inbox_transient_retries", &consumer),
-        None,
-        "nothing was retried:\n{scrape}"
-    );
-    conn.close().await.ok();
-    db.cleanup().await;
+    })
+    .await;
 }

@@ -1,0 +1,592 @@
+//! The transactional outbox: enqueue commits and rolls back with the caller's transaction,
+//! and relays on separate pools publish every row once, in order per key, parking poison
+//! rows without holding back other keys.
+
+use inbox_tests::{
+    Backend, TestDb, on_every_backend, scalar_i64, with_migrated_db, with_migrated_outbox_db,
+};
+use sea_orm::{ConnAcquireErr, ConnectionTrait, DatabaseConnection, DbErr, TransactionTrait};
+use sea_orm_inbox::{
+    Inbox, MessageId, OutboxError, OutboxExt, OutboxMessage, Outcome, OutgoingMessage,
+    PublishError, Publisher, Relay, RelayOptions, SchemaError, list_dead_messages, outbox_backlog,
+    purge_sent_messages, requeue_dead_message, verify_outbox_schema,
+};
+use sea_orm_inbox_migration::MigratorTrait;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use uuid::Uuid;
+
+/// What a handler does: one business write and one outgoing message, through whatever
+/// connection it is given.
+async fn place_order<C: ConnectionTrait>(
+    conn: &C,
+    message: OutgoingMessage,
+) -> Result<MessageId, OutboxError> {
+    conn.execute_unprepared("INSERT INTO orders (note) VALUES ('placed')")
+        .await
+        .map_err(|source| OutboxError::Database {
+            operation: "the order insert",
+            source,
+        })?;
+    conn.enqueue(message).await
+}
+
+async fn create_orders(conn: &impl ConnectionTrait) {
+    let sql = match conn.get_database_backend() {
+        sea_orm::DbBackend::MySql => {
+            "CREATE TABLE orders (id BIGINT AUTO_INCREMENT PRIMARY KEY, note VARCHAR(20) NOT NULL)"
+        }
+        sea_orm::DbBackend::Postgres => {
+            "CREATE TABLE orders (id BIGSERIAL PRIMARY KEY, note VARCHAR(20) NOT NULL)"
+        }
+        _ => {
+            "CREATE TABLE orders (id INTEGER PRIMARY KEY AUTOINCREMENT, note VARCHAR(20) NOT NULL)"
+        }
+    };
+    conn.execute_unprepared(sql).await.expect("create orders");
+}
+
+/// A stand-in broker: records every publish in order; refuses payloads in `poison` (until
+/// `cured`); takes `latency` to confirm; and, while `hang` is set, records and then never
+/// confirms (a relay killed after the broker took the message).
+#[derive(Default)]
+struct Recorder {
+    published: Mutex<Vec<OutboxMessage>>,
+    poison: Vec<Vec<u8>>,
+    cured: AtomicBool,
+    hang: AtomicBool,
+    latency: Duration,
+}
+
+impl Recorder {
+    fn ids(&self) -> Vec<MessageId> {
+        self.published
+            .lock()
+            .expect("recorder lock")
+            .iter()
+            .map(|message| message.message_id)
+            .collect()
+    }
+
+    fn payloads(&self) -> Vec<Vec<u8>> {
+        self.published
+            .lock()
+            .expect("recorder lock")
+            .iter()
+            .map(|message| message.payload.clone())
+            .collect()
+    }
+}
+
+impl Publisher for Recorder {
+    async fn publish(&self, message: &OutboxMessage) -> Result<(), PublishError> {
+        if self.poison.contains(&message.payload) && !self.cured.load(Ordering::SeqCst) {
+            return Err(PublishError::Transient("the broker choked on it".into()));
+        }
+        self.published
+            .lock()
+            .expect("recorder lock")
+            .push(message.clone());
+        if self.hang.load(Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
+        tokio::time::sleep(self.latency).await;
+        Ok(())
+    }
+}
+
+fn quick_options() -> RelayOptions {
+    RelayOptions {
+        batch_size: 20,
+        lease: Duration::from_secs(30),
+        publish_timeout: Duration::from_secs(5),
+        max_attempts: 3,
+        backoff: Duration::from_millis(1),
+        max_backoff: Duration::from_millis(5),
+        poll_interval: Duration::from_millis(20),
+    }
+}
+
+async fn outbox_rows(conn: &DatabaseConnection) -> i64 {
+    scalar_i64(conn, "SELECT COUNT(*) FROM outbox").await
+}
+
+async fn enqueue_commits_and_rolls_back_with_the_transaction(backend: Backend) {
+    with_migrated_outbox_db(backend, async |db| {
+        let conn = db.connect().await;
+        create_orders(&conn).await;
+
+        let txn = conn.begin().await.expect("begin");
+        place_order(&txn, OutgoingMessage::new("orders", b"1".to_vec()))
+            .await
+            .expect("enqueue");
+        txn.rollback().await.expect("rollback");
+        assert_eq!(outbox_rows(&conn).await, 0, "rolled back with the order");
+        assert_eq!(scalar_i64(&conn, "SELECT COUNT(*) FROM orders").await, 0);
+
+        let txn = conn.begin().await.expect("begin");
+        let id = place_order(
+            &txn,
+            OutgoingMessage::new("orders", b"2".to_vec())
+                .key("order-2")
+                .header("content-type", "text/plain"),
+        )
+        .await
+        .expect("enqueue");
+        txn.commit().await.expect("commit");
+        assert_eq!(outbox_rows(&conn).await, 1, "committed with the order");
+
+        // Inside Inbox::process: a failing handler takes its message with it.
+        let inbox = Inbox::new("orders.placer").expect("valid name");
+        let incoming = MessageId::from_uuid(Uuid::new_v4());
+        let failed = inbox
+            .process(&conn, incoming, |txn| {
+                Box::pin(async move {
+                    place_order(txn, OutgoingMessage::new("orders", b"3".to_vec())).await?;
+                    Err::<(), Box<dyn std::error::Error + Send + Sync>>("card declined".into())
+                })
+            })
+            .await;
+        assert!(failed.is_err(), "{failed:?}");
+        assert_eq!(
+            outbox_rows(&conn).await,
+            1,
+            "the failed handler's message is gone"
+        );
+
+        let relay = Relay::new(Arc::new(Recorder::default()))
+            .with_options(quick_options())
+            .expect("options");
+        let report = relay.relay_once(&conn).await.expect("relay");
+        assert_eq!(report.published, 1);
+        let published = relay.publisher().published.lock().expect("lock").clone();
+        assert_eq!(published[0].message_id, id);
+        assert_eq!(published[0].key.as_deref(), Some("order-2"));
+        assert_eq!(published[0].headers["content-type"], "text/plain");
+        assert_eq!(published[0].attempt, 1);
+    })
+    .await;
+}
+
+async fn a_retried_handler_leaves_one_row_per_message(backend: Backend) {
+    with_migrated_outbox_db(backend, async |db| {
+        let conn = db.connect().await;
+        create_orders(&conn).await;
+        let inbox = Inbox::new("orders.placer").expect("valid name");
+        let incoming = MessageId::from_uuid(Uuid::new_v4());
+        let runs = AtomicU32::new(0);
+
+        // The first attempt enqueues, then meets a transient failure: process retries the
+        // whole transaction, and the derived ids make the retry write the same two rows.
+        let outcome = inbox
+            .process(&conn, incoming, |txn| {
+                let run = runs.fetch_add(1, Ordering::SeqCst);
+                Box::pin(async move {
+                    for sequence in 0..2 {
+                        let message = OutgoingMessage::new("orders", vec![sequence as u8])
+                            .message_id(incoming.outgoing("orders.placer", sequence));
+                        place_order(txn, message).await?;
+                    }
+                    if run == 0 {
+                        return Err(
+                            DbErr::ConnectionAcquire(ConnAcquireErr::ConnectionClosed).into()
+                        );
+                    }
+                    Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+                })
+            })
+            .await;
+        assert!(matches!(outcome, Ok(Outcome::Processed(()))), "{outcome:?}");
+        assert_eq!(runs.load(Ordering::SeqCst), 2, "retried once");
+        assert_eq!(outbox_rows(&conn).await, 2);
+
+        // The same handler run again outside the inbox (or enqueueing twice in one
+        // transaction) writes nothing new and raises nothing into the transaction.
+        let txn = conn.begin().await.expect("begin");
+        for _ in 0..2 {
+            let again = OutgoingMessage::new("orders", vec![0])
+                .message_id(incoming.outgoing("orders.placer", 0));
+            place_order(&txn, again).await.expect("a repeat is a no-op");
+        }
+        txn.commit().await.expect("commit after the repeats");
+        assert_eq!(outbox_rows(&conn).await, 2, "one row per derived id");
+    })
+    .await;
+}
+
+/// Enqueues `keys` x `per_key` messages, interleaved by key; each payload is
+/// `"{key}:{n}"`.
+async fn enqueue_keyed(conn: &DatabaseConnection, keys: usize, per_key: usize) {
+    for n in 0..per_key {
+        let txn = conn.begin().await.expect("begin");
+        for key in 0..keys {
+            let message = OutgoingMessage::new("events", format!("k{key}:{n}").into_bytes())
+                .key(format!("k{key}"));
+            txn.enqueue(message).await.expect("enqueue");
+        }
+        txn.commit().await.expect("commit");
+    }
+}
+
+/// Runs two relays on their own pools, started together, until the backlog is empty.
+async fn drain_with_two_relays(db: &TestDb, recorder: &Arc<Recorder>) {
+    let mut tasks = Vec::new();
+    let start = Arc::new(tokio::sync::Barrier::new(2));
+    for _ in 0..2 {
+        let pool = db.connect().await;
+        let relay = Relay::new(Arc::clone(recorder))
+            .with_options(quick_options())
+            .expect("options");
+        let start = Arc::clone(&start);
+        tasks.push(tokio::spawn(async move {
+            start.wait().await;
+            for _ in 0..2_000 {
+                relay.relay_once(&pool).await.expect("relay");
+                if outbox_backlog(&pool).await.expect("backlog").pending == 0 {
+                    break;
+                }
+            }
+            pool.close().await.ok();
+        }));
+    }
+    for task in tasks {
+        task.await.expect("relay task");
+    }
+}
+
+async fn two_relays_publish_every_row_exactly_once(backend: Backend) {
+    with_migrated_outbox_db(backend, async |db| {
+        let conn = db.connect().await;
+        const ROWS: usize = 120;
+        for n in 0..ROWS {
+            conn.enqueue(OutgoingMessage::new("events", n.to_string().into_bytes()))
+                .await
+                .expect("enqueue");
+        }
+        let recorder = Arc::new(Recorder::default());
+        drain_with_two_relays(db, &recorder).await;
+
+        let ids = recorder.ids();
+        let mut counts: HashMap<MessageId, u32> = HashMap::new();
+        for id in &ids {
+            *counts.entry(*id).or_default() += 1;
+        }
+        assert_eq!(counts.len(), ROWS, "every row published");
+        assert!(
+            counts.values().all(|&n| n == 1),
+            "no row published twice: {} publishes for {ROWS} rows",
+            ids.len()
+        );
+        assert_eq!(
+            scalar_i64(
+                &conn,
+                "SELECT COUNT(*) FROM outbox WHERE sent_at IS NOT NULL"
+            )
+            .await,
+            ROWS as i64
+        );
+    })
+    .await;
+}
+
+async fn a_key_goes_out_in_order_under_two_relays(backend: Backend) {
+    with_migrated_outbox_db(backend, async |db| {
+        let conn = db.connect().await;
+        const KEYS: usize = 4;
+        const PER_KEY: usize = 12;
+        enqueue_keyed(&conn, KEYS, PER_KEY).await;
+        let recorder = Arc::new(Recorder::default());
+        drain_with_two_relays(db, &recorder).await;
+
+        let mut seen: HashMap<String, Vec<usize>> = HashMap::new();
+        for payload in recorder.payloads() {
+            let text = String::from_utf8(payload).expect("utf-8 payload");
+            let (key, n) = text.split_once(':').expect("key:n");
+            seen.entry(key.to_owned())
+                .or_default()
+                .push(n.parse().expect("n"));
+        }
+        assert_eq!(seen.len(), KEYS);
+        for (key, order) in seen {
+            assert_eq!(order, (0..PER_KEY).collect::<Vec<_>>(), "key {key}");
+        }
+    })
+    .await;
+}
+
+async fn a_relay_killed_after_publishing_leaves_the_row_to_be_republished_with_its_id(
+    backend: Backend,
+) {
+    with_migrated_outbox_db(backend, async |db| {
+        let conn = db.connect().await;
+        let id = conn
+            .enqueue(OutgoingMessage::new("events", b"once".to_vec()))
+            .await
+            .expect("enqueue");
+        let recorder = Arc::new(Recorder::default());
+        recorder.hang.store(true, Ordering::SeqCst);
+        let options = RelayOptions {
+            lease: Duration::from_secs(2),
+            publish_timeout: Duration::from_secs(1),
+            ..quick_options()
+        };
+        let dying = Relay::new(Arc::clone(&recorder))
+            .with_options(options.clone())
+            .expect("options");
+        // The broker has the message; the relay dies before it marks the row sent.
+        let killed =
+            tokio::time::timeout(Duration::from_millis(300), dying.relay_once(&conn)).await;
+        assert!(killed.is_err(), "the relay was cut off mid-publish");
+        assert_eq!(recorder.ids(), [id]);
+
+        recorder.hang.store(false, Ordering::SeqCst);
+        let survivor_pool = db.connect().await;
+        let survivor = Relay::new(Arc::clone(&recorder))
+            .with_options(options)
+            .expect("options");
+        let early = survivor.relay_once(&survivor_pool).await.expect("relay");
+        assert_eq!(
+            early.claimed, 0,
+            "the dead relay's lease still holds the row"
+        );
+
+        tokio::time::sleep(Duration::from_millis(2_100)).await;
+        let late = survivor.relay_once(&survivor_pool).await.expect("relay");
+        assert_eq!(late.published, 1, "republished once the lease ended");
+        assert_eq!(recorder.ids(), [id, id], "the same message id both times");
+        let attempts = recorder.published.lock().expect("lock")[1].attempt;
+        assert_eq!(attempts, 2);
+    })
+    .await;
+}
+
+async fn a_poison_row_goes_dead_without_holding_back_other_keys(backend: Backend) {
+    with_migrated_outbox_db(backend, async |db| {
+        let conn = db.connect().await;
+        let txn = conn.begin().await.expect("begin");
+        let enqueue = async |key: Option<&str>, payload: &str| {
+            let mut message = OutgoingMessage::new("events", payload.as_bytes().to_vec());
+            if let Some(key) = key {
+                message = message.key(key);
+            }
+            txn.enqueue(message).await.expect("enqueue")
+        };
+        let poison = enqueue(Some("a"), "poison").await;
+        enqueue(Some("a"), "a2").await;
+        enqueue(Some("b"), "b1").await;
+        enqueue(Some("b"), "b2").await;
+        enqueue(None, "loose").await;
+        txn.commit().await.expect("commit");
+
+        let recorder = Arc::new(Recorder {
+            poison: vec![b"poison".to_vec()],
+            ..Recorder::default()
+        });
+        let relay = Relay::new(Arc::clone(&recorder))
+            .with_options(quick_options())
+            .expect("options");
+        let mut dead = 0;
+        for _ in 0..50 {
+            let report = relay.relay_once(&conn).await.expect("relay");
+            dead += report.dead;
+            if dead > 0 && recorder.ids().len() == 3 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(dead, 1, "parked after its attempts ran out");
+        let sent: Vec<Vec<u8>> = recorder.payloads();
+        assert_eq!(sent.len(), 3, "b1, b2 and the unkeyed message went out");
+        assert!(
+            !sent.contains(&b"a2".to_vec()),
+            "a2 waits behind its dead predecessor"
+        );
+        let backlog = outbox_backlog(&conn).await.expect("backlog");
+        assert_eq!((backlog.pending, backlog.dead), (1, 1));
+
+        let listed = list_dead_messages(&conn, 10).await.expect("list");
+        assert_eq!(listed.len(), 1);
+        assert_eq!(listed[0].message_id, poison);
+        assert_eq!(listed[0].attempts, 3);
+        assert_eq!(listed[0].key.as_deref(), Some("a"));
+        assert!(
+            listed[0]
+                .last_error
+                .as_deref()
+                .is_some_and(|error| error.contains("choked")),
+            "{:?}",
+            listed[0].last_error
+        );
+
+        // The operator fixes the cause and requeues: the row, then its key's next, go out.
+        recorder.cured.store(true, Ordering::SeqCst);
+        assert!(requeue_dead_message(&conn, poison).await.expect("requeue"));
+        assert!(
+            !requeue_dead_message(&conn, poison).await.expect("requeue"),
+            "no longer dead"
+        );
+        for _ in 0..3 {
+            relay.relay_once(&conn).await.expect("relay");
+        }
+        let sent = recorder.payloads();
+        assert_eq!(&sent[3..], [b"poison".to_vec(), b"a2".to_vec()]);
+        assert_eq!(outbox_backlog(&conn).await.expect("backlog").pending, 0);
+
+        // Sent rows are purged in batches; unsent ones never.
+        conn.enqueue(OutgoingMessage::new("events", b"later".to_vec()))
+            .await
+            .expect("enqueue");
+        let cutoff = chrono::Utc::now() + chrono::Duration::seconds(1);
+        let purged = purge_sent_messages(&conn, cutoff, 2).await.expect("purge");
+        assert_eq!(purged, 5);
+        assert_eq!(outbox_rows(&conn).await, 1, "the unsent row stays");
+    })
+    .await;
+}
+
+async fn a_woken_relay_publishes_without_waiting_for_its_poll(backend: Backend) {
+    with_migrated_outbox_db(backend, async |db| {
+        let conn = db.connect().await;
+        let recorder = Arc::new(Recorder::default());
+        let options = RelayOptions {
+            poll_interval: Duration::from_secs(600),
+            ..quick_options()
+        };
+        let relay = Relay::new(Arc::clone(&recorder))
+            .with_options(options)
+            .expect("options");
+        let waker = relay.waker();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let pool = db.connect().await;
+        let running = tokio::spawn(async move {
+            relay
+                .run(&pool, async {
+                    stopped.await.ok();
+                })
+                .await;
+            pool.close().await.ok();
+        });
+
+        let txn = conn.begin().await.expect("begin");
+        let id = txn
+            .enqueue(OutgoingMessage::new("events", b"now".to_vec()))
+            .await
+            .expect("enqueue");
+        txn.commit().await.expect("commit");
+        waker.wake();
+        let published = async {
+            while recorder.ids().is_empty() {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), published)
+            .await
+            .expect("published long before the 10-minute poll");
+        assert_eq!(recorder.ids(), [id]);
+        stop.send(()).ok();
+        running.await.expect("the relay stops");
+    })
+    .await;
+}
+
+async fn the_startup_check_finds_a_missing_outbox_and_a_missing_unique_index(backend: Backend) {
+    with_migrated_db(backend, async |db| {
+        let conn = db.connect().await;
+        assert!(
+            matches!(
+                verify_outbox_schema(&conn).await,
+                Err(SchemaError::MissingOutboxTable)
+            ),
+            "the inbox migrations alone make no outbox"
+        );
+        sea_orm_inbox_migration::MigratorWithOutbox::up(&conn, None)
+            .await
+            .expect("run CreateOutbox");
+        verify_outbox_schema(&conn)
+            .await
+            .expect("the migrated outbox passes");
+        let drop = match backend {
+            Backend::MySql => "DROP INDEX ix_outbox_message_id ON outbox",
+            _ => "DROP INDEX ix_outbox_message_id",
+        };
+        conn.execute_unprepared(drop).await.expect("drop the index");
+        let found = verify_outbox_schema(&conn).await;
+        assert!(
+            matches!(&found, Err(SchemaError::OutboxIndex { found }) if found == "missing"),
+            "{found:?}"
+        );
+    })
+    .await;
+}
+
+async fn a_slow_broker_makes_the_relay_hand_back_what_its_lease_cannot_cover(backend: Backend) {
+    with_migrated_outbox_db(backend, async |db| {
+        let conn = db.connect().await;
+        for n in 0..6 {
+            conn.enqueue(OutgoingMessage::new("events", vec![n]))
+                .await
+                .expect("enqueue");
+        }
+        // Each confirmation takes 400 ms; after two of them less than the publish timeout is
+        // left of the 2-second lease, and the relay stops instead of publishing into another
+        // relay's lease.
+        let recorder = Arc::new(Recorder {
+            latency: Duration::from_millis(400),
+            ..Recorder::default()
+        });
+        let options = RelayOptions {
+            lease: Duration::from_secs(2),
+            publish_timeout: Duration::from_millis(1_100),
+            ..quick_options()
+        };
+        let relay = Relay::new(Arc::clone(&recorder))
+            .with_options(options)
+            .expect("options");
+        let first = relay.relay_once(&conn).await.expect("relay");
+        assert_eq!(first.claimed, 6);
+        assert!(first.published >= 1 && first.released >= 1, "{first:?}");
+        assert_eq!(first.published + first.released, 6, "{first:?}");
+        // The handed-back rows are due at once, their attempt not counted.
+        let mut published = first.published;
+        while published < 6 {
+            published += relay.relay_once(&conn).await.expect("relay").published;
+        }
+        assert!(
+            recorder
+                .published
+                .lock()
+                .expect("lock")
+                .iter()
+                .all(|message| message.attempt == 1),
+            "no attempt was counted for a handed-back row"
+        );
+        assert_eq!(recorder.ids().len(), 6, "each published once");
+
+        // A broker that never confirms: the publish times out and counts as a failure.
+        conn.enqueue(OutgoingMessage::new("events", b"silent".to_vec()))
+            .await
+            .expect("enqueue");
+        recorder.hang.store(true, Ordering::SeqCst);
+        let silent = relay.relay_once(&conn).await.expect("relay");
+        assert_eq!(
+            (silent.published, silent.failed, silent.dead),
+            (0, 1, 0),
+            "{silent:?}"
+        );
+    })
+    .await;
+}
+
+on_every_backend!(
+    a_slow_broker_makes_the_relay_hand_back_what_its_lease_cannot_cover,
+    the_startup_check_finds_a_missing_outbox_and_a_missing_unique_index,
+    a_woken_relay_publishes_without_waiting_for_its_poll,
+    enqueue_commits_and_rolls_back_with_the_transaction,
+    a_retried_handler_leaves_one_row_per_message,
+    two_relays_publish_every_row_exactly_once,
+    a_key_goes_out_in_order_under_two_relays,
+    a_relay_killed_after_publishing_leaves_the_row_to_be_republished_with_its_id,
+    a_poison_row_goes_dead_without_holding_back_other_keys,
+);

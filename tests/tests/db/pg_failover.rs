@@ -1,0 +1,255 @@
+//! PostgreSQL failover: 4 replicas consume a stream through HAProxy (the stable address)
+//! while the primary is killed (`pg_ctl stop -m immediate`) and the standby promoted. The
+//! pools reconnect through the same address, `Inbox::process` retries what the failover
+//! broke, the broker redelivers what was nacked, and the redeliveries land on the new
+//! primary.
+//!
+//! - Synchronous standby (`synchronous_commit = remote_apply`): what a replica saw
+//!   committed is on the standby, so after the failover every message is applied exactly
+//!   once and acked.
+//! - Asynchronous standby, made to lag (it stops receiving WAL 200 acks before the kill):
+//!   the commits it never received are lost. A marker and its effect commit together, so
+//!   they are lost together: never applied twice, but a message acked before the loss is
+//!   not redelivered and its effect is gone. The run reports how many.
+//! - Standby down: a COMMIT waits; cancelling the wait commits locally anyway (a warning,
+//!   no error), so the client sees `Processed` for a commit the standby never got, and a
+//!   redelivery is a `Duplicate`.
+//!
+//! Each test builds its own cluster with `tests/cluster/pg-failover.sh` (ports 5433-5435,
+//! data under /tmp/inbox-pgfailover, needs root for `runuser`, HAProxy and PostgreSQL 15)
+//! and stops it at the end, so they run one at a time and only when asked:
+//!
+//! ```sh
+//! INBOX_TEST_PG_FAILOVER=1 cargo test -p inbox-tests --test db pg_failover:: -- --nocapture
+//! ```
+
+use inbox_tests::{
+    Backend, Broker, Plan, Report, assert_exactly_once, cluster_script, create_effects,
+    fresh_db_at, run, run_replicas, scalar_i64,
+};
+use sea_orm::{DatabaseConnection, DbErr};
+use sea_orm_inbox::{Inbox, Outcome, RetryPolicy};
+use std::time::{Duration, Instant};
+use tokio::sync::Mutex;
+
+const REPLICAS: usize = 4;
+const MESSAGES: usize = 2_000;
+const CLUSTER_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/cluster/pg-failover.sh");
+/// Acks the asynchronous primary gives while its standby receives nothing.
+const LAG: u64 = 200;
+const STABLE_URL: &str = "postgres://postgres@127.0.0.1:5435/test";
+
+/// One cluster on fixed ports: the tests of this file take turns.
+static CLUSTER: Mutex<()> = Mutex::const_new(());
+
+/// Runs `pg-failover.sh <args>`, failing the test if it fails; returns its stdout.
+async fn cluster(args: &[&str]) -> String {
+    cluster_script(CLUSTER_SCRIPT, args).await
+}
+
+/// A fresh cluster in `mode` (`sync` or `async`).
+async fn fresh_cluster(mode: &str) {
+    cluster(&["stop"]).await;
+    cluster(&["start", mode]).await;
+}
+
+/// What the failover task saw.
+struct Failover {
+    acks_before: u64,
+    pending_after: u64,
+    took: Duration,
+}
+
+/// Runs the stream through the stable address and fails the primary over once a quarter
+/// of the messages are acked. With `lag` acks, the standby first stops receiving WAL and
+/// the primary goes on for that many acks before it is killed.
+async fn consume_through_a_failover(
+    mode: &str,
+    lag: u64,
+) -> (Plan, Report, Failover, DatabaseConnection) {
+    fresh_cluster(mode).await;
+    let db = fresh_db_at(Backend::Postgres, STABLE_URL).await;
+    db.migrate().await;
+    let conn = db.connect().await;
+    create_effects(&conn).await;
+    conn.close().await.ok();
+    let plan = Plan::new(MESSAGES, 30, 5, 0xfa170);
+    let broker = Broker::new(&plan.deliveries);
+    let failover = {
+        let broker = broker.clone();
+        tokio::spawn(async move {
+            let quarter = MESSAGES as u64 / 4;
+            broker
+                .wait_for_acks(quarter, Duration::from_secs(300))
+                .await;
+            if lag > 0 {
+                cluster(&["pause-replication"]).await;
+                broker
+                    .wait_for_acks(quarter + lag, Duration::from_secs(300))
+                    .await;
+            }
+            let acks_before = broker.stats().acks;
+            let started = Instant::now();
+            cluster(&["kill-primary"]).await;
+            cluster(&["promote"]).await;
+            Failover {
+                acks_before,
+                pending_after: broker.stats().pending,
+                took: started.elapsed(),
+            }
+        })
+    };
+    let report = run_replicas(&db, &broker, &plan, REPLICAS, Duration::from_secs(600)).await;
+    let failover = failover.await.expect("the failover ran");
+    println!(
+        "{mode} failover after {} acks (kill + promote took {:.1?}; {} pending then); \
+         {REPLICAS} replicas: {report}",
+        failover.acks_before, failover.took, failover.pending_after
+    );
+    assert!(
+        failover.pending_after > 0,
+        "the failover must land in the middle of the run"
+    );
+    let conn = db.connect().await;
+    (plan, report, failover, conn)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[cfg_attr(
+    not(inbox_pg_failover),
+    ignore = "builds a PostgreSQL primary + standby behind HAProxy on ports 5433-5435: set INBOX_TEST_PG_FAILOVER=1"
+)]
+async fn synchronous_failover_applies_every_message_once() {
+    let _turn = CLUSTER.lock().await;
+    let (plan, report, _, conn) = consume_through_a_failover("sync", 0).await;
+    assert!(
+        report.broker.nacks + report.transient_retries > plan.failing.len() as u64,
+        "the failover disrupted some deliveries: {report}"
+    );
+    assert_exactly_once(&conn, &plan, &report).await;
+    conn.close().await.ok();
+    cluster(&["stop"]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[cfg_attr(
+    not(inbox_pg_failover),
+    ignore = "builds a PostgreSQL primary + standby behind HAProxy on ports 5433-5435: set INBOX_TEST_PG_FAILOVER=1"
+)]
+async fn asynchronous_failover_never_applies_twice_and_reports_what_it_lost() {
+    let _turn = CLUSTER.lock().await;
+    let (plan, report, _, conn) = consume_through_a_failover("async", LAG).await;
+    let messages = plan.ids.len() as i64;
+    let effects = scalar_i64(&conn, "SELECT COUNT(*) FROM effect").await;
+    let distinct = scalar_i64(&conn, "SELECT COUNT(DISTINCT message_id) FROM effect").await;
+    let markers = scalar_i64(&conn, "SELECT COUNT(*) FROM inbox").await;
+    let lost = messages - distinct;
+    println!(
+        "async failover, the standby {LAG} acks behind: {messages} messages, {effects} \
+         effects, {markers} markers on the new primary: {lost} acked messages lost with their \
+         markers, 0 applied twice"
+    );
+    assert!(
+        lost > 0,
+        "the commits the standby never received are gone, though acked: {report}"
+    );
+    assert_eq!(effects, distinct, "never applied twice: {report}");
+    assert_eq!(
+        markers, effects,
+        "a marker and its effect are kept or lost together: {report}"
+    );
+    assert_eq!(
+        report.broker.acked_messages, messages as u64,
+        "every message acked: {report}"
+    );
+    conn.close().await.ok();
+    cluster(&["stop"]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[cfg_attr(
+    not(inbox_pg_failover),
+    ignore = "builds a PostgreSQL primary + standby behind HAProxy on ports 5433-5435: set INBOX_TEST_PG_FAILOVER=1"
+)]
+async fn standby_down_commit_waits_and_a_cancelled_wait_has_committed() {
+    let _turn = CLUSTER.lock().await;
+    fresh_cluster("sync").await;
+    let db = fresh_db_at(Backend::Postgres, STABLE_URL).await;
+    db.migrate().await;
+    let conn = db.connect().await;
+    create_effects(&conn).await;
+    cluster(&["stop-standby"]).await;
+
+    let id = uuid::Uuid::new_v4();
+    let inbox = Inbox::new("failover.ambiguous")
+        .expect("valid consumer")
+        .with_retry(RetryPolicy::no_retry());
+    let waiting = {
+        let (conn, inbox) = (conn.clone(), inbox.clone());
+        tokio::spawn(async move { process_once(&inbox, &conn, id).await })
+    };
+    let admin = db.connect_with(1).await;
+    let waiting_for_standby = "SELECT COUNT(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'";
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while scalar_i64(&admin, waiting_for_standby).await == 0 {
+        assert!(
+            !waiting.is_finished(),
+            "the COMMIT returned without the standby"
+        );
+        assert!(Instant::now() < deadline, "the COMMIT never waited");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Still waiting a second later: without a standby it would wait forever.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(!waiting.is_finished(), "the COMMIT waits for the standby");
+    run(
+        &admin,
+        "SELECT pg_cancel_backend(pid) FROM pg_stat_activity WHERE wait_event = 'SyncRep'",
+    )
+    .await;
+    let first = waiting.await.expect("the waiting task");
+    assert!(
+        matches!(first, Ok(Outcome::Processed(()))),
+        "a cancelled wait has committed locally, and says so only in a warning: {first:?}"
+    );
+    let redelivery = process_once(&inbox, &conn, id).await;
+    assert!(
+        matches!(redelivery, Ok(Outcome::Duplicate)),
+        "the redelivery finds the marker: {redelivery:?}"
+    );
+    assert_eq!(scalar_i64(&admin, "SELECT COUNT(*) FROM effect").await, 1);
+    println!(
+        "standby down: the COMMIT waited until cancelled, then reported success; \
+         the redelivery was a Duplicate; 1 effect"
+    );
+    // Every later commit would wait too: tear the cluster down instead of dropping the
+    // database.
+    admin.close().await.ok();
+    conn.close().await.ok();
+    cluster(&["stop"]).await;
+}
+
+async fn process_once(
+    inbox: &Inbox,
+    conn: &DatabaseConnection,
+    id: uuid::Uuid,
+) -> Result<Outcome<()>, sea_orm_inbox::ProcessError<DbErr>> {
+    inbox
+        .process(conn, id, |txn| {
+            Box::pin(async move {
+                run_effect(txn, id).await?;
+                Ok(())
+            })
+        })
+        .await
+}
+
+async fn run_effect(txn: &impl sea_orm::ConnectionTrait, id: uuid::Uuid) -> Result<(), DbErr> {
+    txn.execute_raw(inbox_tests::stmt(
+        txn.get_database_backend(),
+        "INSERT INTO effect (message_id, replica) VALUES (?, 0)",
+        vec![id.to_string().into()],
+    ))
+    .await
+    .map(|_| ())
+}
