@@ -13,7 +13,8 @@ use sea_orm::sea_query::Expr;
 use sea_orm::sqlx;
 use sea_orm::sqlx::error::DatabaseError;
 use sea_orm::{
-    DbBackend, DbErr, RuntimeErr, SqliteTransactionMode, Statement, TransactionOptions, Value,
+    ConnectionTrait, DbBackend, DbErr, RuntimeErr, SqliteTransactionMode, Statement,
+    TransactionOptions, Value,
 };
 use sea_orm_inbox_entity::{
     INDEX_NAME, OUTBOX_MESSAGE_ID_INDEX_NAME, OUTBOX_TABLE_NAME, TABLE_NAME,
@@ -229,11 +230,27 @@ pub(crate) fn claim_marker_statement(
     }))
 }
 
-/// Whether `backend`'s marker INSERT returns the new row's id (`RETURNING "id"`: run it as
-/// a query; no row means the marker exists) rather than the driver reporting it (MySQL's
-/// `LAST_INSERT_ID`, SQLite's rowid: run it as a statement; a duplicate raises).
-pub(crate) fn marker_insert_returns_id(backend: DbBackend) -> Result<bool, InboxError> {
-    Ok(dialect(backend)?.marker_insert_returns_id())
+/// Runs the marker INSERT `statement` through `conn`: the new marker's id, or `None` when
+/// the INSERT's conflict clause met a committed marker. Where the INSERT returns the id
+/// (`RETURNING "id"`) it runs as a query and no row means the marker exists; elsewhere the
+/// driver reports the id (MySQL's `LAST_INSERT_ID`, SQLite's rowid) and a duplicate raises.
+pub(crate) async fn run_marker_insert<C: ConnectionTrait>(
+    conn: &C,
+    statement: Statement,
+) -> Result<Option<i64>, DbErr> {
+    let returns_id = dialect(conn.get_database_backend())
+        .map_err(|err| DbErr::Custom(err.to_string()))?
+        .marker_insert_returns_id();
+    if returns_id {
+        return match conn.query_one_raw(statement).await? {
+            Some(row) => row.try_get_by_index::<i64>(0).map(Some),
+            None => Ok(None),
+        };
+    }
+    let inserted = conn.execute_raw(statement).await?.last_insert_id();
+    i64::try_from(inserted)
+        .map(Some)
+        .map_err(|_| DbErr::Custom(format!("the marker id {inserted} does not fit a bigint")))
 }
 
 /// The proof, before COMMIT, that the transaction still holds the marker it inserted: the

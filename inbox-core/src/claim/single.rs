@@ -4,7 +4,7 @@ use super::Claim;
 use super::held::{Held, Step};
 use crate::backend::{
     DbErrorKind, ProcessMarker, claim_marker_statement, claim_silence_statement, classify,
-    inbox_duplicate_confirmation, marker_insert_returns_id,
+    inbox_duplicate_confirmation, run_marker_insert,
 };
 use crate::clock::now_micros;
 use crate::consumer::validate_claim;
@@ -234,14 +234,6 @@ pub(crate) async fn insert_marker<C: ConnectionTrait>(
     validate_claim(message_id, consumer)?;
     let backend = conn.get_database_backend();
     let token = process.as_ref().map(|process| process.token);
-    let claimed = |marker_id| {
-        Claim::Claimed(ClaimedMessage {
-            message_id,
-            consumer: consumer.to_owned(),
-            marker_id,
-            token,
-        })
-    };
     if let Some(process) = &process {
         // Before the INSERT: the server reads the bound when it starts waiting for the
         // client, and from the INSERT on the transaction holds the marker's lock.
@@ -252,45 +244,17 @@ pub(crate) async fn insert_marker<C: ConnectionTrait>(
         }
     }
     let statement = claim_marker_statement(backend, message_id, consumer, now_micros(), process)?;
-    let marker_id = if marker_insert_returns_id(backend)? {
-        match conn.query_one_raw(statement).await {
-            Ok(Some(row)) => row.try_get_by_index::<i64>(0),
-            // The conflict clause met the marker of a committed claim.
-            Ok(None) => return Ok(Claim::Duplicate),
-            Err(err) => return claim_failure(conn, err, message_id, consumer).await,
-        }
-    } else {
-        match conn.execute_raw(statement).await {
-            Ok(done) => {
-                return Ok(claimed(marker_id_of(
-                    done.last_insert_id(),
-                    message_id,
-                    consumer,
-                )?));
-            }
-            Err(err) => return claim_failure(conn, err, message_id, consumer).await,
-        }
-    }
-    .map_err(|err| InboxError::from_claim(err, message_id, consumer))?;
-    Ok(claimed(marker_id))
-}
-
-/// The marker id the driver reported for the INSERT (MySQL's `LAST_INSERT_ID`, SQLite's
-/// rowid), as the bigint the table stores.
-fn marker_id_of(
-    last_insert_id: u64,
-    message_id: MessageId,
-    consumer: &str,
-) -> Result<i64, InboxError> {
-    i64::try_from(last_insert_id).map_err(|_| {
-        InboxError::from_claim(
-            DbErr::Custom(format!(
-                "the marker id {last_insert_id} does not fit a bigint"
-            )),
+    match run_marker_insert(conn, statement).await {
+        Ok(Some(marker_id)) => Ok(Claim::Claimed(ClaimedMessage {
             message_id,
-            consumer,
-        )
-    })
+            consumer: consumer.to_owned(),
+            marker_id,
+            token,
+        })),
+        // The conflict clause met the marker of a committed claim.
+        Ok(None) => Ok(Claim::Duplicate),
+        Err(err) => claim_failure(conn, err, message_id, consumer).await,
+    }
 }
 
 /// The `claim_token` of the committed marker of `(message_id, consumer)`: `None` when there
