@@ -465,8 +465,9 @@ impl<P: Publisher> Relay<P> {
         let leased_until = now + lease;
         let select = claim_statement(backend, now, i64::from(self.options.batch_size))?;
         let options = claim_transaction(backend)?;
-        let claim = async {
-            let txn = db.begin_with_options(options).await?;
+        let claimer = db.clone();
+        let claim = async move {
+            let txn = claimer.begin_with_options(options).await?;
             let rows = outbox::Entity::find()
                 .from_raw_sql(select)
                 .all(&txn)
@@ -482,7 +483,7 @@ impl<P: Publisher> Relay<P> {
             txn.commit().await?;
             Ok::<_, DbErr>(rows)
         };
-        let rows = bounded(backend, "the relay's claim", claim).await?;
+        let rows = bounded(backend, "the relay's claim", to_completion(claim)).await?;
         let mut batch = ClaimedBatch {
             token,
             leased_until,
@@ -548,8 +549,9 @@ impl<P: Publisher> Relay<P> {
                 Counted::Released,
             ));
         }
-        let write = async {
-            let txn = db.begin().await?;
+        let writer = db.clone();
+        let write = async move {
+            let txn = writer.begin().await?;
             let mut counts = Vec::with_capacity(statements.len());
             for (statement, counted) in statements {
                 let done = txn.execute_raw(statement).await?;
@@ -558,7 +560,8 @@ impl<P: Publisher> Relay<P> {
             txn.commit().await?;
             Ok::<_, DbErr>(counts)
         };
-        for (counted, rows) in bounded(backend, "marking the relayed rows", write).await? {
+        let counts = bounded(backend, "marking the relayed rows", to_completion(write)).await?;
+        for (counted, rows) in counts {
             match counted {
                 Counted::Sent(expected) => {
                     report.published += rows;
@@ -582,6 +585,21 @@ enum Counted {
     Failed,
     Dead,
     Released,
+}
+
+/// Runs a transaction of the relay on a task of its own and awaits it, so that dropping
+/// the relay (an aborted task, a `select!` that picked shutdown) cannot cut the transaction
+/// off between its BEGIN and its end. sqlx hands a connection whose BEGIN was cancelled
+/// back to the pool still inside that transaction, and MySQL/MariaDB then fail every
+/// later BEGIN on it (1568); on its own task the transaction commits or rolls back.
+async fn to_completion<T: Send + 'static>(
+    transaction: impl Future<Output = Result<T, DbErr>> + Send + 'static,
+) -> Result<T, DbErr> {
+    tokio::spawn(transaction).await.unwrap_or_else(|ended| {
+        Err(DbErr::Custom(format!(
+            "the task running the relay's transaction ended abnormally: {ended}"
+        )))
+    })
 }
 
 /// Awaits a database call of the relay within [`Inbox::DEFAULT_PARTITION_TIMEOUT`].

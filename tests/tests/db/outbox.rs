@@ -579,6 +579,91 @@ async fn a_slow_broker_makes_the_relay_hand_back_what_its_lease_cannot_cover(bac
     .await;
 }
 
+/// A relay dropped at any of its await points (an aborted task, a `select!` that chose
+/// shutdown) leaves no transaction or lock behind: another replica's relay publishes the
+/// row once the dropped one's lease (if it took one) has ended, and the dropped relay's
+/// pool keeps working. Dropped after 1, 2, ... polls until it had reached the broker.
+async fn a_relay_dropped_at_any_await_point_leaves_nothing_locked(backend: Backend) {
+    let mut polls = 1;
+    loop {
+        let reached_the_broker = with_migrated_outbox_db(backend, async |db| {
+            let conn = db.connect().await;
+            let id = conn
+                .enqueue(OutgoingMessage::new("events", b"once".to_vec()))
+                .await
+                .expect("enqueue");
+            let recorder = Arc::new(Recorder::default());
+            recorder.hang.store(true, Ordering::SeqCst);
+            let options = RelayOptions {
+                lease: Duration::from_secs(1),
+                publish_timeout: Duration::from_millis(500),
+                ..quick_options()
+            };
+            let dropped = Relay::new(Arc::clone(&recorder))
+                .with_options(options.clone())
+                .expect("options");
+            let finished = poll_then_drop(dropped.relay_once(&conn), polls).await;
+            assert!(!finished, "a hanging broker keeps the relay from finishing");
+            let reached_the_broker = !recorder.ids().is_empty();
+            recorder.hang.store(false, Ordering::SeqCst);
+
+            let survivor_pool = db.connect().await;
+            let survivor = Relay::new(Arc::clone(&recorder))
+                .with_options(options)
+                .expect("options");
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+            while outbox_backlog(&survivor_pool)
+                .await
+                .expect("backlog")
+                .pending
+                > 0
+            {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "dropped after {polls} polls: the row was never published again"
+                );
+                tokio::time::timeout(Duration::from_secs(5), survivor.relay_once(&survivor_pool))
+                    .await
+                    .unwrap_or_else(|_| panic!("dropped after {polls} polls: the survivor hangs"))
+                    .expect("the survivor relays");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            let ids = recorder.ids();
+            assert!(
+                ids.iter().all(|published| *published == id) && (1..=2).contains(&ids.len()),
+                "dropped after {polls} polls: {ids:?}"
+            );
+            tokio::time::timeout(Duration::from_secs(5), dropped.relay_once(&conn))
+                .await
+                .unwrap_or_else(|_| panic!("dropped after {polls} polls: its pool hangs"))
+                .expect("the dropped relay's pool still works");
+            reached_the_broker
+        })
+        .await;
+        if reached_the_broker {
+            break;
+        }
+        polls += 1;
+        assert!(polls < 100, "the relay never reached the broker");
+    }
+}
+
+/// Polls `future` `polls` times, a few milliseconds apart so the database can answer in
+/// between, then drops it: whether it finished.
+async fn poll_then_drop<F: std::future::Future>(future: F, polls: u32) -> bool {
+    let mut future = std::pin::pin!(future);
+    for _ in 0..polls {
+        let ready =
+            std::future::poll_fn(|cx| std::task::Poll::Ready(future.as_mut().poll(cx).is_ready()))
+                .await;
+        if ready {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    false
+}
+
 on_every_backend!(
     a_slow_broker_makes_the_relay_hand_back_what_its_lease_cannot_cover,
     the_startup_check_finds_a_missing_outbox_and_a_missing_unique_index,
@@ -589,4 +674,5 @@ on_every_backend!(
     a_key_goes_out_in_order_under_two_relays,
     a_relay_killed_after_publishing_leaves_the_row_to_be_republished_with_its_id,
     a_poison_row_goes_dead_without_holding_back_other_keys,
+    a_relay_dropped_at_any_await_point_leaves_nothing_locked,
 );
