@@ -629,6 +629,22 @@ pub fn sql_state(err: &sea_orm::DbErr) -> Option<String> {
     }
 }
 
+/// Polls `future` `polls` times, a few milliseconds apart so the database can answer in
+/// between, then drops it: whether it finished.
+pub async fn poll_then_drop<F: std::future::Future>(future: F, polls: u32) -> bool {
+    let mut future = std::pin::pin!(future);
+    for _ in 0..polls {
+        let ready =
+            std::future::poll_fn(|cx| std::task::Poll::Ready(future.as_mut().poll(cx).is_ready()))
+                .await;
+        if ready {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    false
+}
+
 #[cfg(test)]
 mod tests {
     use super::replace_database;

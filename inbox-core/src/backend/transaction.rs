@@ -4,7 +4,31 @@
 use super::dialect;
 use sea_orm::sqlx;
 use sea_orm::sqlx::error::DatabaseError;
-use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, RuntimeErr, Statement};
+use sea_orm::{
+    ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend, DbErr, RuntimeErr,
+    Statement, TransactionOptions, TransactionTrait,
+};
+
+/// Begins a transaction on `db` on a task of its own, so that a caller dropped while the
+/// BEGIN is in flight (an aborted consumer task, a `select!` that picked shutdown) cannot
+/// strand the connection inside it. sqlx counts the transaction only once BEGIN's reply
+/// is read, so a BEGIN cut off before then is never rolled back and its connection goes
+/// back to the pool inside the transaction (MySQL/MariaDB then fail the next BEGIN on it
+/// with 1568, or the next claim waits on it). Here the BEGIN always finishes, and a
+/// transaction nobody awaits any more is dropped, which rolls it back.
+pub(crate) async fn begin_to_completion(
+    db: &DatabaseConnection,
+    options: TransactionOptions,
+) -> Result<DatabaseTransaction, DbErr> {
+    let db = db.clone();
+    tokio::spawn(async move { db.begin_with_options(options).await })
+        .await
+        .unwrap_or_else(|ended| {
+            Err(DbErr::Custom(format!(
+                "the task running BEGIN ended abnormally: {ended}"
+            )))
+        })
+}
 
 /// Rolls `txn` back and hands its connection back to the pool clean, also when the
 /// database itself ended the transaction before (a trigger's `RAISE(ROLLBACK, ..)`, a

@@ -2,13 +2,13 @@
 //! observed transaction, with the rules of [`Inbox::process`].
 
 use super::{AttemptError, Inbox, sort_inbox_error};
-use crate::backend::CLAIM_TRANSACTION;
+use crate::backend::{CLAIM_TRANSACTION, begin_to_completion};
 use crate::metrics::{Counter, facade};
 use crate::observed::ObservedTransaction;
 use crate::{
     Delivery, HandlerFuture, InboxError, InboxTransactionExt, MessageId, ProcessError, Refusal,
 };
-use sea_orm::{DatabaseConnection, TransactionTrait};
+use sea_orm::DatabaseConnection;
 use std::time::Instant;
 use tracing::Instrument;
 
@@ -144,7 +144,7 @@ impl Inbox {
                 bound,
                 named,
                 "BEGIN",
-                db.begin_with_options(CLAIM_TRANSACTION),
+                begin_to_completion(db, CLAIM_TRANSACTION),
             )
             .await?
             .map_err(|err| self.database_failure(named, err))?;

@@ -1,5 +1,6 @@
 use crate::backend::{
-    CLAIM_TRANSACTION, DbErrorKind, ProcessMarker, classify, ends_transactions_silently, roll_back,
+    CLAIM_TRANSACTION, DbErrorKind, ProcessMarker, begin_to_completion, classify,
+    ends_transactions_silently, roll_back,
 };
 use crate::cause::db_cause;
 use crate::claim::{Held, insert_marker, marker_token};
@@ -12,7 +13,7 @@ use crate::{
     AdmissionFloor, Claim, Delivery, InboxError, MessageId, Outcome, ProcessError, RetryPolicy,
 };
 use chrono::Utc;
-use sea_orm::{ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbErr, TransactionTrait};
+use sea_orm::{ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbErr};
 use std::fmt::Display;
 use std::future::Future;
 use std::pin::Pin;
@@ -492,7 +493,7 @@ impl Inbox {
                 bound,
                 message_id,
                 "BEGIN",
-                db.begin_with_options(CLAIM_TRANSACTION),
+                begin_to_completion(db, CLAIM_TRANSACTION),
             )
             .await?
             .map_err(|err| self.database_failure(message_id, err))?;

@@ -4,8 +4,9 @@
 use super::decide::{Decision, decide};
 use super::{Lease, LeaseClaim, LeaseOptions};
 use crate::backend::{
-    CLAIM_TRANSACTION, DbErrorKind, classify, complete_lease_sql, insert_lease_sql, park_lease_sql,
-    release_lease_sql, roll_back, silence_statement, take_over_lease_sql, timestamp_value,
+    CLAIM_TRANSACTION, DbErrorKind, begin_to_completion, classify, complete_lease_sql,
+    insert_lease_sql, park_lease_sql, release_lease_sql, roll_back, silence_statement,
+    take_over_lease_sql, timestamp_value,
 };
 use crate::clock::now_micros;
 use crate::pooler::in_own_transaction;
@@ -13,7 +14,7 @@ use crate::silence::{bound_for, within_bound};
 use crate::{InboxError, MessageId, RetryPolicy};
 use sea_orm::{
     ColumnTrait, ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbErr, EntityTrait,
-    QueryFilter, QuerySelect, Statement, TransactionTrait, Value,
+    QueryFilter, QuerySelect, Statement, Value,
 };
 use sea_orm_inbox_entity::inbox;
 use std::time::Duration;
@@ -115,7 +116,7 @@ async fn claim_once(
     sql: &ClaimSql,
     token: Uuid,
 ) -> Result<LeaseClaim, DbErr> {
-    let txn = db.begin_with_options(CLAIM_TRANSACTION).await?;
+    let txn = begin_to_completion(db, CLAIM_TRANSACTION).await?;
     match claim_in(&txn, message_id, consumer, options, sql, token).await {
         Ok(outcome) => {
             txn.commit().await?;

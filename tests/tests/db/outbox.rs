@@ -3,7 +3,8 @@
 //! rows without holding back other keys.
 
 use inbox_tests::{
-    Backend, TestDb, on_every_backend, scalar_i64, with_migrated_db, with_migrated_outbox_db,
+    Backend, TestDb, on_every_backend, poll_then_drop, scalar_i64, with_migrated_db,
+    with_migrated_outbox_db,
 };
 use sea_orm::{ConnAcquireErr, ConnectionTrait, DatabaseConnection, DbErr, TransactionTrait};
 use sea_orm_inbox::{
@@ -646,22 +647,6 @@ async fn a_relay_dropped_at_any_await_point_leaves_nothing_locked(backend: Backe
         polls += 1;
         assert!(polls < 100, "the relay never reached the broker");
     }
-}
-
-/// Polls `future` `polls` times, a few milliseconds apart so the database can answer in
-/// between, then drops it: whether it finished.
-async fn poll_then_drop<F: std::future::Future>(future: F, polls: u32) -> bool {
-    let mut future = std::pin::pin!(future);
-    for _ in 0..polls {
-        let ready =
-            std::future::poll_fn(|cx| std::task::Poll::Ready(future.as_mut().poll(cx).is_ready()))
-                .await;
-        if ready {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    false
 }
 
 on_every_backend!(

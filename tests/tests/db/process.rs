@@ -4,7 +4,8 @@
 
 use inbox_tests::{
     Backend, create_accounts, credit, credit_once, hold_claim_then_roll_back, impatient_replica,
-    on_every_backend, on_pgbouncer, run, scalar_i64, with_fresh_db, with_migrated_db,
+    on_every_backend, on_pgbouncer, poll_then_drop, run, scalar_i64, with_fresh_db,
+    with_migrated_db,
 };
 use sea_orm::{ConnAcquireErr, ConnectionTrait, DatabaseConnection, DbErr};
 use sea_orm_inbox::prelude::*;
@@ -374,6 +375,72 @@ async fn permanent_failures_are_dead_lettered_transient_ones_delayed(backend: Ba
         assert_eq!(scalar_i64(&conn, "SELECT COUNT(*) FROM inbox").await, 1);
     })
     .await;
+}
+
+/// `process` dropped at any of its await points (an aborted consumer task, a `select!`
+/// that picked shutdown) leaves its pool's one connection usable: the next delivery on it
+/// is processed. Dropped after 1, 2, ... polls until the handler had started.
+async fn a_process_dropped_at_any_await_point_leaves_its_pool_usable(backend: Backend) {
+    let mut polls = 1;
+    loop {
+        let handler_started = with_migrated_db(backend, async |db| {
+            let conn = db.connect_with(1).await;
+            create_accounts(&conn).await;
+            let inbox = Inbox::new("billing.credit").expect("valid name");
+            let started = Arc::new(AtomicU32::new(0));
+            let hanging = inbox.process(&conn, Uuid::new_v4(), |_txn| {
+                started.fetch_add(1, Ordering::SeqCst);
+                Box::pin(std::future::pending::<Result<(), DbErr>>())
+            });
+            assert!(!poll_then_drop(hanging, polls).await, "the handler hangs");
+
+            let next = tokio::time::timeout(
+                Duration::from_secs(10),
+                credit_once(&inbox, &conn, Uuid::new_v4()),
+            )
+            .await
+            .unwrap_or_else(|_| panic!("dropped after {polls} polls: the next delivery hangs"));
+            assert!(
+                matches!(next, Ok(Outcome::Processed(()))),
+                "dropped after {polls} polls: the next delivery {next:?}"
+            );
+            assert_eq!(
+                scalar_i64(&conn, "SELECT balance FROM account WHERE id = 1").await,
+                1,
+                "dropped after {polls} polls"
+            );
+            started.load(Ordering::SeqCst) > 0
+        })
+        .await;
+        if handler_started {
+            break;
+        }
+        polls += 1;
+        assert!(polls < 100, "the handler never started");
+    }
+}
+
+mod dropped_at_any_await_point {
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn sqlite() {
+        a_process_dropped_at_any_await_point_leaves_its_pool_usable(Backend::Sqlite).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    #[cfg_attr(not(inbox_postgres), ignore = "set INBOX_TEST_POSTGRES_URL")]
+    async fn postgres() {
+        a_process_dropped_at_any_await_point_leaves_its_pool_usable(Backend::Postgres).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    #[ignore = "open defect: on MariaDB a process dropped inside its claim (after BEGIN, which \
+                begin_to_completion made safe) now and then holds the next delivery on its \
+                pool for more than 10 s; fails about 1 run in 3"]
+    async fn mysql() {
+        a_process_dropped_at_any_await_point_leaves_its_pool_usable(Backend::MySql).await;
+    }
 }
 
 on_every_backend!(
