@@ -34,7 +34,7 @@ mod transaction;
 
 pub(crate) use transaction::{
     AfterFailure, after_failure, begin_to_completion, ends_transactions_silently, roll_back,
-    silently_ended, transaction_ended,
+    silently_ended, to_completion, transaction_ended,
 };
 
 /// Options for a transaction that claims a message: pass them to

@@ -1,5 +1,6 @@
-//! What a failed statement did to its transaction, and how to end a transaction clean
-//! whatever the database already did to it.
+//! What a failed statement did to its transaction, how to end a transaction clean
+//! whatever the database already did to it, and how to run one that a dropped caller
+//! cannot cut off halfway.
 
 use super::dialect;
 use sea_orm::sqlx;
@@ -8,26 +9,33 @@ use sea_orm::{
     ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend, DbErr, RuntimeErr,
     Statement, TransactionOptions, TransactionTrait,
 };
+use std::future::Future;
 
-/// Begins a transaction on `db` on a task of its own, so that a caller dropped while the
-/// BEGIN is in flight (an aborted consumer task, a `select!` that picked shutdown) cannot
-/// strand the connection inside it. sqlx counts the transaction only once BEGIN's reply
-/// is read, so a BEGIN cut off before then is never rolled back and its connection goes
-/// back to the pool inside the transaction (MySQL/MariaDB then fail the next BEGIN on it
-/// with 1568, or the next claim waits on it). Here the BEGIN always finishes, and a
-/// transaction nobody awaits any more is dropped, which rolls it back.
+/// Runs `work` on a task of its own and awaits it, so that a caller dropped meanwhile (an
+/// aborted consumer task, a `select!` that picked shutdown) cannot cut a transaction off
+/// halfway. sqlx counts a transaction only once BEGIN's reply is read, so a BEGIN cut off
+/// before then is never rolled back and its connection goes back to the pool inside the
+/// transaction (MySQL/MariaDB then fail the next BEGIN on it with 1568). On its own task
+/// the work always finishes, and a transaction nobody awaits any more is dropped, which
+/// rolls it back.
+pub(crate) async fn to_completion<T: Send + 'static>(
+    work: impl Future<Output = Result<T, DbErr>> + Send + 'static,
+) -> Result<T, DbErr> {
+    tokio::spawn(work).await.unwrap_or_else(|ended| {
+        Err(DbErr::Custom(format!(
+            "the task running the database call ended abnormally: {ended}"
+        )))
+    })
+}
+
+/// Begins a transaction on `db` through [`to_completion`], so that a BEGIN in flight
+/// always finishes.
 pub(crate) async fn begin_to_completion(
     db: &DatabaseConnection,
     options: TransactionOptions,
 ) -> Result<DatabaseTransaction, DbErr> {
     let db = db.clone();
-    tokio::spawn(async move { db.begin_with_options(options).await })
-        .await
-        .unwrap_or_else(|ended| {
-            Err(DbErr::Custom(format!(
-                "the task running BEGIN ended abnormally: {ended}"
-            )))
-        })
+    to_completion(async move { db.begin_with_options(options).await }).await
 }
 
 /// Rolls `txn` back and hands its connection back to the pool clean, also when the

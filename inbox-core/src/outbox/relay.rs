@@ -5,6 +5,7 @@ use crate::backend::outbox::{
     Failure, claim_statement, claim_transaction, lease_statement, mark_failed_statement,
     mark_sent_statement, release_statement,
 };
+use crate::backend::to_completion;
 use crate::clock::now_micros;
 use crate::metrics::facade;
 use crate::silence::within;
@@ -585,21 +586,6 @@ enum Counted {
     Failed,
     Dead,
     Released,
-}
-
-/// Runs a transaction of the relay on a task of its own and awaits it, so that dropping
-/// the relay (an aborted task, a `select!` that picked shutdown) cannot cut the transaction
-/// off between its BEGIN and its end. sqlx hands a connection whose BEGIN was cancelled
-/// back to the pool still inside that transaction, and MySQL/MariaDB then fail every
-/// later BEGIN on it (1568); on its own task the transaction commits or rolls back.
-async fn to_completion<T: Send + 'static>(
-    transaction: impl Future<Output = Result<T, DbErr>> + Send + 'static,
-) -> Result<T, DbErr> {
-    tokio::spawn(transaction).await.unwrap_or_else(|ended| {
-        Err(DbErr::Custom(format!(
-            "the task running the relay's transaction ended abnormally: {ended}"
-        )))
-    })
 }
 
 /// Awaits a database call of the relay within [`Inbox::DEFAULT_PARTITION_TIMEOUT`].
