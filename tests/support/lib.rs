@@ -16,19 +16,22 @@
 //!
 //! `tests/build.rs` turns each suite's variable into a cfg at build time
 //! (`INBOX_TEST_POSTGRES_URL` -> `inbox_postgres`, `INBOX_TEST_MYSQL_URL` -> `inbox_mysql`,
-//! `INBOX_TEST_AMQP_URL` -> `inbox_amqp`, `INBOX_TEST_NATS_URL` -> `inbox_nats`,
-//! `INBOX_TEST_RESTART_POSTGRES=1` -> `inbox_restart_postgres`), and a test whose cfg is
-//! missing is compiled `#[ignore = "set ..."]`: `cargo test` lists it as `ignored, set
-//! INBOX_TEST_...` and counts it apart. [`on_every_backend!`] and [`on_server_backends!`]
-//! do this for the database suites. To gate a new suite on a new variable:
+//! `INBOX_TEST_AMQP_URL` -> `inbox_amqp`, `INBOX_TEST_NATS_URL` -> `inbox_nats`), and a test
+//! whose cfg is missing is compiled `#[ignore = "set ..."]`: `cargo test` lists it as
+//! `ignored, set INBOX_TEST_...` and counts it apart. [`on_every_backend!`] and
+//! [`on_server_backends!`] do this for the database suites. To gate a new suite on a new
+//! variable:
 //!
 //! 1. add a `Gate` row (variable, cfg) to `tests/build.rs`; it declares the cfg for
 //!    `unexpected_cfgs` and makes cargo rebuild the tests when the variable changes;
-//! 2. mark the tests `#[cfg_attr(not(inbox_galera), ignore = "set INBOX_TEST_GALERA_URLS")]`,
-//!    or pass `needs(inbox_galera, "set INBOX_TEST_GALERA_URLS")` to the macros;
+//! 2. mark the tests `#[cfg_attr(not(inbox_x), ignore = "set INBOX_TEST_X")]`,
+//!    or pass `needs(inbox_x, "set INBOX_TEST_X")` to the macros;
 //! 3. in the test, read the variable and panic if it is missing (that happens only under
 //!    `--ignored`): never return early, which would report a test that ran nothing as ok.
 //!
+//! The cluster suites (Galera, PgBouncer, failover, Patroni) and the PostgreSQL restart are
+//! always `#[ignore]`d, with the script that runs them as the reason; their CI scripts run
+//! them with `--ignored`, and each reads its variable at run time and fails without it.
 //! The Galera suite reads `INBOX_TEST_GALERA_URLS` (see [`migrated_galera_db`]).
 
 use futures_util::FutureExt;
@@ -595,7 +598,7 @@ macro_rules! on_pgbouncer {
     ($($name:ident),+ $(,)?) => {
         mod pgbouncer {
             $(#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-            #[cfg_attr(not(inbox_pgbouncer), ignore = "set INBOX_TEST_PGBOUNCER_URL")]
+            #[ignore = "cluster suite: bash tests/cluster/ci-pg.sh runs it (--ignored, with INBOX_TEST_PGBOUNCER_URL)"]
             async fn $name() { super::$name($crate::Backend::PgBouncer).await }
             )+
         }

@@ -8,7 +8,7 @@
 //!
 //! ```sh
 //! INBOX_TEST_RESTART_POSTGRES=1 INBOX_TEST_POSTGRES_URL=postgres://postgres@127.0.0.1:5432/test \
-//!   cargo test -p inbox-tests --test postgres_restart -- --nocapture
+//!   cargo test -p inbox-tests --test postgres_restart -- --ignored --nocapture
 //! ```
 //!
 //! The restart command defaults to `pg_ctlcluster --skip-systemctl-redirect <version> main
@@ -25,15 +25,13 @@ const DEFAULT_RESTART: &str =
     "pg_ctlcluster --skip-systemctl-redirect \"$(ls /etc/postgresql)\" main restart";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[cfg_attr(
-    not(inbox_restart_postgres),
-    ignore = "restarting PostgreSQL disrupts every client of the server: set INBOX_TEST_RESTART_POSTGRES=1"
-)]
-#[cfg_attr(
-    all(inbox_restart_postgres, not(inbox_postgres)),
-    ignore = "set INBOX_TEST_POSTGRES_URL"
-)]
+#[ignore = "restarts the PostgreSQL server, disrupting its every client: .ci/run runs it alone (--ignored, with INBOX_TEST_RESTART_POSTGRES=1)"]
 async fn replicas_recover_from_a_postgres_restart() {
+    assert_eq!(
+        std::env::var("INBOX_TEST_RESTART_POSTGRES").as_deref(),
+        Ok("1"),
+        "this test restarts the PostgreSQL server: set INBOX_TEST_RESTART_POSTGRES=1 to allow it"
+    );
     with_migrated_db(Backend::Postgres, async |db| {
         let conn = db.connect().await;
         create_effects(&conn).await;

@@ -69,7 +69,7 @@ fn is_transient(err: &InboxError) -> bool {
 /// exactly one `Processed` per message, one credit, one marker. The loser's conflict is a
 /// transient failure `process` retries; the retry finds the duplicate.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[cfg_attr(not(inbox_galera), ignore = "set INBOX_TEST_GALERA_URLS")]
+#[ignore = "cluster suite: bash tests/cluster/ci-galera.sh runs it (--ignored, with INBOX_TEST_GALERA_URLS)"]
 async fn two_nodes_race_for_one_message_200_times() {
     const ROUNDS: i64 = 200;
     with_galera_db(async |galera| {
@@ -143,7 +143,7 @@ async fn two_nodes_race_for_one_message_200_times() {
 /// while node 1's claim is open; the transaction that commits second fails with a 1213
 /// that `classify` calls transient, and its retry in a fresh transaction is `Duplicate`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[cfg_attr(not(inbox_galera), ignore = "set INBOX_TEST_GALERA_URLS")]
+#[ignore = "cluster suite: bash tests/cluster/ci-galera.sh runs it (--ignored, with INBOX_TEST_GALERA_URLS)"]
 async fn claim_message_conflict_across_nodes_is_transient_then_duplicate() {
     const ROUNDS: usize = 20;
     with_galera_db(async |galera| {
@@ -246,7 +246,7 @@ async fn claim_message_conflict_across_nodes_is_transient_then_duplicate() {
 /// observed transaction it was `ClaimLost`, a nack and a redelivery). Always `Duplicate`,
 /// never `Processed`: no credit, one marker (the winner's).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[cfg_attr(not(inbox_galera), ignore = "set INBOX_TEST_GALERA_URLS")]
+#[ignore = "cluster suite: bash tests/cluster/ci-galera.sh runs it (--ignored, with INBOX_TEST_GALERA_URLS)"]
 async fn process_with_1213_at_commit_retries_and_finds_the_duplicate() {
     const ROUNDS: usize = 10;
     with_galera_db(async |galera| {
@@ -413,7 +413,7 @@ where
 /// Two replicas on two nodes, each committing 15 batches of 60 ids drawn from the same
 /// 300 (5 rounds), apply every id exactly once, one marker each.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[cfg_attr(not(inbox_galera), ignore = "set INBOX_TEST_GALERA_URLS")]
+#[ignore = "cluster suite: bash tests/cluster/ci-galera.sh runs it (--ignored, with INBOX_TEST_GALERA_URLS)"]
 async fn overlapping_batches_on_two_nodes_apply_every_id_once() {
     let rounds: usize = std::env::var("INBOX_GALERA_BATCH_ROUNDS")
         .ok()
@@ -444,7 +444,7 @@ async fn overlapping_batches_on_two_nodes_apply_every_id_once() {
 /// commits on its own, and the attempt is retried: every id applied exactly once, one
 /// marker each (a plain loop like this one applied ids twice, see the test below).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[cfg_attr(not(inbox_galera), ignore = "set INBOX_TEST_GALERA_URLS")]
+#[ignore = "cluster suite: bash tests/cluster/ci-galera.sh runs it (--ignored, with INBOX_TEST_GALERA_URLS)"]
 async fn process_batch_going_on_after_aborts_applies_every_id_once() {
     const ROUNDS: usize = 3;
     with_galera_db(async |galera| {
@@ -495,7 +495,7 @@ async fn process_batch_going_on_after_aborts_applies_every_id_once() {
 /// (`ClaimLost`: nack, never ack), but the statements that already committed on their
 /// own stay: stop at the first failed statement (as `claim_apply_commit` does).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[cfg_attr(not(inbox_galera), ignore = "set INBOX_TEST_GALERA_URLS")]
+#[ignore = "cluster suite: bash tests/cluster/ci-galera.sh runs it (--ignored, with INBOX_TEST_GALERA_URLS)"]
 async fn statements_after_a_cross_node_abort_commit_on_their_own() {
     with_galera_db(async |galera| {
         let (loser_node, winner_node) = (galera.connect(0).await, galera.connect(1).await);
@@ -578,7 +578,7 @@ async fn statements_after_a_cross_node_abort_commit_on_their_own() {
 /// newer write of that row committed first, and `claim_lease` retries; the only visible
 /// staleness is a `Held` right after another node completed (counted, never wrong).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[cfg_attr(not(inbox_galera), ignore = "set INBOX_TEST_GALERA_URLS")]
+#[ignore = "cluster suite: bash tests/cluster/ci-galera.sh runs it (--ignored, with INBOX_TEST_GALERA_URLS)"]
 async fn leases_are_taken_over_across_nodes() {
     const ROUNDS: usize = 10;
     with_galera_db(async |galera| {
@@ -636,7 +636,7 @@ async fn leases_are_taken_over_across_nodes() {
 /// A completion on one node and a takeover on another, at the same moment after the
 /// lease expired: exactly one of them wins, without `wsrep_sync_wait`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[cfg_attr(not(inbox_galera), ignore = "set INBOX_TEST_GALERA_URLS")]
+#[ignore = "cluster suite: bash tests/cluster/ci-galera.sh runs it (--ignored, with INBOX_TEST_GALERA_URLS)"]
 async fn lease_completion_and_takeover_race_across_nodes() {
     const ROUNDS: usize = 30;
     with_galera_db(async |galera| {
@@ -694,7 +694,7 @@ async fn lease_completion_and_takeover_race_across_nodes() {
 /// and every database failure was one `process` retries or nacks as transient: no inbox
 /// errors.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[cfg_attr(not(inbox_galera), ignore = "set INBOX_TEST_GALERA_URLS")]
+#[ignore = "cluster suite: bash tests/cluster/ci-galera.sh runs it (--ignored, with INBOX_TEST_GALERA_URLS)"]
 async fn soak_one_replica_per_node_with_a_node_killed() {
     const MESSAGES: usize = 10_000;
     with_galera_db(async |galera| {

@@ -17,14 +17,14 @@
 //! - `synchronous_mode_strict` off and on, with every standby gone: off, a COMMIT is
 //!   acked with the primary alone; on, it waits until a standby is back and has it.
 //!
-//! The tests run when `INBOX_TEST_PATRONI_URLS` holds the cluster's URLs (the HAProxy
-//! address first, then node1..node3), and change the cluster through the script, so they
-//! run one at a time:
+//! The tests are ignored unless asked for with `--ignored`; they read the cluster's URLs from
+//! `INBOX_TEST_PATRONI_URLS` (the HAProxy address first, then node1..node3) and change the
+//! cluster through the script, so they run one at a time:
 //!
 //! ```sh
 //! tests/cluster/patroni.sh start
 //! INBOX_TEST_PATRONI_URLS=$(tests/cluster/patroni.sh urls) \
-//!   cargo test -p inbox-tests --test db patroni:: -- --test-threads=1 --nocapture
+//!   cargo test -p inbox-tests --test db patroni:: -- --ignored --test-threads=1 --nocapture
 //! tests/cluster/patroni.sh stop
 //! ```
 
@@ -394,20 +394,14 @@ fn print_counts(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[cfg_attr(
-    not(inbox_patroni),
-    ignore = "needs the Patroni cluster of tests/cluster/patroni.sh: set INBOX_TEST_PATRONI_URLS=$(tests/cluster/patroni.sh urls)"
-)]
+#[ignore = "cluster suite: bash tests/cluster/ci-patroni.sh runs it (--ignored, with INBOX_TEST_PATRONI_URLS)"]
 async fn soak_with_the_leaders_postgres_killed() {
     let _turn = CLUSTER.lock().await;
     soak_through(Event::LeaderKilled, 0x9a7201).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[cfg_attr(
-    not(inbox_patroni),
-    ignore = "needs the Patroni cluster of tests/cluster/patroni.sh: set INBOX_TEST_PATRONI_URLS=$(tests/cluster/patroni.sh urls)"
-)]
+#[ignore = "cluster suite: bash tests/cluster/ci-patroni.sh runs it (--ignored, with INBOX_TEST_PATRONI_URLS)"]
 async fn soak_through_a_switchover() {
     let _turn = CLUSTER.lock().await;
     soak_through(Event::Switchover, 0x9a7202).await;
@@ -699,20 +693,14 @@ async fn purge_verdict(conn: &DatabaseConnection, report: &PurgeReport) -> (i64,
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[cfg_attr(
-    not(inbox_patroni),
-    ignore = "needs the Patroni cluster of tests/cluster/patroni.sh: set INBOX_TEST_PATRONI_URLS=$(tests/cluster/patroni.sh urls)"
-)]
+#[ignore = "cluster suite: bash tests/cluster/ci-patroni.sh runs it (--ignored, with INBOX_TEST_PATRONI_URLS)"]
 async fn leases_and_a_purge_with_the_leaders_postgres_killed() {
     let _turn = CLUSTER.lock().await;
     leases_and_a_purge_across(Event::LeaderKilled).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[cfg_attr(
-    not(inbox_patroni),
-    ignore = "needs the Patroni cluster of tests/cluster/patroni.sh: set INBOX_TEST_PATRONI_URLS=$(tests/cluster/patroni.sh urls)"
-)]
+#[ignore = "cluster suite: bash tests/cluster/ci-patroni.sh runs it (--ignored, with INBOX_TEST_PATRONI_URLS)"]
 async fn leases_and_a_purge_through_a_switchover() {
     let _turn = CLUSTER.lock().await;
     leases_and_a_purge_across(Event::Switchover).await;
@@ -758,10 +746,7 @@ async fn marker_count(db: &TestDb, url: &str, id: Uuid) -> i64 {
 /// - `synchronous_mode_strict: true`: the COMMIT waits, with no error and no ack, until a
 ///   standby is back and has flushed it; the returning standby has the marker.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[cfg_attr(
-    not(inbox_patroni),
-    ignore = "needs the Patroni cluster of tests/cluster/patroni.sh: set INBOX_TEST_PATRONI_URLS=$(tests/cluster/patroni.sh urls)"
-)]
+#[ignore = "cluster suite: bash tests/cluster/ci-patroni.sh runs it (--ignored, with INBOX_TEST_PATRONI_URLS)"]
 async fn synchronous_mode_strict_decides_whether_an_ack_waits_for_a_standby() {
     let _turn = CLUSTER.lock().await;
     let urls = Urls::from_env();

@@ -17,10 +17,11 @@
 //!
 //! Each test builds its own cluster with `tests/cluster/pg-failover.sh` (ports 5433-5435,
 //! data under /tmp/inbox-pgfailover, needs root for `runuser`, HAProxy and PostgreSQL 15)
-//! and stops it at the end, so they run one at a time and only when asked:
+//! and stops it at the end, so they are ignored unless asked for, and then run one at a
+//! time:
 //!
 //! ```sh
-//! INBOX_TEST_PG_FAILOVER=1 cargo test -p inbox-tests --test db pg_failover:: -- --nocapture
+//! INBOX_TEST_PG_FAILOVER=1 cargo test -p inbox-tests --test db pg_failover:: -- --ignored --nocapture
 //! ```
 
 use inbox_tests::{
@@ -114,12 +115,19 @@ async fn consume_through_a_failover(
     (plan, report, failover, conn)
 }
 
+/// Asked for with `--ignored`, a test still needs the permission to build a cluster.
+fn require_permission() {
+    assert_eq!(
+        std::env::var("INBOX_TEST_PG_FAILOVER").as_deref(),
+        Ok("1"),
+        "this test builds a PostgreSQL cluster on ports 5433-5435: set INBOX_TEST_PG_FAILOVER=1"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[cfg_attr(
-    not(inbox_pg_failover),
-    ignore = "builds a PostgreSQL primary + standby behind HAProxy on ports 5433-5435: set INBOX_TEST_PG_FAILOVER=1"
-)]
+#[ignore = "cluster suite: bash tests/cluster/ci-pg.sh runs it (--ignored, with INBOX_TEST_PG_FAILOVER=1); it builds a primary + standby behind HAProxy on ports 5433-5435"]
 async fn synchronous_failover_applies_every_message_once() {
+    require_permission();
     let _turn = CLUSTER.lock().await;
     let (plan, report, _, conn) = consume_through_a_failover("sync", 0).await;
     assert!(
@@ -132,11 +140,9 @@ async fn synchronous_failover_applies_every_message_once() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[cfg_attr(
-    not(inbox_pg_failover),
-    ignore = "builds a PostgreSQL primary + standby behind HAProxy on ports 5433-5435: set INBOX_TEST_PG_FAILOVER=1"
-)]
+#[ignore = "cluster suite: bash tests/cluster/ci-pg.sh runs it (--ignored, with INBOX_TEST_PG_FAILOVER=1); it builds a primary + standby behind HAProxy on ports 5433-5435"]
 async fn asynchronous_failover_never_applies_twice_and_reports_what_it_lost() {
+    require_permission();
     let _turn = CLUSTER.lock().await;
     let (plan, report, _, conn) = consume_through_a_failover("async", LAG).await;
     let messages = plan.ids.len() as i64;
@@ -167,11 +173,9 @@ async fn asynchronous_failover_never_applies_twice_and_reports_what_it_lost() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[cfg_attr(
-    not(inbox_pg_failover),
-    ignore = "builds a PostgreSQL primary + standby behind HAProxy on ports 5433-5435: set INBOX_TEST_PG_FAILOVER=1"
-)]
+#[ignore = "cluster suite: bash tests/cluster/ci-pg.sh runs it (--ignored, with INBOX_TEST_PG_FAILOVER=1); it builds a primary + standby behind HAProxy on ports 5433-5435"]
 async fn standby_down_commit_waits_and_a_cancelled_wait_has_committed() {
+    require_permission();
     let _turn = CLUSTER.lock().await;
     fresh_cluster("sync").await;
     let db = fresh_db_at(Backend::Postgres, STABLE_URL).await;
