@@ -5,7 +5,8 @@
 # feature, and fails if a dependency tree holds a driver or TLS stack that application did
 # not ask for (or lacks the one it did: a check that finds nothing must not pass). The same
 # rule keeps the benchmark's plotting crate in inbox-bench alone: the examples and the test
-# binaries must not build it.
+# binaries must not build it. A third app names no backend feature at all, and must fail to
+# build with the crate's message.
 #
 # Needs INBOX_TEST_POSTGRES_URL for the PostgreSQL app's run. native-tls builds openssl-sys,
 # so libssl-dev and pkg-config are installed when missing.
@@ -61,3 +62,17 @@ check_tree sqlite-only +sqlx-sqlite +libsqlite3-sys \
 echo "check-deps: building and running the apps"
 cargo run --quiet -p sqlite-only
 cargo run --quiet -p postgres-only
+
+# The default features name no backend (as sea-orm's name no driver): an application that
+# adds none must fail to build, with the message that says what to add, not at run time.
+echo "check-deps: no-backend must fail to build, naming the backend features"
+if no_backend=$(cargo check --quiet -p no-backend 2>&1); then
+  echo "check-deps: no-backend built without a backend feature; it must not" >&2
+  exit 1
+fi
+if ! grep -q "enable at least one of sea-orm-inbox's backend features: postgres, mysql, sqlite" <<<"$no_backend"; then
+  echo "check-deps: no-backend failed to build, but not with the backend message:" >&2
+  echo "$no_backend" >&2
+  exit 1
+fi
+echo "check-deps: no-backend: fails to build with the backend message (ok)"

@@ -33,7 +33,7 @@ mod session;
 mod silence;
 
 /// The workspace README's code blocks, compiled as doctests (`cargo test -p sea-orm-inbox
-/// --doc`). Only under `cfg(doctest)`: the README lies outside the package, so a normal or
+/// --doc --features postgres,mysql,sqlite`). Only under `cfg(doctest)`: the README lies outside the package, so a normal or
 /// packaged build must not read it.
 #[cfg(doctest)]
 #[doc = include_str!("../../README.md")]
