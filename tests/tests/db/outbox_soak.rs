@@ -14,13 +14,17 @@
 //!      confirmation, before marking anything sent, and is killed there with SIGKILL; its
 //!      leases end and the other relays publish its rows again, with the same ids;
 //!   2. every connection of the relays to RabbitMQ is cut (a TCP proxy in front of the
-//!      broker closes them) once a third of the events went out; the publisher reconnects;
-//!   3. PostgreSQL and MariaDB: every connection of the replicas and relays to the
-//!      database is cut (a proxy in front of the server closes them), once while the
-//!      replicas consume and once while the relays publish. This simulates a restart as
-//!      its clients see it: the system server is shared with the other suites running in
-//!      parallel, so it is not really restarted here (`postgres_restart` does that, alone).
-//!      SQLite is embedded: it has no connection to cut, and skips this fault;
+//!      broker closes them) right before a relay publishes, once a third of the events
+//!      went out; the publisher reconnects;
+//!   3. PostgreSQL and MariaDB, a database restart as its clients see it, twice: the
+//!      handler of input message 100 cuts every connection of the replicas and relays
+//!      (a proxy in front of the server closes them) with its own transaction open; and
+//!      once half the events went out, the first COMMIT after a broker confirmation (a
+//!      relay's marking, as a rule) reaches the server, which commits, its reply is lost
+//!      with the connection, and every other connection is cut. Simulated: the system
+//!      server is shared with the suites running in parallel, so it is not restarted
+//!      here (`postgres_restart` does that, alone). SQLite is embedded: it has no
+//!      connection to cut, and skips this fault;
 //!   4. a poison event, for a queue declared `x-max-length: 0` with
 //!      `x-overflow: reject-publish`, which RabbitMQ refuses (`basic.nack`) every time: it
 //!      is retried, parked dead after its attempts, and its key stops no other key.
@@ -50,8 +54,8 @@ use sea_orm_inbox::{
 };
 use std::collections::HashMap;
 use std::io::{BufRead, Write};
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
 use uuid::Uuid;
@@ -79,6 +83,10 @@ const CHILD_TEST: &str = "outbox_soak::child_relay";
 const CONFIRMED: &str = "outbox-soak child relay confirmed ";
 /// The JetStream subjects start with this; every other destination is a RabbitMQ queue.
 const SUBJECT_PREFIX: &str = "outbox-soak.";
+/// The queue that refuses every message (the poison's destination) starts with this.
+const REFUSING_PREFIX: &str = "outbox-soak-full-";
+/// The input message whose handler cuts every database connection, its transaction open.
+const CUT_IN_HANDLER: i64 = MESSAGES as i64 / 3;
 /// The inbox consumer names of the replicas and of the downstream consumer.
 const UPSTREAM: &str = "soak.orders";
 const DOWNSTREAM: &str = "soak.downstream";
@@ -106,7 +114,7 @@ impl Names {
         Self {
             input: format!("outbox-soak-in-{run}"),
             output: format!("outbox-soak-out-{run}"),
-            full: format!("outbox-soak-full-{run}"),
+            full: format!("{REFUSING_PREFIX}{run}"),
             stream: format!("OUTBOX_SOAK_{run}"),
             subject: format!("{SUBJECT_PREFIX}{run}"),
         }
@@ -128,7 +136,7 @@ struct Tally {
     /// Confirmed publishes per outbox message id: the relays', and the child's it printed.
     published: Mutex<HashMap<Uuid, u32>>,
     /// RabbitMQ connections the relays' publishers opened (the first ones, and one after
-    /// each cut).
+    /// each failed publish).
     broker_connections: AtomicU64,
     /// Input deliveries the replicas handled (redeliveries included).
     input_deliveries: AtomicU64,
@@ -202,42 +210,105 @@ impl<'t> Reconnecting<'t> {
             let publisher = RabbitMqPublisher::new(channel.clone(), "");
             *current = Some((connection, channel, publisher));
         }
-        match current.as_ref() {
+        let published = match current.as_ref() {
             Some((_, _, publisher)) => publisher.publish(message).await,
             None => Err(PublishError::Transient("no RabbitMQ connection".into())),
+        };
+        if published.is_err() {
+            // Whatever failed, the next publish starts on a connection known to be good.
+            *current = None;
+        }
+        published
+    }
+}
+
+/// The faults the soak's parts fire themselves, each once, at the moment it must hit.
+struct Faults {
+    /// The proxy between the replicas and relays and the database (none on SQLite).
+    db: Option<Arc<LostReplyProxy>>,
+    /// The proxy between the relays and RabbitMQ.
+    broker: CutProxy,
+    /// Set by the replica that cut every database connection from inside its handler.
+    db_cut_in_handler: Arc<AtomicBool>,
+    /// Set by the relay that cut the broker connections right before a publish.
+    broker_cut: AtomicBool,
+    /// The broker connections that cut closed.
+    broker_connections_cut: AtomicU64,
+    /// Set by the relay that armed the database proxy to lose the next COMMIT's reply.
+    commit_reply_armed: AtomicBool,
+}
+
+impl Faults {
+    /// Fault 2: every broker connection cut right before a RabbitMQ publish of an event,
+    /// once a third of the events went out.
+    fn before_publish(&self, message: &OutboxMessage, tally: &Tally) {
+        let event_to_rabbitmq = !message.destination.starts_with(SUBJECT_PREFIX)
+            && !message.destination.starts_with(REFUSING_PREFIX);
+        if event_to_rabbitmq
+            && tally.publishes().1 >= MESSAGES as u64 / 3
+            && !self.broker_cut.swap(true, Ordering::SeqCst)
+        {
+            self.broker_connections_cut
+                .store(self.broker.cut(), Ordering::SeqCst);
+        }
+    }
+
+    /// Fault 3, second half: once half the events went out, the first COMMIT after a
+    /// broker confirmation (this batch's marking, unless another relay or replica commits
+    /// first) reaches the database, which commits, and its reply is lost with the
+    /// connection; the driver then cuts every other connection, as a restart would.
+    fn after_confirm(&self, tally: &Tally) {
+        if let Some(db) = &self.db
+            && tally.publishes().1 >= MESSAGES as u64 / 2
+            && !self.commit_reply_armed.swap(true, Ordering::SeqCst)
+        {
+            db.arm();
         }
     }
 }
 
 /// The relays' publisher: JetStream for the subjects, RabbitMQ for the rest; counts what
-/// the brokers confirmed.
+/// the brokers confirmed, and fires the relays' faults (none in the child). The poison
+/// goes to RabbitMQ directly, past the proxy: its refusals are the only errors it records.
 struct Routed<'t> {
     rabbitmq: Reconnecting<'t>,
+    refusing: Reconnecting<'t>,
     jetstream: JetStreamPublisher,
     tally: &'t Tally,
+    faults: Option<&'t Faults>,
 }
 
 impl<'t> Routed<'t> {
-    async fn connect(amqp_url: &str, tally: &'t Tally) -> Self {
+    async fn connect(amqp_url: &str, tally: &'t Tally, faults: Option<&'t Faults>) -> Self {
         let nats = async_nats::connect(env("INBOX_TEST_NATS_URL"))
             .await
             .expect("connect to NATS");
         Self {
             rabbitmq: Reconnecting::new(amqp_url, tally),
+            refusing: Reconnecting::new(&env("INBOX_TEST_AMQP_URL"), tally),
             jetstream: JetStreamPublisher::new(async_nats::jetstream::new(nats)),
             tally,
+            faults,
         }
     }
 }
 
 impl Publisher for Routed<'_> {
     async fn publish(&self, message: &OutboxMessage) -> Result<(), PublishError> {
+        if let Some(faults) = self.faults {
+            faults.before_publish(message, self.tally);
+        }
         if message.destination.starts_with(SUBJECT_PREFIX) {
             self.jetstream.publish(message).await?;
+        } else if message.destination.starts_with(REFUSING_PREFIX) {
+            self.refusing.publish(message).await?;
         } else {
             self.rabbitmq.publish(message).await?;
         }
         self.tally.record_publish(message.message_id.as_uuid());
+        if let Some(faults) = self.faults {
+            faults.after_confirm(self.tally);
+        }
         Ok(())
     }
 }
@@ -292,7 +363,7 @@ async fn child_relay() {
     let db = connect_url(&url, 2).await;
     let tally = Tally::default();
     let publisher = StopsAfterConfirms {
-        inner: Routed::connect(&env("INBOX_TEST_AMQP_URL"), &tally).await,
+        inner: Routed::connect(&env("INBOX_TEST_AMQP_URL"), &tally, None).await,
         confirmed: AtomicU64::new(0),
     };
     let relay = Relay::new(publisher)
@@ -403,6 +474,7 @@ async fn replica(
     names: &Names,
     db: &DatabaseConnection,
     tally: &Tally,
+    faults: &Faults,
     mut stop: watch::Receiver<bool>,
 ) -> Inbox {
     let inbox = Inbox::new(UPSTREAM).expect("valid name");
@@ -436,6 +508,13 @@ async fn replica(
                 let event = OutgoingMessage::new(names.destination(n), n.to_string())
                     .message_id(incoming.outgoing(UPSTREAM, 0))
                     .key(format!("k{}", n % KEYS as i64));
+                // Fault 3, first half: the connections cut under an open transaction.
+                let cut = match &faults.db {
+                    Some(proxy) if n == CUT_IN_HANDLER => {
+                        Some((Arc::clone(proxy), Arc::clone(&faults.db_cut_in_handler)))
+                    }
+                    _ => None,
+                };
                 Box::pin(async move {
                     txn.execute_raw(stmt(
                         backend,
@@ -444,6 +523,11 @@ async fn replica(
                     ))
                     .await?;
                     txn.enqueue(event).await?;
+                    if let Some((proxy, fired)) = cut
+                        && !fired.swap(true, Ordering::SeqCst)
+                    {
+                        proxy.heal();
+                    }
                     Ok::<_, BoxError>(())
                 })
             })
@@ -654,24 +738,30 @@ async fn outbox_soak(backend: Backend) {
 
         // The replicas and relays reach the database through a proxy that can cut every
         // connection (fault 3), and the relays reach RabbitMQ through one (fault 2).
-        let db_proxy = match backend {
-            Backend::Sqlite => None,
-            _ => Some(LostReplyProxy::start(db).await),
+        let faults = Faults {
+            db: match backend {
+                Backend::Sqlite => None,
+                _ => Some(Arc::new(LostReplyProxy::start(db).await)),
+            },
+            broker: CutProxy::start(&amqp_url).await,
+            db_cut_in_handler: Arc::default(),
+            broker_cut: AtomicBool::default(),
+            broker_connections_cut: AtomicU64::default(),
+            commit_reply_armed: AtomicBool::default(),
         };
         let mut pools = Vec::new();
         for _ in 0..4 {
-            pools.push(match &db_proxy {
+            pools.push(match &faults.db {
                 Some(proxy) => proxy.connect().await,
                 None => db.connect().await,
             });
         }
-        let broker_proxy = CutProxy::start(&amqp_url).await;
         let tally = Tally::default();
         let relays = [
-            Relay::new(Routed::connect(broker_proxy.url(), &tally).await)
+            Relay::new(Routed::connect(faults.broker.url(), &tally, Some(&faults)).await)
                 .with_options(relay_options(false))
                 .expect("valid options"),
-            Relay::new(Routed::connect(broker_proxy.url(), &tally).await)
+            Relay::new(Routed::connect(faults.broker.url(), &tally, Some(&faults)).await)
                 .with_options(relay_options(false))
                 .expect("valid options"),
         ];
@@ -679,8 +769,6 @@ async fn outbox_soak(backend: Backend) {
         let (stop_consumers, consumers_stop) = watch::channel(false);
         let (start_relays, relays_started) = watch::channel(false);
         let (stop_relays, relays_stop) = watch::channel(false);
-        let mut db_cuts = 0;
-        let mut broker_cut = 0;
         let mut child_confirmed = Vec::new();
 
         let relay = |index: usize| {
@@ -710,35 +798,14 @@ async fn outbox_soak(backend: Backend) {
                 tally.record_publish(*id);
             }
             start_relays.send_replace(true);
-            // Fault 3, first cut: while the replicas consume (if they have not finished).
-            if let Some(proxy) = &db_proxy {
-                until(started, "half the input consumed", || {
-                    tally.processed.load(Ordering::Relaxed) >= MESSAGES as u64 / 2
+            // Fault 3, second half: once a relay's COMMIT reply was lost, every other
+            // connection goes too, as in a restart.
+            if let Some(proxy) = &faults.db {
+                until(started, "a COMMIT reply lost", || {
+                    proxy.replies_dropped() > 0
                 })
                 .await;
                 proxy.heal();
-                db_cuts += 1;
-            }
-            // Fault 2: the relays' broker connections cut, a third of the events out. After
-            // the poison died: the refusal must be the last error it recorded, not the cut.
-            until(
-                started,
-                "a third of the events published, the poison dead",
-                || {
-                    let dead: u64 = relays.iter().map(|r| r.metrics().snapshot().dead).sum();
-                    dead == 1 && tally.publishes().1 >= MESSAGES as u64 / 3
-                },
-            )
-            .await;
-            broker_cut = broker_proxy.cut();
-            // Fault 3, second cut: while the relays publish.
-            if let Some(proxy) = &db_proxy {
-                until(started, "two thirds of the events published", || {
-                    tally.publishes().1 >= 2 * MESSAGES as u64 / 3
-                })
-                .await;
-                proxy.heal();
-                db_cuts += 1;
             }
             loop {
                 let stored = Stored::read(&direct).await;
@@ -778,8 +845,22 @@ async fn outbox_soak(backend: Backend) {
             stop_consumers.send_replace(true);
         };
         let (upstream_a, upstream_b, (), (), (), (), ()) = tokio::join!(
-            replica(&amqp_url, &names, &pools[0], &tally, consumers_stop.clone()),
-            replica(&amqp_url, &names, &pools[1], &tally, consumers_stop.clone()),
+            replica(
+                &amqp_url,
+                &names,
+                &pools[0],
+                &tally,
+                &faults,
+                consumers_stop.clone()
+            ),
+            replica(
+                &amqp_url,
+                &names,
+                &pools[1],
+                &tally,
+                &faults,
+                consumers_stop.clone()
+            ),
             relay(0),
             relay(1),
             downstream_rabbitmq(
@@ -819,9 +900,10 @@ async fn outbox_soak(backend: Backend) {
              publishes {publishes} ({republished} republished copies; child relay \
              confirmed {child} before SIGKILL), downstream deliveries {down_deliveries}, \
              downstream effects {effects} ({down_dup} duplicates dropped), dead rows {dead}; \
-             faults: child relay killed, {broker_cut} broker connections cut, {db_cuts} \
-             database cuts{sqlite}, {failed} failed publishes, {lost} lost leases, {conns} \
-             broker connections opened; {secs:.1} s",
+             faults: child relay SIGKILLed, {broker_cut} broker connections cut before a \
+             publish ({conns} RabbitMQ connections opened by the relays), database: {db_faults}; {failed} failed \
+             publishes, {lost} lost leases; replicas: {retries} transient retries, \
+             {up_failed} deliveries failed and nacked; {secs:.1} s",
             consumed = stored.business_distinct,
             deliveries = tally.input_deliveries.load(Ordering::Relaxed),
             up_dup = up[0].duplicates + up[1].duplicates,
@@ -833,11 +915,16 @@ async fn outbox_soak(backend: Backend) {
             effects = stored.effects,
             down_dup = down.duplicates,
             dead = stored.dead,
-            sqlite = if backend == Backend::Sqlite {
-                " (SQLite: embedded, nothing to cut)"
+            broker_cut = faults.broker_connections_cut.load(Ordering::SeqCst),
+            db_faults = if faults.db.is_some() {
+                "every connection cut inside a handler's transaction, later a COMMIT reply \
+                 lost after a broker confirmation and every connection cut"
             } else {
-                ""
+                "none (SQLite is embedded: no connection to cut)"
             },
+            retries = up[0].transient_retries + up[1].transient_retries,
+            up_failed =
+                up[0].failures + up[0].handler_errors + up[1].failures + up[1].handler_errors,
             failed = relayed.0,
             lost = relayed.2,
             conns = tally.broker_connections.load(Ordering::Relaxed),
@@ -880,9 +967,16 @@ async fn outbox_soak(backend: Backend) {
             "every message the killed child had confirmed was published again: {line}"
         );
         assert!(
-            broker_cut >= 1,
+            faults.broker_connections_cut.load(Ordering::SeqCst) >= 1,
             "the broker cut closed a connection: {line}"
         );
+        if let Some(proxy) = &faults.db {
+            assert!(
+                faults.db_cut_in_handler.load(Ordering::SeqCst),
+                "a handler cut the database connections: {line}"
+            );
+            proxy.expect_reply_dropped();
+        }
         assert!(
             publishes > distinct,
             "repeated copies were published: {line}"
