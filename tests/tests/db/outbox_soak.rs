@@ -61,7 +61,7 @@ use tokio::sync::watch;
 use uuid::Uuid;
 
 /// Input messages per backend: enough for every fault to land mid-stream, few enough for
-/// the three backends to take about a minute together on two cores.
+/// a backend's run to take 8-15 s on two shared cores (most of it the child's lease).
 const MESSAGES: usize = 300;
 /// Ordering keys of the events: a dead or leased row holds up its own key only.
 const KEYS: usize = 16;
