@@ -48,10 +48,12 @@ use sea_orm_migration::MigratorTrait;
 use std::panic::AssertUnwindSafe;
 use std::time::Duration;
 
+mod cut_proxy;
 mod galera;
 mod proxy;
 pub mod scenario;
 mod stream;
+pub use cut_proxy::CutProxy;
 pub use galera::{GALERA_URLS_VAR, GaleraDb, galera_script, migrated_galera_db, with_galera_db};
 pub use proxy::{LostReplyProxy, ProxiedDb, with_proxied_db};
 pub use stream::{
@@ -204,6 +206,12 @@ fn replace_database(url: &str, name: &str) -> String {
 }
 
 impl TestDb {
+    /// The database's URL: for another process (a child relay the test kills) to connect
+    /// with [`connect_url`].
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
     /// A new connection pool to this database: one per replica in race tests.
     pub async fn connect(&self) -> DatabaseConnection {
         self.connect_with(5).await
@@ -277,6 +285,33 @@ impl TestDb {
             admin.close().await.ok();
         }
     }
+}
+
+/// A pool of at most `max_connections` to a test database's [`TestDb::url`], from another
+/// process (a child the test runs); the backend is read from the URL's scheme.
+pub async fn connect_url(url: &str, max_connections: u32) -> DatabaseConnection {
+    let backend = match url.split_once("://").map(|(scheme, _)| scheme) {
+        Some("sqlite") => Backend::Sqlite,
+        Some("postgres" | "postgresql") => Backend::Postgres,
+        Some("mysql" | "mariadb") => Backend::MySql,
+        _ => panic!("{url}: not a test database URL (sqlite, postgres or mysql)"),
+    };
+    connect_pool(url, backend, max_connections).await
+}
+
+/// Appends `line` to the file `INBOX_SOAK_REPORT` names, if set: CI sets it so a soak's
+/// counts reach its log without `--nocapture`.
+pub fn append_to_soak_report(line: &str) {
+    use std::io::Write;
+    let Ok(path) = std::env::var("INBOX_SOAK_REPORT") else {
+        return;
+    };
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .unwrap_or_else(|e| panic!("open {path}: {e}"));
+    writeln!(file, "{line}").unwrap_or_else(|e| panic!("write {path}: {e}"));
 }
 
 /// A new pool to `url` with at most `max_connections` connections (SQLite: always 1

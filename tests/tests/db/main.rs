@@ -26,6 +26,7 @@ mod modes;
 mod observed;
 mod outbox;
 mod outbox_brokers;
+mod outbox_soak;
 mod partition;
 mod patroni;
 mod pg_failover;

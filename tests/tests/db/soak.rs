@@ -6,8 +6,8 @@
 //! `INBOX_SOAK_REPORT`).
 
 use inbox_tests::{
-    Backend, Broker, Plan, assert_exactly_once, create_effects, on_every_backend, run_replicas,
-    with_migrated_db,
+    Backend, Broker, Plan, append_to_soak_report, assert_exactly_once, create_effects,
+    on_every_backend, run_replicas, with_migrated_db,
 };
 use std::time::Duration;
 
@@ -30,7 +30,7 @@ async fn soak_8_replicas_20000_messages(backend: Backend) {
         let report = run_replicas(db, &broker, &plan, REPLICAS, Duration::from_secs(900)).await;
         let line = format!("soak on {backend:?}, {REPLICAS} replicas: {report}");
         println!("{line}");
-        append_to_report_file(&line);
+        append_to_soak_report(&line);
         assert_exactly_once(&conn, &plan, &report).await;
         assert_eq!(report.processed, messages as u64, "{report}");
         assert_eq!(
@@ -40,20 +40,6 @@ async fn soak_8_replicas_20000_messages(backend: Backend) {
         );
     })
     .await;
-}
-
-/// CI sets `INBOX_SOAK_REPORT` to a file so the counts reach its log without `--nocapture`.
-fn append_to_report_file(line: &str) {
-    use std::io::Write;
-    let Ok(path) = std::env::var("INBOX_SOAK_REPORT") else {
-        return;
-    };
-    let mut file = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&path)
-        .unwrap_or_else(|e| panic!("open {path}: {e}"));
-    writeln!(file, "{line}").unwrap_or_else(|e| panic!("write {path}: {e}"));
 }
 
 on_every_backend!(soak_8_replicas_20000_messages);
