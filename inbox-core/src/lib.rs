@@ -54,9 +54,9 @@ pub use metrics::{InboxMetrics, MetricsSnapshot, metric_names};
 pub use observed::ObservedStream;
 pub use observed::ObservedTransaction;
 pub use outbox::{
-    BoxError, DeadMessage, OutboxBacklog, OutboxError, OutboxExt, OutboxMessage, OutboxMetrics,
-    OutboxMetricsSnapshot, OutboxWaker, OutgoingMessage, PublishError, Publisher, Relay,
-    RelayOptions, RelayReport, list_dead_messages, outbox_backlog, purge_sent_messages,
+    BoxError, DeadMessage, OUTBOX_CHANNEL, OutboxBacklog, OutboxError, OutboxExt, OutboxMessage,
+    OutboxMetrics, OutboxMetricsSnapshot, OutboxWaker, OutgoingMessage, PublishError, Publisher,
+    Relay, RelayOptions, RelayReport, list_dead_messages, outbox_backlog, purge_sent_messages,
     requeue_dead_message,
 };
 pub use outcome::{NackDelay, Outcome, ProcessError, Settlement};

@@ -198,6 +198,11 @@ pub(super) trait Dialect: Sync {
     /// one statement walking `ix_outbox_pending`. Binds: cutoff, batch size.
     fn outbox_purge_batch(&self) -> &'static str;
 
+    /// The statement that tells relays listening in other processes that rows were
+    /// committed, run outside any transaction; `None` where the database has no such
+    /// channel. Binds: the channel.
+    fn outbox_notify(&self) -> Option<&'static str>;
+
     /// The count of rows waiting to be published and the count of dead rows.
     fn outbox_backlog(&self) -> &'static str;
 }

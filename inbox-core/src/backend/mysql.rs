@@ -333,6 +333,10 @@ impl Dialect for MySql {
 
     /// MySQL/MariaDB cannot use LIMIT in an `IN (subquery)`; the single-table DELETE takes
     /// ORDER BY and LIMIT itself.
+    fn outbox_notify(&self) -> Option<&'static str> {
+        None
+    }
+
     fn outbox_purge_batch(&self) -> &'static str {
         "DELETE FROM outbox WHERE sent_at < ? ORDER BY sent_at LIMIT ?"
     }

@@ -190,3 +190,14 @@ pub(crate) fn backlog_statement(backend: DbBackend) -> Result<Statement, InboxEr
         dialect(backend)?.outbox_backlog(),
     ))
 }
+
+/// The statement that wakes relays listening on `channel` in other processes; `None`
+/// where `backend` has no notification channel.
+pub(crate) fn notify_statement(
+    backend: DbBackend,
+    channel: &str,
+) -> Result<Option<Statement>, InboxError> {
+    Ok(dialect(backend)?
+        .outbox_notify()
+        .map(|sql| Statement::from_sql_and_values(backend, sql, [Value::from(channel)])))
+}

@@ -304,6 +304,13 @@ impl Dialect for Postgres {
     }
 
     /// As the inbox's purge: `= ANY(ARRAY(..))` walks the index.
+    /// `pg_notify` rather than `NOTIFY`, so the channel is a bind. Sent on its own, never
+    /// in the business transaction: a transaction that notified takes a global lock at
+    /// its commit.
+    fn outbox_notify(&self) -> Option<&'static str> {
+        Some("SELECT pg_notify($1, '')")
+    }
+
     fn outbox_purge_batch(&self) -> &'static str {
         "DELETE FROM outbox WHERE id = ANY(ARRAY(\
          SELECT id FROM outbox WHERE sent_at < $1 ORDER BY sent_at LIMIT $2))"

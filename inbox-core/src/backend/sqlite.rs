@@ -255,6 +255,10 @@ impl Dialect for Sqlite {
     }
 
     /// As the inbox's purge: `id IN (subquery)` by rowid.
+    fn outbox_notify(&self) -> Option<&'static str> {
+        None
+    }
+
     fn outbox_purge_batch(&self) -> &'static str {
         "DELETE FROM outbox WHERE id IN \
          (SELECT id FROM outbox WHERE sent_at < ? ORDER BY sent_at LIMIT ?)"

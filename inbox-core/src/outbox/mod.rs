@@ -5,6 +5,7 @@ mod admin;
 mod enqueue;
 mod message;
 mod relay;
+mod wake;
 
 pub use admin::{
     OutboxBacklog, list_dead_messages, outbox_backlog, purge_sent_messages, requeue_dead_message,
@@ -12,9 +13,10 @@ pub use admin::{
 pub use enqueue::OutboxExt;
 pub use message::{DeadMessage, OutboxMessage, OutgoingMessage};
 pub use relay::{
-    BoxError, OutboxMetrics, OutboxMetricsSnapshot, OutboxWaker, PublishError, Publisher, Relay,
-    RelayOptions, RelayReport,
+    BoxError, OutboxMetrics, OutboxMetricsSnapshot, PublishError, Publisher, Relay, RelayOptions,
+    RelayReport,
 };
+pub use wake::{OUTBOX_CHANNEL, OutboxWaker};
 
 use crate::InboxError;
 use sea_orm::DbErr;

@@ -1,5 +1,6 @@
 use super::OutboxError;
 use super::message::OutboxMessage;
+use super::wake::OutboxWaker;
 use crate::Inbox;
 use crate::backend::outbox::{
     Failure, claim_statement, claim_transaction, lease_statement, mark_failed_statement,
@@ -18,7 +19,6 @@ use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
-use tokio::sync::Notify;
 use uuid::Uuid;
 
 /// A boxed error from a broker client.
@@ -188,26 +188,6 @@ impl RelayOptions {
     }
 }
 
-/// Wakes a [`Relay::run`] loop at once, instead of at its next poll: call
-/// [`wake`](Self::wake) after committing a transaction that enqueued messages. Cheap to
-/// clone; a wake while the relay is busy is kept for its next wait.
-///
-/// It reaches the relays of this process only: relays of other processes find the rows at
-/// their next poll ([`RelayOptions::poll_interval`]).
-#[derive(Clone, Debug, Default)]
-pub struct OutboxWaker(Arc<Notify>);
-
-impl OutboxWaker {
-    /// Wakes the relay.
-    pub fn wake(&self) {
-        self.0.notify_one();
-    }
-
-    async fn woken(&self) {
-        self.0.notified().await;
-    }
-}
-
 /// What one [`Relay::relay_once`] did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RelayReport {
@@ -312,6 +292,9 @@ pub struct Relay<P> {
     options: RelayOptions,
     waker: OutboxWaker,
     metrics: Arc<OutboxMetrics>,
+    /// The server [`run`](Relay::run) listens on for other processes' wake-ups.
+    #[cfg(feature = "postgres")]
+    listen_url: Option<String>,
 }
 
 /// The rows of one claim, in `id` order, and the token that fences them.
@@ -337,7 +320,52 @@ impl<P: Publisher> Relay<P> {
             options: RelayOptions::default(),
             waker: OutboxWaker::default(),
             metrics: Arc::default(),
+            #[cfg(feature = "postgres")]
+            listen_url: None,
         }
+    }
+
+    /// Makes [`run`](Self::run) also wake when a process whose waker is
+    /// [`notifying`](OutboxWaker::notifying) commits messages: it listens on
+    /// [`OUTBOX_CHANNEL`](crate::OUTBOX_CHANNEL) on a connection of its own to `url`
+    /// (PostgreSQL `LISTEN`). Without it, rows enqueued by other processes wait for the
+    /// relay's next poll.
+    ///
+    /// `url` must reach the server itself, not a transaction pooler: `LISTEN` holds a
+    /// session, which PgBouncer's transaction mode does not keep (the notifications would
+    /// never arrive). The relay's own statements may still go through the pooler. While
+    /// the connection is down the relay polls, and it wakes once when the connection is
+    /// back, in case a notification was missed.
+    ///
+    /// ```no_run
+    /// # fn run<P: sea_orm_inbox::Publisher>(publisher: P) -> Result<(), sea_orm_inbox::OutboxError> {
+    /// use sea_orm_inbox::Relay;
+    ///
+    /// let relay = Relay::new(publisher).listening("postgres://app@db-primary:5432/app")?;
+    /// # let _ = relay; Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// [`OutboxError::InvalidOptions`] when `url` is not a PostgreSQL URL.
+    #[cfg(feature = "postgres")]
+    pub fn listening(mut self, url: impl Into<String>) -> Result<Self, OutboxError> {
+        let url = url.into();
+        // sqlx parses any scheme as PostgreSQL options; the scheme is the user's intent.
+        let postgres_scheme = ["postgres://", "postgresql://"]
+            .iter()
+            .any(|scheme| url.starts_with(scheme));
+        if !postgres_scheme
+            || url
+                .parse::<sea_orm::sqlx::postgres::PgConnectOptions>()
+                .is_err()
+        {
+            return Err(OutboxError::InvalidOptions {
+                what: "the LISTEN url is not a PostgreSQL URL",
+                advice: "pass the server's postgres:// URL (not a transaction pooler's)",
+            });
+        }
+        self.listen_url = Some(url);
+        Ok(self)
     }
 
     /// Replaces the options.
@@ -432,6 +460,7 @@ impl<P: Publisher> Relay<P> {
     /// outlives database and broker outages.
     pub async fn run(&self, db: &DatabaseConnection, stop: impl Future<Output = ()>) {
         tokio::pin!(stop);
+        let _listener = self.spawn_listener();
         loop {
             let full = match self.relay_once(db).await {
                 Ok(report) => report.claimed >= u64::from(self.options.batch_size),
@@ -449,6 +478,18 @@ impl<P: Publisher> Relay<P> {
                 () = tokio::time::sleep(self.options.poll_interval) => {}
             }
         }
+    }
+
+    /// The task listening for other processes' wake-ups, when [`listening`](Self::listening);
+    /// it ends when the returned guard is dropped, with [`run`](Self::run).
+    fn spawn_listener(&self) -> Option<AbortOnDrop> {
+        #[cfg(feature = "postgres")]
+        if let Some(url) = &self.listen_url {
+            let task =
+                super::wake::listen(url.clone(), self.waker.clone(), self.options.poll_interval);
+            return Some(AbortOnDrop(tokio::spawn(task)));
+        }
+        None
     }
 
     /// Claims due rows in a short transaction of its own: lock them, lease them to a new
@@ -598,4 +639,14 @@ pub(crate) async fn bounded<T, F: Future<Output = Result<T, DbErr>>>(
         .await
         .map_err(|waited| OutboxError::DatabaseSilent { operation, waited })?
         .map_err(|source| OutboxError::Database { operation, source })
+}
+
+/// Aborts a spawned task when dropped, so a task serving [`Relay::run`] ends with it, also
+/// when `run`'s future is dropped rather than stopped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }

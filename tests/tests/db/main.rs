@@ -27,6 +27,7 @@ mod observed;
 mod outbox;
 mod outbox_brokers;
 mod outbox_soak;
+mod outbox_wake;
 mod partition;
 mod patroni;
 mod pg_failover;

@@ -1,0 +1,230 @@
+//! Waking relays in other processes on PostgreSQL: a waker that is `notifying` sends a
+//! debounced `pg_notify` after the commit, and a relay that is `listening` wakes on it,
+//! so a row another process committed goes out without waiting for the relay's poll.
+//! Each "process" has a pool of its own; the relay polls once a minute, so a publish
+//! within a second can only come from the notification.
+
+use inbox_tests::{Backend, TestDb, scalar_i64, with_migrated_outbox_db};
+use sea_orm::{DatabaseConnection, TransactionTrait};
+use sea_orm_inbox::{
+    OUTBOX_CHANNEL, OutboxError, OutboxExt, OutboxMessage, OutboxWaker, OutgoingMessage,
+    PublishError, Publisher, Relay, RelayOptions,
+};
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+
+/// A relay that finds a row by its poll would take this long.
+const POLL: Duration = Duration::from_secs(60);
+/// What a woken relay must stay under; far below [`POLL`].
+const WOKEN_WITHIN: Duration = Duration::from_secs(1);
+
+/// Reports each published payload with the instant it was published.
+struct Timed(mpsc::UnboundedSender<(Vec<u8>, Instant)>);
+
+impl Publisher for Timed {
+    async fn publish(&self, message: &OutboxMessage) -> Result<(), PublishError> {
+        let _ = self.0.send((message.payload.clone(), Instant::now()));
+        Ok(())
+    }
+}
+
+/// A relay on a pool of its own, polling once a minute, listening when `listen`.
+/// Returns the stop handle and the published payloads.
+async fn start_relay(
+    db: &TestDb,
+    listen: bool,
+) -> (
+    tokio::sync::oneshot::Sender<()>,
+    mpsc::UnboundedReceiver<(Vec<u8>, Instant)>,
+    tokio::task::JoinHandle<()>,
+) {
+    let (published, receiver) = mpsc::unbounded_channel();
+    let mut relay = Relay::new(Timed(published))
+        .with_options(RelayOptions {
+            poll_interval: POLL,
+            ..RelayOptions::default()
+        })
+        .expect("valid options");
+    if listen {
+        relay = relay.listening(db.url()).expect("a PostgreSQL URL");
+    }
+    let pool = db.connect().await;
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        relay
+            .run(&pool, async {
+                let _ = stopped.await;
+            })
+            .await;
+        pool.close().await.ok();
+    });
+    (stop, receiver, task)
+}
+
+/// Waits until the server shows a session listening on the channel.
+async fn wait_for_listener(conn: &DatabaseConnection) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let query = format!(
+        "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database() \
+         AND query = 'LISTEN \"{OUTBOX_CHANNEL}\"'"
+    );
+    while scalar_i64(conn, &query).await == 0 {
+        assert!(Instant::now() < deadline, "the relay never listened");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Its first wake (the catch-up pass on connecting) is over by then.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+}
+
+async fn enqueue_one(conn: &DatabaseConnection, payload: Vec<u8>) {
+    let txn = conn.begin().await.expect("begin");
+    txn.enqueue(OutgoingMessage::new("wake.test", payload))
+        .await
+        .expect("enqueue");
+    txn.commit().await.expect("commit");
+}
+
+/// p50 and max of `latencies`.
+fn summary(latencies: &mut [Duration]) -> (Duration, Duration) {
+    latencies.sort();
+    (
+        latencies[latencies.len() / 2],
+        latencies[latencies.len() - 1],
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[cfg_attr(not(inbox_postgres), ignore = "set INBOX_TEST_POSTGRES_URL")]
+async fn a_row_another_process_committed_goes_out_on_its_notify() {
+    const MESSAGES: usize = 30;
+    with_migrated_outbox_db(Backend::Postgres, async |db| {
+        let (stop, mut published, relay) = start_relay(db, true).await;
+        let writer = db.connect().await;
+        wait_for_listener(&writer).await;
+        let waker = OutboxWaker::default()
+            .notifying(writer.clone())
+            .expect("PostgreSQL notifies");
+        let mut latencies = Vec::with_capacity(MESSAGES);
+        for n in 0..MESSAGES {
+            let payload = format!("row {n}").into_bytes();
+            enqueue_one(&writer, payload.clone()).await;
+            let committed = Instant::now();
+            waker.wake();
+            let (got, at) = tokio::time::timeout(WOKEN_WITHIN, published.recv())
+                .await
+                .unwrap_or_else(|_| panic!("row {n} not published within {WOKEN_WITHIN:?}"))
+                .expect("the relay runs");
+            assert_eq!(got, payload);
+            latencies.push(at - committed);
+            // Past the debounce window, so each row measures a leading-edge NOTIFY.
+            tokio::time::sleep(OutboxWaker::NOTIFY_DEBOUNCE * 2).await;
+        }
+        let (p50, max) = summary(&mut latencies);
+        println!("commit to publish across pools, {MESSAGES} rows: p50 {p50:?}, max {max:?}");
+        stop.send(()).ok();
+        relay.await.expect("the relay stops");
+        writer.close().await.ok();
+    })
+    .await;
+}
+
+/// The control: without `listening`, the same row waits for the poll.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[cfg_attr(not(inbox_postgres), ignore = "set INBOX_TEST_POSTGRES_URL")]
+async fn without_listening_a_row_another_process_committed_waits_for_the_poll() {
+    with_migrated_outbox_db(Backend::Postgres, async |db| {
+        let (stop, mut published, relay) = start_relay(db, false).await;
+        let writer = db.connect().await;
+        // The relay's first pass (at start) is over.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let waker = OutboxWaker::default()
+            .notifying(writer.clone())
+            .expect("PostgreSQL notifies");
+        enqueue_one(&writer, b"unheard".to_vec()).await;
+        waker.wake();
+        assert!(
+            tokio::time::timeout(WOKEN_WITHIN, published.recv())
+                .await
+                .is_err(),
+            "a relay that does not listen cannot have been woken"
+        );
+        stop.send(()).ok();
+        relay.await.expect("the relay stops");
+        writer.close().await.ok();
+    })
+    .await;
+}
+
+/// A burst of wakes sends about one NOTIFY per debounce window, and the last one (the
+/// window's trailing edge) still brings the burst's last rows out at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[cfg_attr(not(inbox_postgres), ignore = "set INBOX_TEST_POSTGRES_URL")]
+async fn a_burst_of_wakes_is_debounced_and_loses_no_row() {
+    use sea_orm::sqlx::postgres::PgListener;
+    const BURST: usize = 60;
+    with_migrated_outbox_db(Backend::Postgres, async |db| {
+        let mut counter = PgListener::connect(db.url()).await.expect("listen");
+        counter.listen(OUTBOX_CHANNEL).await.expect("listen");
+        let (stop, mut published, relay) = start_relay(db, true).await;
+        let writer = db.connect().await;
+        wait_for_listener(&writer).await;
+        let waker = OutboxWaker::default()
+            .notifying(writer.clone())
+            .expect("PostgreSQL notifies");
+
+        let started = Instant::now();
+        for n in 0..BURST {
+            enqueue_one(&writer, format!("burst {n}").into_bytes()).await;
+            waker.wake();
+        }
+        let burst = started.elapsed();
+        let last_commit = Instant::now();
+        let mut last_publish = last_commit;
+        for _ in 0..BURST {
+            let (_, at) = tokio::time::timeout(WOKEN_WITHIN * 2, published.recv())
+                .await
+                .expect("every row of the burst is published without waiting for the poll")
+                .expect("the relay runs");
+            last_publish = last_publish.max(at);
+        }
+        let mut notifies = 0u32;
+        while let Ok(Ok(_)) =
+            tokio::time::timeout(Duration::from_millis(200), counter.recv()).await
+        {
+            notifies += 1;
+        }
+        let windows = burst.as_millis() / OutboxWaker::NOTIFY_DEBOUNCE.as_millis() + 2;
+        println!(
+            "{BURST} wakes in {burst:?}: {notifies} NOTIFYs (at most {windows}); last row out {:?} after its commit",
+            last_publish.saturating_duration_since(last_commit)
+        );
+        assert!(notifies >= 1, "the burst sent no NOTIFY");
+        assert!(
+            u128::from(notifies) <= windows,
+            "{notifies} NOTIFYs for {BURST} wakes in {burst:?}: not debounced"
+        );
+        stop.send(()).ok();
+        relay.await.expect("the relay stops");
+        writer.close().await.ok();
+    })
+    .await;
+}
+
+/// Only PostgreSQL has the channel: elsewhere both sides refuse at set-up, not later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn notify_and_listen_are_refused_off_postgres() {
+    with_migrated_outbox_db(Backend::Sqlite, async |db| {
+        let conn = db.connect().await;
+        assert!(matches!(
+            OutboxWaker::default().notifying(conn.clone()),
+            Err(OutboxError::InvalidOptions { .. })
+        ));
+        let (published, _received) = mpsc::unbounded_channel();
+        assert!(matches!(
+            Relay::new(Timed(published)).listening("mysql://root@127.0.0.1:3306/test"),
+            Err(OutboxError::InvalidOptions { .. })
+        ));
+        conn.close().await.ok();
+    })
+    .await;
+}
