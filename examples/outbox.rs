@@ -21,9 +21,7 @@
 
 use futures_util::StreamExt;
 use inbox_examples::{balance, connect_replica, credit_account, reset_account};
-use lapin::options::{
-    BasicConsumeOptions, ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
-};
+use lapin::options::{BasicConsumeOptions, QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties};
 use sea_orm::sea_query::{Alias, Expr, ExprTrait, Query};
@@ -56,16 +54,21 @@ async fn place_order<C: ConnectionTrait>(txn: &C, order: u32) -> Result<(), BoxE
     Ok(())
 }
 
-/// Starts a relay replica on its own pool and channel, publishing into `QUEUE`.
+/// lapin's connection properties on tokio (the workspace builds lapin without a runtime).
+fn amqp_properties() -> ConnectionProperties {
+    ConnectionProperties::default()
+        .with_executor(tokio_executor_trait::Tokio::current())
+        .with_reactor(tokio_reactor_trait::Tokio::current())
+}
+
+/// Starts a relay replica on its own pool and RabbitMQ connection (which the publisher
+/// reopens after a broker restart), publishing into `QUEUE` through the default exchange.
 async fn relay_replica(
-    amqp: &Connection,
+    amqp_url: &str,
 ) -> Result<(Relay<RabbitMqPublisher>, DatabaseConnection), BoxError> {
-    let channel = amqp.create_channel().await?;
-    channel
-        .confirm_select(ConfirmSelectOptions::default())
-        .await?;
+    let publisher = RabbitMqPublisher::connect(amqp_url, amqp_properties(), "").await?;
     let pool = connect_replica(&database_url()).await?;
-    Ok((Relay::new(RabbitMqPublisher::new(channel, "")), pool))
+    Ok((Relay::new(publisher), pool))
 }
 
 #[tokio::main]
@@ -78,10 +81,7 @@ async fn main() -> Result<(), BoxError> {
 
     let url = std::env::var("AMQP_URL")
         .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned());
-    let properties = ConnectionProperties::default()
-        .with_executor(tokio_executor_trait::Tokio::current())
-        .with_reactor(tokio_reactor_trait::Tokio::current());
-    let amqp = Connection::connect(&url, properties)
+    let amqp = Connection::connect(&url, amqp_properties())
         .await
         .map_err(|e| format!("connect to RabbitMQ at {url}: {e}"))?;
     let channel = amqp.create_channel().await?;
@@ -104,7 +104,7 @@ async fn main() -> Result<(), BoxError> {
     }
 
     // Two relay replicas drain the outbox; neither publishes an event the other did.
-    let replicas = [relay_replica(&amqp).await?, relay_replica(&amqp).await?];
+    let replicas = [relay_replica(&url).await?, relay_replica(&url).await?];
     let mut published = 0;
     while outbox_backlog(&db).await?.pending > 0 {
         for (relay, pool) in &replicas {

@@ -33,15 +33,16 @@
 //! ```
 
 use crate::{Delivery, InboxError, MessageId, OutboxMessage, PublishError, Publisher, Settlement};
-use ::lapin::BasicProperties;
 use ::lapin::message::Delivery as AmqpDelivery;
-use ::lapin::options::BasicPublishOptions;
 use ::lapin::options::{BasicAckOptions, BasicNackOptions, BasicRejectOptions};
+use ::lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use ::lapin::publisher_confirm::Confirmation;
 use ::lapin::types::AMQPValue;
 use ::lapin::types::FieldTable;
+use ::lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use chrono::DateTime;
 use std::time::Duration;
+use tokio::sync::Mutex;
 
 /// The longest a delivery is held before a delayed nack: RabbitMQ closes the channel of a
 /// consumer that holds a delivery unacked longer than its `consumer_timeout` (30 minutes
@@ -156,42 +157,136 @@ pub async fn settle(message: &AmqpDelivery, settlement: Settlement) -> Result<()
 /// Publishes outbox messages to RabbitMQ with publisher confirms: a [`Publisher`] for a
 /// [`Relay`](crate::Relay).
 ///
-/// Each message goes to the exchange given to [`new`](Self::new) (`""`, the default
-/// exchange, routes by queue name) with the message's destination as the routing key,
-/// `mandatory` set (an unroutable message is a failed publish, not a silent drop), and
-/// persistent. Its properties: `message_id` the outbox message id (which
-/// [`delivery`] reads back on the consumer side), `timestamp` the enqueue time (the send
-/// time an [admission floor](crate::AdmissionFloor) compares), the headers as string
-/// headers, and the ordering key in the header [`KEY_HEADER`].
+/// Each message goes to the exchange given to [`connect`](Self::connect) (`""`, the
+/// default exchange, routes by queue name) with the message's destination as the routing
+/// key, `mandatory` set (an unroutable message is a failed publish, not a silent drop),
+/// and persistent. Its properties: `message_id` the outbox message id (which [`delivery`]
+/// reads back on the consumer side), `timestamp` the enqueue time (the send time an
+/// [admission floor](crate::AdmissionFloor) compares), the headers as string headers, and
+/// the ordering key in the header [`KEY_HEADER`].
+///
+/// The publisher owns its connection and one channel in confirm mode, and outlives a
+/// broker restart or a dropped connection: a publish that finds its channel or connection
+/// closed opens a new one (with `confirm_select`) before publishing. A publish the lost
+/// connection took down with it fails with [`PublishError::Transient`], and the relay
+/// retries the row after its backoff, on the new connection. A connection that dies
+/// without closing (a silent network) is noticed by the AMQP heartbeat the broker
+/// negotiates; until then the relay's [`publish_timeout`](crate::RelayOptions::publish_timeout)
+/// fails each publish.
+///
+/// Every failure is [`PublishError::Transient`], never [`PublishError::Rejected`]: what
+/// RabbitMQ refuses can heal (an unroutable message, when a queue is bound to its routing
+/// key; a `basic.nack` of a full queue, once it drains; a closed channel, by reconnecting).
+/// A message that keeps failing is parked after [`max_attempts`](crate::RelayOptions::max_attempts).
 ///
 /// ```no_run
-/// use lapin::options::ConfirmSelectOptions;
+/// use lapin::ConnectionProperties;
 /// use sea_orm_inbox::{Relay, rabbitmq::RabbitMqPublisher};
 ///
-/// # async fn run(connection: lapin::Connection, db: sea_orm::DatabaseConnection) -> Result<(), Box<dyn std::error::Error>> {
-/// let channel = connection.create_channel().await?;
-/// channel.confirm_select(ConfirmSelectOptions::default()).await?;
-/// let relay = Relay::new(RabbitMqPublisher::new(channel, ""));
+/// # async fn run(db: sea_orm::DatabaseConnection) -> Result<(), Box<dyn std::error::Error>> {
+/// // lapin without its default runtime needs the caller's (here tokio-executor-trait and
+/// // tokio-reactor-trait); reconnecting reuses these properties.
+/// let properties = ConnectionProperties::default()
+///     .with_executor(tokio_executor_trait::Tokio::current())
+///     .with_reactor(tokio_reactor_trait::Tokio::current());
+/// let publisher =
+///     RabbitMqPublisher::connect("amqp://guest:guest@127.0.0.1:5672/%2f", properties, "").await?;
+/// let relay = Relay::new(publisher);
 /// relay.run(&db, std::future::pending()).await;
 /// # Ok(()) }
 /// ```
 pub struct RabbitMqPublisher {
-    channel: ::lapin::Channel,
+    uri: String,
+    properties: ConnectionProperties,
     exchange: String,
+    /// The connection and channel publishes use; replaced when found closed. A lock, so
+    /// relays sharing the publisher open one new connection after a cut, not one each.
+    link: Mutex<Link>,
 }
 
 /// The header carrying an outbox message's ordering key to RabbitMQ consumers.
 pub const KEY_HEADER: &str = "x-outbox-key";
 
-impl RabbitMqPublisher {
-    /// A publisher on `channel`, which must be in confirm mode
-    /// (`channel.confirm_select(..)`: without it no publish is ever confirmed, and each
-    /// fails), into `exchange`.
-    pub fn new(channel: ::lapin::Channel, exchange: impl Into<String>) -> Self {
-        Self {
+/// A publisher's connection, and its channel in confirm mode.
+struct Link {
+    connection: Connection,
+    channel: Channel,
+}
+
+impl Link {
+    async fn open(uri: &str, properties: &ConnectionProperties) -> Result<Self, ::lapin::Error> {
+        let connection = Connection::connect(uri, properties.clone()).await?;
+        let channel = confirming_channel(&connection).await?;
+        Ok(Self {
+            connection,
             channel,
+        })
+    }
+}
+
+/// A new channel of `connection`, in confirm mode: without it no publish is confirmed.
+async fn confirming_channel(connection: &Connection) -> Result<Channel, ::lapin::Error> {
+    let channel = connection.create_channel().await?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
+    Ok(channel)
+}
+
+impl RabbitMqPublisher {
+    /// Connects to the broker at `uri` (`amqp://user:password@host:5672/vhost`, or
+    /// `amqps://`) with `properties`, opens a channel in confirm mode, and returns a
+    /// publisher into `exchange` that reconnects with the same `uri` and `properties`
+    /// whenever it finds its connection or channel closed.
+    ///
+    /// Give the publisher a connection of its own rather than sharing a consumer's:
+    /// RabbitMQ's flow control blocks publishing connections, which would stall the
+    /// consumer's acks with them.
+    ///
+    /// # Errors
+    /// The first connection's error (the broker unreachable, wrong credentials or vhost,
+    /// no executor or reactor in `properties` when lapin's default runtime is off): check
+    /// the URI and the broker, then retry.
+    pub async fn connect(
+        uri: impl Into<String>,
+        properties: ConnectionProperties,
+        exchange: impl Into<String>,
+    ) -> Result<Self, ::lapin::Error> {
+        let uri = uri.into();
+        let link = Link::open(&uri, &properties).await?;
+        Ok(Self {
+            uri,
+            properties,
             exchange: exchange.into(),
+            link: Mutex::new(link),
+        })
+    }
+
+    /// The channel to publish on: the current one while it and its connection are open;
+    /// else a new channel, on a new connection when the old one closed too.
+    async fn channel(&self) -> Result<Channel, PublishError> {
+        let mut link = self.link.lock().await;
+        if link.connection.status().connected() && link.channel.status().connected() {
+            return Ok(link.channel.clone());
         }
+        let reopen = async {
+            if link.connection.status().connected() {
+                // The broker closed the channel alone (a channel error): the connection
+                // serves on, and a new connection would leave this one open.
+                link.channel = confirming_channel(&link.connection).await?;
+            } else {
+                *link = Link::open(&self.uri, &self.properties).await?;
+            }
+            Ok::<_, ::lapin::Error>(link.channel.clone())
+        };
+        reopen.await.map_err(|err| {
+            PublishError::Transient(
+                format!(
+                    "the RabbitMQ channel was closed and reopening it failed: {err}; the next publish tries again"
+                )
+                .into(),
+            )
+        })
     }
 }
 
@@ -222,7 +317,8 @@ impl Publisher for RabbitMqPublisher {
         };
         let transient = |err: ::lapin::Error| PublishError::Transient(Box::new(err));
         let confirmation = self
-            .channel
+            .channel()
+            .await?
             .basic_publish(
                 &self.exchange,
                 &message.destination,
@@ -246,8 +342,9 @@ impl Publisher for RabbitMqPublisher {
             Confirmation::Nack(_) => Err(PublishError::Transient(
                 "RabbitMQ refused to confirm the message (basic.nack)".into(),
             )),
+            // The publisher selects confirm mode on every channel it opens.
             Confirmation::NotRequested => Err(PublishError::Transient(
-                "the channel is not in confirm mode: call confirm_select on it before publishing".into(),
+                "RabbitMQ sent no confirmation: the channel is not in confirm mode".into(),
             )),
         }
     }

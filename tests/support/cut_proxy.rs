@@ -16,6 +16,8 @@ struct Shared {
     cuts: watch::Sender<u64>,
     /// Connections forwarding now.
     open: AtomicU64,
+    /// Connections forwarded since the start.
+    forwarded: AtomicU64,
 }
 
 /// A proxy on an ephemeral 127.0.0.1 port in front of `upstream` (`host:port`).
@@ -49,6 +51,12 @@ impl CutProxy {
     /// The server's URL through the proxy.
     pub fn url(&self) -> &str {
         &self.url
+    }
+
+    /// How many connections the proxy forwarded since it started (open and ended): the
+    /// first connections and every reconnection after a [`cut`](Self::cut).
+    pub fn connections(&self) -> u64 {
+        self.shared.forwarded.load(Ordering::SeqCst)
     }
 
     /// Closes every connection open through the proxy (both sockets), and returns how many
@@ -106,6 +114,7 @@ async fn forward(
     mut cut: watch::Receiver<u64>,
 ) {
     shared.open.fetch_add(1, Ordering::SeqCst);
+    shared.forwarded.fetch_add(1, Ordering::SeqCst);
     tokio::select! {
         _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
         _ = cut.changed() => {}

@@ -32,8 +32,12 @@ pub enum PublishError {
     /// [`RelayOptions::max_attempts`].
     #[error("the broker did not confirm the message: {0}")]
     Transient(#[source] BoxError),
-    /// The broker refused the message for good (too large, a destination that cannot
-    /// exist): the relay parks it as dead at once.
+    /// The message can never be published (larger than the broker accepts, for a
+    /// destination the publisher knows cannot exist): the relay parks it as dead at once.
+    /// For publishers that can tell; the shipped RabbitMQ and JetStream publishers never
+    /// return it, as every refusal they see may heal (a queue bound later, a full queue
+    /// drained, a connection reopened), and a message that keeps failing is parked after
+    /// [`RelayOptions::max_attempts`].
     #[error("the broker refused the message: {0}")]
     Rejected(#[source] BoxError),
 }

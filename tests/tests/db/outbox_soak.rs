@@ -135,9 +135,6 @@ impl Names {
 struct Tally {
     /// Confirmed publishes per outbox message id: the relays', and the child's it printed.
     published: Mutex<HashMap<Uuid, u32>>,
-    /// RabbitMQ connections the relays' publishers opened (the first ones, and one after
-    /// each failed publish).
-    broker_connections: AtomicU64,
     /// Input deliveries the replicas handled (redeliveries included).
     input_deliveries: AtomicU64,
     /// Input messages a replica's `process` reported processed.
@@ -166,60 +163,22 @@ impl Tally {
     }
 }
 
-async fn amqp_connect(url: &str) -> Result<Connection, lapin::Error> {
-    let properties = ConnectionProperties::default()
+/// lapin's connection properties on the test's tokio runtime.
+fn amqp_properties() -> ConnectionProperties {
+    ConnectionProperties::default()
         .with_executor(tokio_executor_trait::Tokio::current())
-        .with_reactor(tokio_reactor_trait::Tokio::current());
-    Connection::connect(url, properties).await
+        .with_reactor(tokio_reactor_trait::Tokio::current())
 }
 
-/// A RabbitMQ publisher that opens a new connection when its last one died, as a relay
-/// process must to outlive a broker restart: `RabbitMqPublisher` publishes on the one
-/// channel it was given.
-struct Reconnecting<'t> {
-    url: String,
-    current: tokio::sync::Mutex<Option<(Connection, Channel, RabbitMqPublisher)>>,
-    tally: &'t Tally,
+async fn amqp_connect(url: &str) -> Result<Connection, lapin::Error> {
+    Connection::connect(url, amqp_properties()).await
 }
 
-impl<'t> Reconnecting<'t> {
-    fn new(url: &str, tally: &'t Tally) -> Self {
-        Self {
-            url: url.to_owned(),
-            current: tokio::sync::Mutex::new(None),
-            tally,
-        }
-    }
-
-    async fn publish(&self, message: &OutboxMessage) -> Result<(), PublishError> {
-        let mut current = self.current.lock().await;
-        let alive = current.as_ref().is_some_and(|(connection, channel, _)| {
-            connection.status().connected() && channel.status().connected()
-        });
-        if !alive {
-            let transient = |err: lapin::Error| PublishError::Transient(Box::new(err));
-            let connection = amqp_connect(&self.url).await.map_err(transient)?;
-            let channel = connection.create_channel().await.map_err(transient)?;
-            channel
-                .confirm_select(ConfirmSelectOptions::default())
-                .await
-                .map_err(transient)?;
-            self.tally
-                .broker_connections
-                .fetch_add(1, Ordering::Relaxed);
-            let publisher = RabbitMqPublisher::new(channel.clone(), "");
-            *current = Some((connection, channel, publisher));
-        }
-        let published = match current.as_ref() {
-            Some((_, _, publisher)) => publisher.publish(message).await,
-            None => Err(PublishError::Transient("no RabbitMQ connection".into())),
-        };
-        if published.is_err() {
-            // Whatever failed, the next publish starts on a connection known to be good.
-            *current = None;
-        }
-        published
-    }
+/// The library's RabbitMQ publisher into the default exchange, on a connection of its own.
+async fn rabbitmq_publisher(url: &str) -> RabbitMqPublisher {
+    RabbitMqPublisher::connect(url, amqp_properties(), "")
+        .await
+        .expect("connect the publisher to RabbitMQ")
 }
 
 /// The faults the soak's parts fire themselves, each once, at the moment it must hit.
@@ -271,8 +230,8 @@ impl Faults {
 /// the brokers confirmed, and fires the relays' faults (none in the child). The poison
 /// goes to RabbitMQ directly, past the proxy: its refusals are the only errors it records.
 struct Routed<'t> {
-    rabbitmq: Reconnecting<'t>,
-    refusing: Reconnecting<'t>,
+    rabbitmq: RabbitMqPublisher,
+    refusing: RabbitMqPublisher,
     jetstream: JetStreamPublisher,
     tally: &'t Tally,
     faults: Option<&'t Faults>,
@@ -284,8 +243,8 @@ impl<'t> Routed<'t> {
             .await
             .expect("connect to NATS");
         Self {
-            rabbitmq: Reconnecting::new(amqp_url, tally),
-            refusing: Reconnecting::new(&env("INBOX_TEST_AMQP_URL"), tally),
+            rabbitmq: rabbitmq_publisher(amqp_url).await,
+            refusing: rabbitmq_publisher(&env("INBOX_TEST_AMQP_URL")).await,
             jetstream: JetStreamPublisher::new(async_nats::jetstream::new(nats)),
             tally,
             faults,
@@ -901,7 +860,7 @@ async fn outbox_soak(backend: Backend) {
              confirmed {child} before SIGKILL), downstream deliveries {down_deliveries}, \
              downstream effects {effects} ({down_dup} duplicates dropped), dead rows {dead}; \
              faults: child relay SIGKILLed, {broker_cut} broker connections cut before a \
-             publish ({conns} RabbitMQ connections opened by the relays), database: {db_faults}; {failed} failed \
+             publish ({conns} relay connections to RabbitMQ through the cut proxy), database: {db_faults}; {failed} failed \
              publishes, {lost} lost leases; replicas: {retries} transient retries, \
              {up_failed} deliveries failed and nacked; {secs:.1} s",
             consumed = stored.business_distinct,
@@ -927,7 +886,7 @@ async fn outbox_soak(backend: Backend) {
                 up[0].failures + up[0].handler_errors + up[1].failures + up[1].handler_errors,
             failed = relayed.0,
             lost = relayed.2,
-            conns = tally.broker_connections.load(Ordering::Relaxed),
+            conns = faults.broker.connections(),
             secs = started.elapsed().as_secs_f64(),
         );
         println!("{line}");
@@ -969,6 +928,12 @@ async fn outbox_soak(backend: Backend) {
         assert!(
             faults.broker_connections_cut.load(Ordering::SeqCst) >= 1,
             "the broker cut closed a connection: {line}"
+        );
+        // Both relays' first connections were cut: the relay that fired the cut, about to
+        // publish to RabbitMQ, needed a new one.
+        assert!(
+            faults.broker.connections() > 2,
+            "a relay's publisher reconnected after the cut: {line}"
         );
         if let Some(proxy) = &faults.db {
             assert!(
