@@ -276,8 +276,8 @@ impl Report {
                     .p99_during(&claim_label, c)
                     .unwrap_or((f64::NAN, f64::NAN));
                 let name = match setting.trim() {
-                    "" => "library, default (20ms/90%)",
-                    other => other,
+                    "" => default_pacing_name(),
+                    other => other.to_owned(),
                 };
                 let _ = writeln!(
                     out,
@@ -484,6 +484,15 @@ impl TargetResult {
             value >= floor,
         ))
     }
+}
+
+/// The trade-off table's name of the library's default pacing, from its constants.
+fn default_pacing_name() -> String {
+    let pacing = sea_orm_inbox::PurgePacing::default();
+    let budget = pacing
+        .batch_budget()
+        .map_or_else(|| "unpaced".to_owned(), |b| format!("{}ms", b.as_millis()));
+    format!("library, default ({budget}/{}%)", pacing.busy_percent())
 }
 
 pub fn median(values: &[f64]) -> f64 {

@@ -14,7 +14,9 @@
 use crate::backend::roll_back;
 #[cfg(feature = "postgres")]
 use sea_orm::ConnectOptions;
-use sea_orm::{DatabaseConnection, DatabaseTransaction, DbErr, TransactionTrait};
+use sea_orm::{
+    DatabaseConnection, DatabaseTransaction, DbErr, TransactionOptions, TransactionTrait,
+};
 
 /// Configures a SeaORM pool for PostgreSQL behind a pooler in transaction mode (PgBouncer
 /// `pool_mode = transaction`): it turns off sqlx's prepared-statement cache, so no client
@@ -58,7 +60,16 @@ pub(crate) async fn in_own_transaction<T>(
     db: &DatabaseConnection,
     work: impl AsyncFnOnce(&DatabaseTransaction) -> Result<T, DbErr>,
 ) -> Result<T, DbErr> {
-    let txn = db.begin().await?;
+    in_own_transaction_with(db, TransactionOptions::default(), work).await
+}
+
+/// [`in_own_transaction`] begun with `options` (e.g. IMMEDIATE on SQLite).
+pub(crate) async fn in_own_transaction_with<T>(
+    db: &DatabaseConnection,
+    options: TransactionOptions,
+    work: impl AsyncFnOnce(&DatabaseTransaction) -> Result<T, DbErr>,
+) -> Result<T, DbErr> {
+    let txn = db.begin_with_options(options).await?;
     match work(&txn).await {
         Ok(value) => {
             txn.commit().await?;

@@ -99,9 +99,12 @@ pub struct RetentionPolicy {
 }
 
 impl RetentionPolicy {
-    /// Rows one purge statement deletes unless [`with_batch_size`](Self::with_batch_size)
-    /// says otherwise.
-    pub const DEFAULT_BATCH_SIZE: u32 = 1_000;
+    /// Rows one purge statement deletes at most unless
+    /// [`with_batch_size`](Self::with_batch_size) says otherwise. With the default
+    /// [`PurgePacing`] the batch budget sizes the batches below it; a ceiling of 1,000 (the
+    /// default before) made a purge pay for ten times the batches a hand-written batched
+    /// DELETE runs (each its commit; on SQLite, its wait for the write lock).
+    pub const DEFAULT_BATCH_SIZE: u32 = 10_000;
     /// The default downtime gap is the window divided by this.
     pub const DEFAULT_GAPS_PER_WINDOW: u32 = 8;
     /// The downtime gap is at least the window divided by this, rounded up to a whole
@@ -332,10 +335,17 @@ fn check_downtime_gap(window: Duration, gap: Duration) -> Result<(), String> {
 /// of the time. The budget bounds how long one claimer waits behind a batch (its p99);
 /// the rest only shares the time, and costs the purge its rate one for one.
 ///
-/// The default, a 20 ms budget and 90 % busy, keeps a batch shorter than a typical
-/// claimer's worst wait and the purge near its unpaced rate (BENCHMARKS.md has the
-/// trade-off curve measured on the three backends). [`UNPACED`](Self::UNPACED) runs
-/// full batches back to back: the fastest purge, and the one claimers feel most.
+/// The default, a 100 ms budget and 90 % busy, lets batches grow to the default
+/// [`RetentionPolicy::batch_size`] of 10,000 rows where the database deletes that many in
+/// 100 ms, and keeps them shorter where it does not: what a purge pays for is its number
+/// of batches (each one commits, and on SQLite waits for the write lock behind the
+/// claimers), and a 20 ms budget (the default before) made 9 to 36 batches of a purge
+/// that 10,000-row batches do in 4. The rest after each batch makes the purge queue for
+/// its next batch behind the claimers instead of taking the lock again before the
+/// claimers waiting for it wake up (on SQLite, without a rest, their p99 rose four- to
+/// sevenfold in the benchmark). BENCHMARKS.md has the trade-off curve measured on the three backends.
+/// [`UNPACED`](Self::UNPACED) runs full batches back to back: the fastest purge, and the
+/// one claimers feel most.
 ///
 /// ```
 /// use sea_orm_inbox::{PurgePacing, RetentionPolicy};
@@ -364,7 +374,7 @@ impl PurgePacing {
         busy_percent: 100,
     };
     /// The default time budget of one batch.
-    pub const DEFAULT_BATCH_BUDGET: Duration = Duration::from_millis(20);
+    pub const DEFAULT_BATCH_BUDGET: Duration = Duration::from_millis(100);
     /// The default share of time spent deleting, in percent.
     pub const DEFAULT_BUSY_PERCENT: u8 = 90;
     /// The smallest batch the budget shrinks to: below it, the statement's fixed cost
