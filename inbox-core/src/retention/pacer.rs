@@ -136,15 +136,15 @@ mod tests {
     fn the_default_pacing_reaches_the_default_batch_size_in_three_batches() {
         let mut pacer = Pacer::new(&hour_window());
         assert_eq!(pacer.batch(), 1_000);
-        // 10 us a row, PostgreSQL's pace under claimers in the benchmark.
-        let rest = pacer.full_batch(Duration::from_millis(10));
+        // 2 us a row: 10,000 rows fit the default 20 ms budget.
+        let rest = pacer.full_batch(Duration::from_millis(2));
         assert_eq!(pacer.batch(), 4_000);
-        let ninth = Duration::from_millis(10) / 9;
+        let ninth = Duration::from_millis(2) / 9;
         assert!(
             rest.max(ninth) - rest.min(ninth) < Duration::from_micros(1),
             "busy 90 %: {rest:?}"
         );
-        pacer.full_batch(Duration::from_millis(40));
+        pacer.full_batch(Duration::from_millis(8));
         assert_eq!(
             pacer.batch(),
             u64::from(RetentionPolicy::DEFAULT_BATCH_SIZE),
