@@ -90,10 +90,9 @@ impl<M> MigrationName for ForTable<M> {
 /// [`CreateInbox`], [`AddInboxLeases`] and [`InboxUniqueConstraint`] for the inbox in
 /// `table`, in the order they run: append them to your migrator's list, once per inbox.
 ///
-/// ```
-/// # #[tokio::main(flavor = "current_thread")]
-/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-/// use sea_orm_inbox_migration::{InboxTable, inbox_migrations};
+/// ```no_run
+/// # async fn run(db: &sea_orm_migration::sea_orm::DatabaseConnection) -> Result<(), sea_orm_migration::DbErr> {
+/// use sea_orm_inbox_migration::{InboxTable, Migrator, inbox_migrations};
 /// use sea_orm_migration::prelude::*;
 ///
 /// struct AppMigrator;
@@ -101,14 +100,14 @@ impl<M> MigrationName for ForTable<M> {
 /// #[async_trait::async_trait]
 /// impl MigratorTrait for AppMigrator {
 ///     fn migrations() -> Vec<Box<dyn MigrationTrait>> {
-///         // Names were checked when the table was made; "app_inbox" passes.
-///         let table = InboxTable::named("app_inbox").unwrap_or_default();
-///         inbox_migrations(&table)
+///         let mut migrations = Migrator::migrations(); // the default `inbox`, if you keep it
+///         let table = InboxTable::named("app_inbox").expect("a name of a-z, 0-9 and _");
+///         migrations.extend(inbox_migrations(&table));
+///         migrations
 ///     }
 /// }
 ///
-/// let db = sea_orm_migration::sea_orm::Database::connect("sqlite::memory:").await?;
-/// AppMigrator::up(&db, None).await?;
+/// AppMigrator::up(db, None).await?;
 /// # Ok(()) }
 /// ```
 pub fn inbox_migrations(table: &InboxTable) -> Vec<Box<dyn MigrationTrait>> {
