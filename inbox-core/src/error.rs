@@ -114,6 +114,18 @@ pub enum InboxError {
     NoTokioRuntime,
 
     // Input (ErrorKind::Input): the message or the call's arguments can never succeed.
+    /// A table or schema name [`InboxTable`](crate::InboxTable) refuses (it would need
+    /// escaping in SQL, or is empty or too long).
+    ///
+    /// ```
+    /// use sea_orm_inbox::{ErrorKind, InboxError, InboxTable};
+    ///
+    /// let err: InboxError = InboxTable::named("x; drop table inbox").unwrap_err().into();
+    /// assert_eq!(err.kind(), ErrorKind::Input);
+    /// ```
+    #[error(transparent)]
+    InvalidTableName(#[from] sea_orm_inbox_entity::InvalidTableName),
+
     /// The consumer name is empty or only white space.
     #[error(
         "the consumer name is empty: give each handler a stable, non-empty name such as \"billing.credit-account\""
@@ -367,7 +379,8 @@ impl InboxError {
             | Self::InvalidRetention { .. }
             | Self::InvalidAdmissionFloor { .. }
             | Self::NoTokioRuntime => ErrorKind::Configuration,
-            Self::EmptyConsumer
+            Self::InvalidTableName(_)
+            | Self::EmptyConsumer
             | Self::ConsumerNotTrimmed { .. }
             | Self::ConsumerContainsNul { .. }
             | Self::ConsumerTooLong { .. }

@@ -40,13 +40,17 @@ mod silence;
 pub struct WorkspaceReadme;
 
 pub use admission::{AdmissionFloor, Delivery, Refusal};
-pub use backend::{CLAIM_TRANSACTION, DbErrorKind, classify, is_inbox_duplicate, timestamp_value};
+pub use backend::{
+    CLAIM_TRANSACTION, DbErrorKind, classify, classify_in, is_inbox_duplicate,
+    is_inbox_duplicate_in, timestamp_value,
+};
 pub use claim::{BatchClaim, Claim, ClaimedMessage, InboxTransactionExt, MAX_CLAIM_BATCH};
 pub use error::{ErrorKind, InboxError};
 pub use inbox::{BatchOutcome, HandlerFuture, Inbox};
 pub use lease::{
     ClaimToken, DeadClaim, ExpiredLease, Lease, LeaseClaim, LeaseOptions, claim_lease,
-    claim_lease_with_token, list_dead_claims, list_expired_leases,
+    claim_lease_in, claim_lease_with_token, list_dead_claims, list_dead_claims_in,
+    list_expired_leases, list_expired_leases_in,
 };
 pub use message_id::{MESSAGE_ID_NAMESPACE, MessageId};
 pub use metrics::{InboxMetrics, MetricsSnapshot, metric_names};
@@ -64,13 +68,16 @@ pub use outcome::{NackDelay, Outcome, ProcessError, Settlement};
 pub use pooler::for_transaction_pooler;
 pub use retention::{
     BrokerRedelivery, PurgePacing, PurgeReport, Purger, PurgerSummary, RetentionPolicy, purge,
-    spawn_purger,
+    purge_in, spawn_purger, spawn_purger_in,
 };
 pub use retry::RetryPolicy;
-pub use schema::{InboxMigration, SchemaError, verify_outbox_schema, verify_schema};
+pub use schema::{
+    InboxMigration, SchemaError, verify_outbox_schema, verify_schema, verify_schema_in,
+};
 pub use sea_orm_inbox_entity::{
-    CONSUMER_MAX_CHARS, DESTINATION_MAX_CHARS, INDEX_NAME, OUTBOX_MESSAGE_ID_INDEX_NAME,
-    OUTBOX_TABLE_NAME, PARTITION_KEY_MAX_CHARS, RECEIVED_AT_INDEX_NAME, TABLE_NAME,
+    CONSUMER_MAX_CHARS, DESTINATION_MAX_CHARS, INDEX_NAME, InboxTable, InvalidTableName, NameOf,
+    OUTBOX_MESSAGE_ID_INDEX_NAME, OUTBOX_TABLE_NAME, PARTITION_KEY_MAX_CHARS,
+    RECEIVED_AT_INDEX_NAME, SCHEMA_NAME_MAX_LEN, TABLE_NAME, TABLE_NAME_MAX_LEN,
 };
 #[cfg(feature = "mysql")]
 pub use session::bound_mysql_lock_waits;

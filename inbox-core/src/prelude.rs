@@ -2,7 +2,7 @@
 
 pub use crate::{
     AdmissionFloor, BatchClaim, BatchOutcome, CLAIM_TRANSACTION, Claim, ClaimToken, ClaimedMessage,
-    Delivery, Inbox, InboxError, InboxTransactionExt, Lease, LeaseClaim, LeaseOptions, MessageId,
-    NackDelay, ObservedTransaction, Outcome, ProcessError, Refusal, RetryPolicy, Settlement,
-    claim_lease, claim_lease_with_token, is_inbox_duplicate,
+    Delivery, Inbox, InboxError, InboxTable, InboxTransactionExt, Lease, LeaseClaim, LeaseOptions,
+    MessageId, NackDelay, ObservedTransaction, Outcome, ProcessError, Refusal, RetryPolicy,
+    Settlement, claim_lease, claim_lease_with_token, is_inbox_duplicate,
 };

@@ -11,7 +11,7 @@ use sea_orm::{
     ConnectionTrait, DatabaseConnection, DbErr, QueryResult, Statement, TransactionTrait,
 };
 use sea_orm::{IdenStatic, Iterable};
-use sea_orm_inbox_entity::{INDEX_NAME, outbox};
+use sea_orm_inbox_entity::{INDEX_NAME, InboxTable, outbox};
 use std::fmt;
 use std::time::Duration;
 
@@ -230,7 +230,38 @@ pub enum SchemaError {
 /// [`SchemaError::Catalog`] when the catalog could not be read, or
 /// [`SchemaError::DatabaseSilent`] when the database did not answer (retry).
 pub async fn verify_schema(db: &DatabaseConnection) -> Result<(), SchemaError> {
-    let catalog = backend::schema_catalog(db.get_database_backend()).map_err(backend_error)?;
+    verify_schema_in(db, &InboxTable::default()).await
+}
+
+/// [`verify_schema`] of the inbox in `table`, an [`InboxTable`] of the application's
+/// choice: its columns, and its index [`InboxTable::unique_index`] (on PostgreSQL a
+/// constraint, looked up in the table's schema). The errors' advice names the default
+/// table and index; read them as `table`'s.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// use sea_orm_inbox::{InboxTable, SchemaError, verify_schema_in};
+/// use sea_orm_migration::{MigrationTrait, SchemaManager};
+///
+/// let db = sea_orm::Database::connect("sqlite::memory:").await?;
+/// let table = InboxTable::named("app_inbox")?;
+/// assert!(matches!(verify_schema_in(&db, &table).await, Err(SchemaError::MissingTable)));
+/// for migration in sea_orm_inbox_migration::inbox_migrations(&table) {
+///     migration.up(&SchemaManager::new(&db)).await?;
+/// }
+/// verify_schema_in(&db, &table).await?;
+/// # Ok(()) }
+/// ```
+///
+/// # Errors
+/// As [`verify_schema`].
+pub async fn verify_schema_in(
+    db: &DatabaseConnection,
+    table: &InboxTable,
+) -> Result<(), SchemaError> {
+    let catalog =
+        backend::schema_catalog(db.get_database_backend(), table).map_err(backend_error)?;
     let waited = Inbox::DEFAULT_PARTITION_TIMEOUT;
     let (columns, index) =
         answered_within(db, waited, "the schema check", read_catalog(db, &catalog))

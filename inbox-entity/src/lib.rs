@@ -1,15 +1,20 @@
 #![doc = include_str!("../README.md")]
 #![warn(missing_docs)]
 
-/// Name of the inbox table.
+mod table;
+
+pub use table::{InboxTable, InvalidTableName, NameOf, SCHEMA_NAME_MAX_LEN, TABLE_NAME_MAX_LEN};
+
+/// Name of the default inbox table (see [`InboxTable`] for another).
 pub const TABLE_NAME: &str = "inbox";
 
-/// Name of the UNIQUE index on `(message_id, consumer)`.
+/// Name of the default inbox table's UNIQUE index on `(message_id, consumer)`.
 ///
 /// A unique violation counts as "already processed" only when it names this index.
 pub const INDEX_NAME: &str = "ix_inbox_message_id_consumer";
 
-/// Name of the (non-unique) index on `(received_at)` that the retention purge scans.
+/// Name of the default inbox table's (non-unique) index on `(received_at)` that the
+/// retention purge scans.
 pub const RECEIVED_AT_INDEX_NAME: &str = "ix_inbox_received_at";
 
 /// Longest consumer name the `consumer` column holds, in characters.
@@ -17,6 +22,10 @@ pub const CONSUMER_MAX_CHARS: usize = 200;
 
 pub mod inbox {
     //! The `inbox` table: one marker per `(message_id, consumer)`.
+    //!
+    //! The entity names the default table; an inbox in another [`InboxTable`](crate::InboxTable)
+    //! has the same columns, so `Column` serves it in statements built for
+    //! [`InboxTable::table_ref`](crate::InboxTable::table_ref).
     use sea_orm::entity::prelude::*;
 
     /// A marker row.

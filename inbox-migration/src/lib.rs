@@ -10,9 +10,113 @@ pub use m20261130_000001_create_inbox::CreateInbox;
 pub use m20261130_000002_add_inbox_leases::AddInboxLeases;
 pub use m20261201_000003_inbox_unique_constraint::InboxUniqueConstraint;
 pub use m20261201_000004_create_outbox::CreateOutbox;
+/// Re-exported for [`CreateInbox::for_table`] and its siblings.
+pub use sea_orm_inbox_entity::InboxTable;
 /// Re-exported so `Migrator::up(&db, None)` needs no direct `sea-orm-migration` import.
 pub use sea_orm_migration::MigratorTrait;
 use sea_orm_migration::prelude::*;
+
+/// One of the inbox migrations for the inbox in an [`InboxTable`] of the application's
+/// choice: made by [`CreateInbox::for_table`], [`AddInboxLeases::for_table`] and
+/// [`InboxUniqueConstraint::for_table`], or all three at once by [`inbox_migrations`].
+///
+/// Its name is the migration's own followed by `:` and the table (`schema.table` with a
+/// schema), so each inbox of a database has its own records in `seaql_migrations`; for the
+/// default table it is the migration's own name, and it does what the unit struct does.
+///
+/// With `sea-orm-cli`, give it a module file whose `Migration` delegates to it:
+/// `migrate generate` lists modules by their `Migration` unit struct.
+///
+/// ```
+/// // migration/src/m20261202_000001_create_app_inbox.rs
+/// use sea_orm_inbox_migration::{CreateInbox, InboxTable};
+/// use sea_orm_migration::prelude::*;
+///
+/// fn app_inbox() -> Result<InboxTable, DbErr> {
+///     InboxTable::named("app_inbox").map_err(|err| DbErr::Migration(err.to_string()))
+/// }
+///
+/// #[derive(DeriveMigrationName)]
+/// pub struct Migration;
+///
+/// #[async_trait::async_trait]
+/// impl MigrationTrait for Migration {
+///     async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+///         CreateInbox::for_table(app_inbox()?).up(manager).await
+///     }
+///
+///     async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+///         CreateInbox::for_table(app_inbox()?).down(manager).await
+///     }
+/// }
+/// ```
+pub struct ForTable<M> {
+    migration: M,
+    table: InboxTable,
+    name: String,
+}
+
+impl<M: MigrationName> ForTable<M> {
+    fn new(migration: M, table: InboxTable) -> Self {
+        let name = if table.is_default() {
+            migration.name().to_owned()
+        } else {
+            format!("{}:{table}", migration.name())
+        };
+        Self {
+            migration,
+            table,
+            name,
+        }
+    }
+
+    /// The table the migration works on.
+    pub fn table(&self) -> &InboxTable {
+        &self.table
+    }
+
+    /// The migration itself.
+    pub fn migration(&self) -> &M {
+        &self.migration
+    }
+}
+
+impl<M> MigrationName for ForTable<M> {
+    fn name(&self) -> &str {
+        &self.name
+    }
+}
+
+/// [`CreateInbox`], [`AddInboxLeases`] and [`InboxUniqueConstraint`] for the inbox in
+/// `table`, in the order they run: append them to your migrator's list, once per inbox.
+///
+/// ```no_run
+/// # async fn run(db: &sea_orm_migration::sea_orm::DatabaseConnection) -> Result<(), sea_orm_migration::DbErr> {
+/// use sea_orm_inbox_migration::{InboxTable, Migrator, inbox_migrations};
+/// use sea_orm_migration::prelude::*;
+///
+/// struct AppMigrator;
+///
+/// #[async_trait::async_trait]
+/// impl MigratorTrait for AppMigrator {
+///     fn migrations() -> Vec<Box<dyn MigrationTrait>> {
+///         let mut migrations = Migrator::migrations(); // the default `inbox`, if you keep it
+///         let table = InboxTable::named("app_inbox").expect("a name of a-z, 0-9 and _");
+///         migrations.extend(inbox_migrations(&table));
+///         migrations
+///     }
+/// }
+///
+/// AppMigrator::up(db, None).await?;
+/// # Ok(()) }
+/// ```
+pub fn inbox_migrations(table: &InboxTable) -> Vec<Box<dyn MigrationTrait>> {
+    vec![
+        Box::new(CreateInbox::for_table(table.clone())),
+        Box::new(AddInboxLeases::for_table(table.clone())),
+        Box::new(InboxUniqueConstraint::for_table(table.clone())),
+    ]
+}
 
 /// A ready migrator holding every inbox migration, for applications that have none.
 ///

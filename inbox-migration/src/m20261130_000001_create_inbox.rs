@@ -1,4 +1,5 @@
-use sea_orm_inbox_entity::{CONSUMER_MAX_CHARS, INDEX_NAME, inbox};
+use crate::ForTable;
+use sea_orm_inbox_entity::{CONSUMER_MAX_CHARS, InboxTable, inbox};
 use sea_orm_migration::prelude::*;
 use sea_orm_migration::schema::{big_pk_auto, string_len, uuid};
 use sea_orm_migration::sea_orm::DatabaseBackend;
@@ -14,7 +15,30 @@ use sea_orm_migration::sea_orm::DatabaseBackend;
 /// [`DbErr::Migration`] and leaves the table, its rows and the migration's record as they
 /// were; deleting the markers first (`DELETE FROM inbox`) is the explicit opt-in.
 /// (`migrate fresh` runs no `down`: it drops every table, this one included.)
+///
+/// [`CreateInbox::for_table`] creates an inbox in a table of the application's choice.
 pub struct CreateInbox;
+
+impl CreateInbox {
+    /// This migration for the inbox in `table`, named after it
+    /// (`m20261130_000001_create_inbox:app_inbox`, or `...:messaging.app_inbox` with a
+    /// schema) so that two inboxes in one database each have their record in
+    /// `seaql_migrations`; for the default table it is [`CreateInbox`] itself, name
+    /// included. Its `down` refuses to drop a table holding markers, as [`CreateInbox`]'s.
+    ///
+    /// ```
+    /// use sea_orm_inbox_entity::InboxTable;
+    /// use sea_orm_inbox_migration::CreateInbox;
+    /// use sea_orm_migration::MigrationName;
+    ///
+    /// let app = CreateInbox::for_table(InboxTable::named("app_inbox")?);
+    /// assert_eq!(app.name(), "m20261130_000001_create_inbox:app_inbox");
+    /// # Ok::<(), sea_orm_inbox_entity::InvalidTableName>(())
+    /// ```
+    pub fn for_table(table: InboxTable) -> ForTable<Self> {
+        ForTable::new(Self, table)
+    }
+}
 
 impl MigrationName for CreateInbox {
     fn name(&self) -> &str {
@@ -55,59 +79,82 @@ fn consumer_column(backend: DatabaseBackend, column: impl IntoIden, chars: u32) 
 #[async_trait::async_trait]
 impl MigrationTrait for CreateInbox {
     async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        let backend = manager.get_database_backend();
-        let consumer_len = CONSUMER_MAX_CHARS as u32;
-        manager
-            .create_table(
-                Table::create()
-                    .table(inbox::Entity)
-                    .col(big_pk_auto(inbox::Column::Id))
-                    .col(uuid(inbox::Column::MessageId))
-                    .col(consumer_column(
-                        backend,
-                        inbox::Column::Consumer,
-                        consumer_len,
-                    ))
-                    .col(utc_timestamp(backend, inbox::Column::ReceivedAt).not_null())
-                    .col(utc_timestamp(backend, inbox::Column::ProcessedAt).null())
-                    .to_owned(),
-            )
-            .await?;
-        manager
-            .create_index(
-                Index::create()
-                    .name(INDEX_NAME)
-                    .table(inbox::Entity)
-                    .col(inbox::Column::MessageId)
-                    .col(inbox::Column::Consumer)
-                    .unique()
-                    .to_owned(),
-            )
-            .await
+        up(manager, &InboxTable::default()).await
     }
 
     async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        refuse_to_drop_markers(manager).await?;
-        manager
-            .drop_index(
-                Index::drop()
-                    .name(INDEX_NAME)
-                    .table(inbox::Entity)
-                    .to_owned(),
-            )
-            .await?;
-        manager
-            .drop_table(Table::drop().table(inbox::Entity).to_owned())
-            .await
+        down(manager, &InboxTable::default(), self.name()).await
     }
 }
 
-/// Fails while `inbox` holds a row: the rows are what keeps redeliveries from being
+#[async_trait::async_trait]
+impl MigrationTrait for ForTable<CreateInbox> {
+    async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        up(manager, self.table()).await
+    }
+
+    async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        down(manager, self.table(), self.name()).await
+    }
+}
+
+async fn up(manager: &SchemaManager<'_>, table: &InboxTable) -> Result<(), DbErr> {
+    let backend = manager.get_database_backend();
+    let consumer_len = CONSUMER_MAX_CHARS as u32;
+    manager
+        .create_table(
+            Table::create()
+                .table(table.table_ref())
+                .col(big_pk_auto(inbox::Column::Id))
+                .col(uuid(inbox::Column::MessageId))
+                .col(consumer_column(
+                    backend,
+                    inbox::Column::Consumer,
+                    consumer_len,
+                ))
+                .col(utc_timestamp(backend, inbox::Column::ReceivedAt).not_null())
+                .col(utc_timestamp(backend, inbox::Column::ProcessedAt).null())
+                .to_owned(),
+        )
+        .await?;
+    manager
+        .create_index(
+            Index::create()
+                .name(table.unique_index())
+                .table(table.table_ref())
+                .col(inbox::Column::MessageId)
+                .col(inbox::Column::Consumer)
+                .unique()
+                .to_owned(),
+        )
+        .await
+}
+
+async fn down(manager: &SchemaManager<'_>, table: &InboxTable, name: &str) -> Result<(), DbErr> {
+    refuse_to_drop_markers(manager, table, name).await?;
+    manager
+        .drop_index(
+            Index::drop()
+                .name(table.unique_index())
+                .table(table.table_ref())
+                .to_owned(),
+        )
+        .await?;
+    manager
+        .drop_table(Table::drop().table(table.table_ref()).to_owned())
+        .await
+}
+
+/// Fails while `table` holds a row: the rows are what keeps redeliveries from being
 /// applied twice, so only the operator may throw them away, by deleting them.
-async fn refuse_to_drop_markers(manager: &SchemaManager<'_>) -> Result<(), DbErr> {
+async fn refuse_to_drop_markers(
+    manager: &SchemaManager<'_>,
+    table: &InboxTable,
+    name: &str,
+) -> Result<(), DbErr> {
     let any_marker = Query::select()
         .expr(Expr::val(1))
-        .from(inbox::Entity)
+        .from(table.table_ref())
         .limit(1)
         .to_owned();
     if manager
@@ -117,10 +164,9 @@ async fn refuse_to_drop_markers(manager: &SchemaManager<'_>) -> Result<(), DbErr
         .is_some()
     {
         return Err(DbErr::Migration(format!(
-            "{}: refusing to drop the inbox table while it holds markers; every message \
-             they record as processed would be applied again when redelivered. To drop \
-             them anyway, delete them first (DELETE FROM inbox) and roll back again",
-            CreateInbox.name()
+            "{name}: refusing to drop the inbox table {table} while it holds markers; every \
+             message they record as processed would be applied again when redelivered. To \
+             drop them anyway, delete them first (DELETE FROM {table}) and roll back again"
         )));
     }
     Ok(())

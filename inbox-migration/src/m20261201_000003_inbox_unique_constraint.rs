@@ -1,4 +1,5 @@
-use sea_orm_inbox_entity::{INDEX_NAME, TABLE_NAME};
+use crate::ForTable;
+use sea_orm_inbox_entity::InboxTable;
 use sea_orm_migration::prelude::*;
 use sea_orm_migration::sea_orm::DatabaseBackend;
 
@@ -20,7 +21,20 @@ use sea_orm_migration::sea_orm::DatabaseBackend;
 /// The other databases raise nothing into a log on a duplicate with their default
 /// settings (MariaDB writes no 1062 into its error log), and their claims keep their
 /// statements.
+///
+/// [`InboxUniqueConstraint::for_table`] runs it on an inbox in another table.
 pub struct InboxUniqueConstraint;
+
+impl InboxUniqueConstraint {
+    /// This migration for the inbox in `table` (its constraint
+    /// `ix_<table>_message_id_consumer`), named
+    /// `m20261201_000003_inbox_unique_constraint:<table>`; for the default table it is
+    /// [`InboxUniqueConstraint`] itself. Run it after
+    /// [`AddInboxLeases::for_table`](crate::AddInboxLeases::for_table) of the same table.
+    pub fn for_table(table: InboxTable) -> ForTable<Self> {
+        ForTable::new(Self, table)
+    }
+}
 
 impl MigrationName for InboxUniqueConstraint {
     fn name(&self) -> &str {
@@ -31,34 +45,69 @@ impl MigrationName for InboxUniqueConstraint {
 #[async_trait::async_trait]
 impl MigrationTrait for InboxUniqueConstraint {
     async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        if manager.get_database_backend() != DatabaseBackend::Postgres {
-            return Ok(());
-        }
-        manager
-            .get_connection()
-            .execute_unprepared(&format!(
-                r#"ALTER TABLE "{TABLE_NAME}" ADD CONSTRAINT "{INDEX_NAME}" UNIQUE USING INDEX "{INDEX_NAME}""#
-            ))
-            .await
-            .map(|_| ())
+        up(manager, &InboxTable::default()).await
     }
 
     async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        if manager.get_database_backend() != DatabaseBackend::Postgres {
-            return Ok(());
-        }
-        // Dropping the constraint drops its index: the index of `CreateInbox` comes back.
-        let connection = manager.get_connection();
-        connection
-            .execute_unprepared(&format!(
-                r#"ALTER TABLE "{TABLE_NAME}" DROP CONSTRAINT "{INDEX_NAME}""#
-            ))
-            .await?;
-        connection
-            .execute_unprepared(&format!(
-                r#"CREATE UNIQUE INDEX "{INDEX_NAME}" ON "{TABLE_NAME}" ("message_id", "consumer")"#
-            ))
-            .await
-            .map(|_| ())
+        down(manager, &InboxTable::default()).await
     }
+}
+
+#[async_trait::async_trait]
+impl MigrationTrait for ForTable<InboxUniqueConstraint> {
+    async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        up(manager, self.table()).await
+    }
+
+    async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        down(manager, self.table()).await
+    }
+}
+
+/// `"schema"."table"` or `"table"`: the names are [`InboxTable`]'s, checked to need no
+/// escaping.
+fn quoted(table: &InboxTable) -> String {
+    match table.schema() {
+        Some(schema) => format!(r#""{schema}"."{}""#, table.name()),
+        None => format!(r#""{}""#, table.name()),
+    }
+}
+
+async fn up(manager: &SchemaManager<'_>, table: &InboxTable) -> Result<(), DbErr> {
+    if manager.get_database_backend() != DatabaseBackend::Postgres {
+        return Ok(());
+    }
+    // USING INDEX looks the index up in the table's schema.
+    let index = table.unique_index();
+    manager
+        .get_connection()
+        .execute_unprepared(&format!(
+            r#"ALTER TABLE {} ADD CONSTRAINT "{index}" UNIQUE USING INDEX "{index}""#,
+            quoted(table)
+        ))
+        .await
+        .map(|_| ())
+}
+
+async fn down(manager: &SchemaManager<'_>, table: &InboxTable) -> Result<(), DbErr> {
+    if manager.get_database_backend() != DatabaseBackend::Postgres {
+        return Ok(());
+    }
+    // Dropping the constraint drops its index: the index of `CreateInbox` comes back (in
+    // the table's schema, where CREATE INDEX puts it).
+    let index = table.unique_index();
+    let connection = manager.get_connection();
+    connection
+        .execute_unprepared(&format!(
+            r#"ALTER TABLE {} DROP CONSTRAINT "{index}""#,
+            quoted(table)
+        ))
+        .await?;
+    connection
+        .execute_unprepared(&format!(
+            r#"CREATE UNIQUE INDEX "{index}" ON {} ("message_id", "consumer")"#,
+            quoted(table)
+        ))
+        .await
+        .map(|_| ())
 }

@@ -4,13 +4,18 @@
 //! in its own dialect, with no defaults: a reader diffs `postgres.rs` against `mysql.rs`
 //! and sees all that differs. Statements take their binds in the order each method's
 //! documentation gives, the same on every backend.
+//!
+//! Every inbox statement is written for the default table (`inbox`, its indexes
+//! `ix_inbox_message_id_consumer` and `ix_inbox_received_at`); [`retarget`] rewrites it
+//! for an [`InboxTable`] of the application's choice.
 
 use super::{AfterFailure, BatchClaimSql, ProcessMarker};
 use crate::{InboxMigration, MessageId};
 use chrono::{DateTime, Utc};
 use sea_orm::sea_query::Expr;
 use sea_orm::sqlx::error::DatabaseError;
-use sea_orm::{DbErr, Statement, TransactionOptions, Value};
+use sea_orm::{DbErr, TransactionOptions, Value};
+use sea_orm_inbox_entity::{INDEX_NAME, InboxTable, RECEIVED_AT_INDEX_NAME, TABLE_NAME};
 use std::time::Duration;
 
 /// How one database speaks: the statements the crate runs on it, and the rules for reading
@@ -18,11 +23,14 @@ use std::time::Duration;
 pub(super) trait Dialect: Sync {
     // The claims.
 
-    /// The marker INSERT of one claim, with its binds. A committed marker of the same
+    /// The character that quotes an identifier.
+    fn identifier_quote(&self) -> char;
+
+    /// The marker INSERT of one claim and its binds. A committed marker of the same
     /// message and consumer either makes it return no row (where
     /// [`marker_insert_returns_id`](Self::marker_insert_returns_id)) or raises a
     /// violation of the inbox index.
-    fn claim_marker(&self, marker: Marker<'_>) -> Statement;
+    fn claim_marker(&self, marker: Marker<'_>) -> (&'static str, Vec<Value>);
 
     /// Whether the marker INSERT ends in `RETURNING "id"`, and returns no row when the
     /// marker exists (its conflict clause on the inbox index skipped it); otherwise the
@@ -107,7 +115,8 @@ pub(super) trait Dialect: Sync {
 
     /// A catalog read of `table`'s columns, in order: name (text), collation (text, NULL
     /// where it does not matter). No rows when the table does not exist. `table` is one of
-    /// the crate's own table names, never input.
+    /// the crate's own table names or a checked [`InboxTable`] (`schema.table` with a
+    /// schema), never unchecked input.
     fn columns_catalog(&self, table: &str) -> String;
 
     /// A catalog read of the key columns of `table`'s index named `index`, in key order:
@@ -237,6 +246,50 @@ impl Marker<'_> {
     }
 }
 
+/// `sql`, written for the default inbox table, for `table`: every identifier naming the
+/// default table or one of its two indexes, bare or quoted, becomes `table`'s (quoted with
+/// `quote`, schema-qualified for a table with a schema); string literals and every other
+/// identifier stay as they are. `table`'s names were checked to need no escaping.
+pub(super) fn retarget(sql: &str, table: &InboxTable, quote: char) -> String {
+    let qualified = match table.schema() {
+        Some(schema) => format!("{quote}{schema}{quote}.{quote}{}{quote}", table.name()),
+        None => format!("{quote}{}{quote}", table.name()),
+    };
+    let replacement = |identifier: &str| match identifier {
+        TABLE_NAME => Some(qualified.clone()),
+        INDEX_NAME => Some(format!("{quote}{}{quote}", table.unique_index())),
+        RECEIVED_AT_INDEX_NAME => Some(format!("{quote}{}{quote}", table.received_at_index())),
+        _ => None,
+    };
+    let is_identifier_char = |ch: char| ch.is_ascii_alphanumeric() || ch == '_' || ch == '$';
+    let mut out = String::with_capacity(sql.len() + 64);
+    let mut rest = sql;
+    while let Some(ch) = rest.chars().next() {
+        let token_len = if ch == '\'' || ch == '"' || ch == '`' {
+            // A literal or a quoted identifier runs to its closing quote (a doubled quote
+            // inside it reads as two tokens, which leaves it unchanged all the same).
+            rest[1..].find(ch).map_or(rest.len(), |end| end + 2)
+        } else if ch.is_ascii_alphabetic() || ch == '_' {
+            rest.find(|c: char| !is_identifier_char(c))
+                .unwrap_or(rest.len())
+        } else {
+            ch.len_utf8()
+        };
+        let (token, after) = rest.split_at(token_len);
+        let identifier = match ch {
+            '"' | '`' => token.get(1..token.len().saturating_sub(1)),
+            '\'' => None,
+            _ => Some(token),
+        };
+        match identifier.and_then(replacement) {
+            Some(name) => out.push_str(&name),
+            None => out.push_str(token),
+        }
+        rest = after;
+    }
+    out
+}
+
 /// `count` copies of `item` separated by commas: `?, ?, ?` or `(?, ?), (?, ?)`.
 #[cfg(any(feature = "mysql", feature = "sqlite"))]
 pub(super) fn repeat_list(item: &str, count: usize) -> String {
@@ -270,6 +323,25 @@ pub(super) fn migration_of_column_named_in(message: &str) -> Option<InboxMigrati
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The table and its indexes are renamed wherever they stand, bare or quoted; literals,
+    /// longer identifiers and other names stay.
+    #[test]
+    fn retarget_renames_the_table_and_its_indexes_only() {
+        let table = InboxTable::named("app_inbox")
+            .and_then(|table| table.in_schema("messaging"))
+            .expect("valid names");
+        let sql = r#"INSERT INTO "inbox" (id) SELECT 1 FROM inbox i WHERE inbox.id = $1 AND 'inbox' <> inbox_x ON CONFLICT ON CONSTRAINT "ix_inbox_message_id_consumer" DO NOTHING FORCE INDEX (ix_inbox_received_at)"#;
+        assert_eq!(
+            retarget(sql, &table, '"'),
+            r#"INSERT INTO "messaging"."app_inbox" (id) SELECT 1 FROM "messaging"."app_inbox" i WHERE "messaging"."app_inbox".id = $1 AND 'inbox' <> inbox_x ON CONFLICT ON CONSTRAINT "ix_app_inbox_message_id_consumer" DO NOTHING FORCE INDEX ("ix_app_inbox_received_at")"#
+        );
+        let mysql = InboxTable::named("app_inbox").expect("a valid name");
+        assert_eq!(
+            retarget("SELECT 1 FROM `inbox` WHERE x = ?", &mysql, '`'),
+            "SELECT 1 FROM `app_inbox` WHERE x = ?"
+        );
+    }
 
     /// The missing-column texts of each server (PostgreSQL's 42703 in two languages,
     /// MySQL's 1054 column, SQLite's two forms after their prefix) lead to the migration

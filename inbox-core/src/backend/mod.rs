@@ -13,12 +13,10 @@ use sea_orm::sea_query::Expr;
 use sea_orm::sqlx;
 use sea_orm::sqlx::error::DatabaseError;
 use sea_orm::{
-    ConnectionTrait, DbBackend, DbErr, RuntimeErr, SqliteTransactionMode, Statement,
-    TransactionOptions, Value,
+    ConnectionTrait, DbBackend, DbErr, EntityTrait, QueryTrait, RuntimeErr, Select, SelectModel,
+    SelectorRaw, SqliteTransactionMode, Statement, TransactionOptions, Value,
 };
-use sea_orm_inbox_entity::{
-    INDEX_NAME, OUTBOX_MESSAGE_ID_INDEX_NAME, OUTBOX_TABLE_NAME, TABLE_NAME,
-};
+use sea_orm_inbox_entity::{InboxTable, OUTBOX_MESSAGE_ID_INDEX_NAME, OUTBOX_TABLE_NAME, inbox};
 use std::time::Duration;
 use uuid::Uuid;
 
@@ -98,13 +96,69 @@ fn dialect(backend: DbBackend) -> Result<&'static dyn Dialect, InboxError> {
     }
 }
 
-/// How to read `backend`'s catalog for [`verify_schema`](crate::verify_schema), or why
-/// the inbox cannot use the backend.
-pub(crate) fn schema_catalog(backend: DbBackend) -> Result<SchemaCatalog, InboxError> {
+/// `sql`, a statement the dialect wrote for the default inbox table, for `table`: the
+/// text itself for the default table, else its rewrite, made once per table and text.
+fn for_table(dialect: &dyn Dialect, table: &InboxTable, sql: &'static str) -> String {
+    if table.is_default() {
+        return sql.to_owned();
+    }
+    let quote = dialect.identifier_quote();
+    table
+        .rewritten(quote, sql, |sql| dialect::retarget(sql, table, quote))
+        .to_string()
+}
+
+/// The statement `pick` takes from `backend`'s dialect, for `table`.
+fn statement_for(
+    backend: DbBackend,
+    table: &InboxTable,
+    pick: impl FnOnce(&dyn Dialect) -> &'static str,
+) -> Result<String, InboxError> {
     let dialect = dialect(backend)?;
+    Ok(for_table(dialect, table, pick(dialect)))
+}
+
+/// `sql`, a statement made for the default inbox table on `backend`, rewritten for `table`
+/// (not cached: for statements built per call, such as a batch claim's or a SeaQuery
+/// select's).
+pub(crate) fn retarget(
+    backend: DbBackend,
+    table: &InboxTable,
+    sql: String,
+) -> Result<String, InboxError> {
+    if table.is_default() {
+        return Ok(sql);
+    }
+    Ok(dialect::retarget(
+        &sql,
+        table,
+        dialect(backend)?.identifier_quote(),
+    ))
+}
+
+/// `select`, a query of the inbox entity (which names the default table), run on `table`
+/// instead: its SQL for `backend`, rewritten, read back as the entity's models.
+pub(crate) fn entity_select_in(
+    backend: DbBackend,
+    table: &InboxTable,
+    select: Select<inbox::Entity>,
+) -> Result<SelectorRaw<SelectModel<inbox::Model>>, InboxError> {
+    let mut statement = select.build(backend);
+    statement.sql = retarget(backend, table, statement.sql)?;
+    Ok(inbox::Entity::find().from_raw_sql(statement))
+}
+
+/// How to read `backend`'s catalog for [`verify_schema`](crate::verify_schema) of the
+/// inbox in `table`, or why the inbox cannot use the backend.
+pub(crate) fn schema_catalog(
+    backend: DbBackend,
+    table: &InboxTable,
+) -> Result<SchemaCatalog, InboxError> {
+    let dialect = dialect(backend)?;
+    let name = table.to_string();
     Ok(SchemaCatalog {
-        columns_sql: dialect.columns_catalog(TABLE_NAME),
-        index_sql: dialect.index_catalog(TABLE_NAME, INDEX_NAME),
+        columns_sql: dialect.columns_catalog(&name),
+        index_sql: dialect.index_catalog(&name, table.unique_index()),
         dialect,
     })
 }
@@ -216,18 +270,25 @@ pub(crate) fn silence_statement(
 /// and lock-wait bound.
 pub(crate) fn claim_marker_statement(
     backend: DbBackend,
+    table: &InboxTable,
     message_id: MessageId,
     consumer: &str,
     received_at: DateTime<Utc>,
     process: Option<ProcessMarker>,
 ) -> Result<Statement, InboxError> {
-    Ok(dialect(backend)?.claim_marker(Marker {
+    let dialect = dialect(backend)?;
+    let (sql, values) = dialect.claim_marker(Marker {
         message_id,
         consumer,
         received_at,
         claim_silence: Inbox::DEFAULT_PARTITION_TIMEOUT,
         process,
-    }))
+    });
+    Ok(Statement::from_sql_and_values(
+        backend,
+        for_table(dialect, table, sql),
+        values,
+    ))
 }
 
 /// Runs the marker INSERT `statement` through `conn`: the new marker's id, or `None` when
@@ -267,6 +328,7 @@ pub(crate) async fn run_marker_insert<C: ConnectionTrait>(
 /// marker for the same message can have the same id.
 pub(crate) fn marker_held_statement(
     backend: DbBackend,
+    table: &InboxTable,
     marker_id: i64,
     message_id: MessageId,
     consumer: &str,
@@ -285,7 +347,11 @@ pub(crate) fn marker_held_statement(
         }
         None => dialect.marker_held(),
     };
-    Ok(Statement::from_sql_and_values(backend, sql, values))
+    Ok(Statement::from_sql_and_values(
+        backend,
+        for_table(dialect, table, sql),
+        values,
+    ))
 }
 
 /// The read that tells a violation of the inbox index from one of a namesake index on
@@ -295,15 +361,17 @@ pub(crate) fn marker_held_statement(
 /// the error itself is certain (PostgreSQL and SQLite name the table).
 pub(crate) fn inbox_duplicate_confirmation(
     backend: DbBackend,
+    table: &InboxTable,
     message_id: MessageId,
     consumer: &str,
 ) -> Result<Option<Statement>, InboxError> {
-    let Some(sql) = dialect(backend)?.confirm_inbox_duplicate() else {
+    let dialect = dialect(backend)?;
+    let Some(sql) = dialect.confirm_inbox_duplicate() else {
         return Ok(None);
     };
     Ok(Some(Statement::from_sql_and_values(
         backend,
-        sql,
+        for_table(dialect, table, sql),
         [Value::from(message_id.as_uuid()), Value::from(consumer)],
     )))
 }
@@ -331,41 +399,62 @@ pub(crate) enum BatchClaimSql {
 /// they were).
 pub(crate) fn batch_claim_sql(
     backend: DbBackend,
+    table: &InboxTable,
     rows: usize,
 ) -> Result<BatchClaimSql, InboxError> {
-    Ok(dialect(backend)?.batch_claim(rows))
+    Ok(match dialect(backend)?.batch_claim(rows) {
+        BatchClaimSql::Returning(insert) => {
+            BatchClaimSql::Returning(retarget(backend, table, insert)?)
+        }
+        BatchClaimSql::InsertThenRead { insert, read } => BatchClaimSql::InsertThenRead {
+            insert: retarget(backend, table, insert)?,
+            read: retarget(backend, table, read)?,
+        },
+    })
 }
 
 /// Reads, through a batch's transaction, one marker it inserted: the proof before COMMIT
 /// that the transaction still holds its markers (a rollback takes all of them or none).
 /// One probe of the inbox index. Binds: message_id, consumer, tag.
-pub(crate) fn batch_marker_held_sql(backend: DbBackend) -> Result<String, InboxError> {
-    Ok(dialect(backend)?.batch_marker_held().to_owned())
+pub(crate) fn batch_marker_held_sql(
+    backend: DbBackend,
+    table: &InboxTable,
+) -> Result<String, InboxError> {
+    statement_for(backend, table, |dialect| dialect.batch_marker_held())
 }
 
 /// First phase of a two-phase claim: the lease row for attempt 1, unless a row for the
 /// pair exists. Binds: message_id, consumer, received_at, lease_until, claim_token.
-pub(crate) fn insert_lease_sql(backend: DbBackend) -> Result<String, InboxError> {
-    Ok(dialect(backend)?.insert_lease().to_owned())
+pub(crate) fn insert_lease_sql(
+    backend: DbBackend,
+    table: &InboxTable,
+) -> Result<String, InboxError> {
+    statement_for(backend, table, |dialect| dialect.insert_lease())
 }
 
 /// Takes over an expired lease: next attempt, new expiry, new fencing token, compared and
 /// set on the old token, on a row still not processed and not parked. Binds: lease_until,
 /// new token, message_id, consumer, old token.
-pub(crate) fn take_over_lease_sql(backend: DbBackend) -> Result<String, InboxError> {
-    Ok(dialect(backend)?.take_over_lease().to_owned())
+pub(crate) fn take_over_lease_sql(
+    backend: DbBackend,
+    table: &InboxTable,
+) -> Result<String, InboxError> {
+    statement_for(backend, table, |dialect| dialect.take_over_lease())
 }
 
 /// Parks an expired lease that used its last attempt, if the token still holds it. Binds:
 /// dead_at, message_id, consumer, token.
-pub(crate) fn park_lease_sql(backend: DbBackend) -> Result<String, InboxError> {
-    Ok(dialect(backend)?.park_lease().to_owned())
+pub(crate) fn park_lease_sql(backend: DbBackend, table: &InboxTable) -> Result<String, InboxError> {
+    statement_for(backend, table, |dialect| dialect.park_lease())
 }
 
 /// Ends a lease early so the next claim takes over at once, if the token still holds it.
 /// Binds: lease_until (now), message_id, consumer, token.
-pub(crate) fn release_lease_sql(backend: DbBackend) -> Result<String, InboxError> {
-    Ok(dialect(backend)?.release_lease().to_owned())
+pub(crate) fn release_lease_sql(
+    backend: DbBackend,
+    table: &InboxTable,
+) -> Result<String, InboxError> {
+    statement_for(backend, table, |dialect| dialect.release_lease())
 }
 
 /// Second phase: marks the message processed if the token holds the lease, or already
@@ -376,8 +465,11 @@ pub(crate) fn release_lease_sql(backend: DbBackend) -> Result<String, InboxError
 /// `processed_at`, so it reports one row like the first. Any other token finds none. The
 /// count is exact on every backend: PostgreSQL and SQLite count the rows the WHERE clause
 /// found, and sqlx asks MySQL/MariaDB for found rows too (`CLIENT_FOUND_ROWS`).
-pub(crate) fn complete_lease_sql(backend: DbBackend) -> Result<String, InboxError> {
-    Ok(dialect(backend)?.complete_lease().to_owned())
+pub(crate) fn complete_lease_sql(
+    backend: DbBackend,
+    table: &InboxTable,
+) -> Result<String, InboxError> {
+    statement_for(backend, table, |dialect| dialect.complete_lease())
 }
 
 /// One purge batch: at most `?` purgeable rows received before `?`, oldest first, in one
@@ -391,25 +483,39 @@ pub(crate) fn complete_lease_sql(backend: DbBackend) -> Result<String, InboxErro
 /// claim (a lease without `processed_at`, parked or not) is never purgeable. The
 /// `received_at` bound keeps the delete a range walk of `ix_inbox_received_at`; the rows it
 /// walks past are the unfinished claims and the claims completed after the cutoff.
-pub(crate) fn purge_batch_sql(backend: DbBackend) -> Result<String, InboxError> {
-    Ok(dialect(backend)?.purge_batch().to_owned())
+pub(crate) fn purge_batch_sql(
+    backend: DbBackend,
+    table: &InboxTable,
+) -> Result<String, InboxError> {
+    statement_for(backend, table, |dialect| dialect.purge_batch())
 }
 
 /// The newest `received_at` in the inbox (NULL when it is empty), read off
 /// `ix_inbox_received_at`.
-pub(crate) fn newest_received_at_sql(backend: DbBackend) -> Result<String, InboxError> {
-    Ok(dialect(backend)?.newest_received_at().to_owned())
+pub(crate) fn newest_received_at_sql(
+    backend: DbBackend,
+    table: &InboxTable,
+) -> Result<String, InboxError> {
+    statement_for(backend, table, |dialect| dialect.newest_received_at())
 }
 
 /// The oldest `received_at` in the inbox (NULL when it is empty).
-pub(crate) fn oldest_received_at_sql(backend: DbBackend) -> Result<String, InboxError> {
-    Ok(dialect(backend)?.oldest_received_at().to_owned())
+pub(crate) fn oldest_received_at_sql(
+    backend: DbBackend,
+    table: &InboxTable,
+) -> Result<String, InboxError> {
+    statement_for(backend, table, |dialect| dialect.oldest_received_at())
 }
 
 /// The newest `received_at` at or before `?` (NULL when there is none): one probe of
 /// `ix_inbox_received_at` in the purge's receiving-time walk.
-pub(crate) fn latest_received_at_or_before_sql(backend: DbBackend) -> Result<String, InboxError> {
-    Ok(dialect(backend)?.latest_received_at_or_before().to_owned())
+pub(crate) fn latest_received_at_or_before_sql(
+    backend: DbBackend,
+    table: &InboxTable,
+) -> Result<String, InboxError> {
+    statement_for(backend, table, |dialect| {
+        dialect.latest_received_at_or_before()
+    })
 }
 
 /// A UTC timestamp as a bind value the backend stores without loss.
@@ -499,10 +605,27 @@ impl DbErrorKind {
 /// This is the classifier [`crate::InboxTransactionExt::claim_message`] uses; call it when
 /// you write markers yourself or decide whether to retry.
 pub fn classify(err: &DbErr) -> DbErrorKind {
+    classify_in(err, &InboxTable::default())
+}
+
+/// Classifies a SeaORM error by what it means for a handler of the inbox in `table`:
+/// [`classify`] for an inbox in an [`InboxTable`] of the application's choice, whose
+/// [`DbErrorKind::InboxDuplicate`] and [`DbErrorKind::MissingInboxTable`] name that table
+/// and its index.
+///
+/// ```
+/// use sea_orm_inbox::{DbErrorKind, InboxTable, classify_in};
+/// use sea_orm::DbErr;
+///
+/// let table = InboxTable::named("app_inbox")?;
+/// assert_eq!(classify_in(&DbErr::Custom("boom".into()), &table), DbErrorKind::Other);
+/// # Ok::<(), sea_orm_inbox::InvalidTableName>(())
+/// ```
+pub fn classify_in(err: &DbErr, table: &InboxTable) -> DbErrorKind {
     match err {
         DbErr::ConnectionAcquire(_) => DbErrorKind::Transient,
         DbErr::Conn(runtime) | DbErr::Exec(runtime) | DbErr::Query(runtime) => match runtime {
-            RuntimeErr::SqlxError(sqlx_err) => classify_sqlx(sqlx_err),
+            RuntimeErr::SqlxError(sqlx_err) => classify_sqlx(sqlx_err, table),
             RuntimeErr::Internal(_) => DbErrorKind::Other,
         },
         _ => DbErrorKind::Other,
@@ -528,9 +651,25 @@ pub fn is_inbox_duplicate(err: &DbErr) -> bool {
     classify(err) == DbErrorKind::InboxDuplicate
 }
 
-fn classify_sqlx(err: &sqlx::Error) -> DbErrorKind {
+/// Whether `err` is a unique violation of the UNIQUE index of the inbox in `table`
+/// ([`InboxTable::unique_index`]) and nothing else: [`is_inbox_duplicate`] for an inbox in
+/// a table of the application's choice.
+///
+/// ```
+/// use sea_orm_inbox::{InboxTable, is_inbox_duplicate_in};
+/// use sea_orm::DbErr;
+///
+/// let table = InboxTable::named("app_inbox")?;
+/// assert!(!is_inbox_duplicate_in(&DbErr::RecordNotInserted, &table));
+/// # Ok::<(), sea_orm_inbox::InvalidTableName>(())
+/// ```
+pub fn is_inbox_duplicate_in(err: &DbErr, table: &InboxTable) -> bool {
+    classify_in(err, table) == DbErrorKind::InboxDuplicate
+}
+
+fn classify_sqlx(err: &sqlx::Error, table: &InboxTable) -> DbErrorKind {
     match err {
-        sqlx::Error::Database(db) => classify_database(db.as_ref()),
+        sqlx::Error::Database(db) => classify_database(db.as_ref(), table),
         sqlx::Error::Io(_)
         | sqlx::Error::Tls(_)
         | sqlx::Error::Protocol(_)
@@ -541,9 +680,12 @@ fn classify_sqlx(err: &sqlx::Error) -> DbErrorKind {
     }
 }
 
+/// A driver's classifier: `None` when the error is another driver's.
+type Classifier = fn(&dyn DatabaseError, &InboxTable) -> Option<DbErrorKind>;
+
 /// Asks each enabled driver's classifier; the one whose error type `db` is answers.
-fn classify_database(db: &dyn DatabaseError) -> DbErrorKind {
-    let classifiers: &[fn(&dyn DatabaseError) -> Option<DbErrorKind>] = &[
+fn classify_database(db: &dyn DatabaseError, table: &InboxTable) -> DbErrorKind {
+    let classifiers: &[Classifier] = &[
         #[cfg(feature = "postgres")]
         postgres::classify,
         #[cfg(feature = "mysql")]
@@ -553,6 +695,6 @@ fn classify_database(db: &dyn DatabaseError) -> DbErrorKind {
     ];
     classifiers
         .iter()
-        .find_map(|classify| classify(db))
+        .find_map(|classify| classify(db, table))
         .unwrap_or(DbErrorKind::Other)
 }

@@ -8,8 +8,8 @@ use chrono::{DateTime, Utc};
 use sea_orm::sea_query::Expr;
 use sea_orm::sqlx::error::DatabaseError;
 use sea_orm::sqlx::mysql::MySqlDatabaseError;
-use sea_orm::{DbBackend, DbErr, IsolationLevel, Statement, TransactionOptions, Value};
-use sea_orm_inbox_entity::INDEX_NAME;
+use sea_orm::{DbErr, IsolationLevel, TransactionOptions, Value};
+use sea_orm_inbox_entity::InboxTable;
 use std::time::Duration;
 
 pub(super) struct MySql;
@@ -18,7 +18,11 @@ impl Dialect for MySql {
     /// A duplicate raises 1062, which [`classify`] reads; the driver reports the new row's
     /// id. The silence bound goes before it, as session variables (see
     /// [`silence_bound`](Dialect::silence_bound)).
-    fn claim_marker(&self, marker: Marker<'_>) -> Statement {
+    fn identifier_quote(&self) -> char {
+        '`'
+    }
+
+    fn claim_marker(&self, marker: Marker<'_>) -> (&'static str, Vec<Value>) {
         let sql = match marker.process {
             None => {
                 "INSERT INTO `inbox` (`message_id`, `consumer`, `received_at`) VALUES (?, ?, ?)"
@@ -27,8 +31,7 @@ impl Dialect for MySql {
                 "INSERT INTO `inbox` (`message_id`, `consumer`, `received_at`, `claim_token`) VALUES (?, ?, ?, ?)"
             }
         };
-        let values = marker.binds(self.timestamp_value(marker.received_at));
-        Statement::from_sql_and_values(DbBackend::MySql, sql, values)
+        (sql, marker.binds(self.timestamp_value(marker.received_at)))
     }
 
     fn marker_insert_returns_id(&self) -> bool {
@@ -352,7 +355,7 @@ impl Dialect for MySql {
 /// It reads error numbers and quoted names only, never the words around them, which
 /// follow the server's `lc_messages` (German: `Doppelter Eintrag '...' für Schlüssel
 /// '...'`; Japanese puts the key mid-sentence).
-pub(super) fn classify(db: &dyn DatabaseError) -> Option<DbErrorKind> {
+pub(super) fn classify(db: &dyn DatabaseError, table: &InboxTable) -> Option<DbErrorKind> {
     const ER_DUP_ENTRY: u16 = 1062;
     const ER_LOCK_WAIT_TIMEOUT: u16 = 1205;
     const ER_LOCK_DEADLOCK: u16 = 1213;
@@ -373,12 +376,14 @@ pub(super) fn classify(db: &dyn DatabaseError) -> Option<DbErrorKind> {
     let err = db.try_downcast_ref::<MySqlDatabaseError>()?;
     Some(match err.number() {
         ER_UNKNOWN_COM_ERROR if err.code() == Some("08S01") => DbErrorKind::Transient,
-        ER_DUP_ENTRY if names_inbox_key(err.message()) => DbErrorKind::InboxDuplicate,
+        ER_DUP_ENTRY if names_inbox_key(err.message(), table) => DbErrorKind::InboxDuplicate,
         ER_DUP_ENTRY => DbErrorKind::OtherUniqueViolation,
         ER_LOCK_WAIT_TIMEOUT | ER_LOCK_DEADLOCK => DbErrorKind::Transient,
         ER_SERVER_SHUTDOWN | ER_CONNECTION_KILLED | ER_QUERY_INTERRUPTED => DbErrorKind::Transient,
         ER_ERROR_DURING_COMMIT => DbErrorKind::Transient,
-        ER_NO_SUCH_TABLE if names_inbox_table(err.message()) => DbErrorKind::MissingInboxTable,
+        ER_NO_SUCH_TABLE if names_inbox_table(err.message(), table) => {
+            DbErrorKind::MissingInboxTable
+        }
         ER_BAD_FIELD_ERROR => DbErrorKind::MissingColumn,
         _ => DbErrorKind::Other,
     })
@@ -388,11 +393,16 @@ pub(super) fn classify(db: &dyn DatabaseError) -> Option<DbErrorKind> {
 /// message catalogue the key name is the last quoted text of the message (MariaDB:
 /// `'ix_inbox_message_id_consumer'`; MySQL 8.0.19+: `'inbox.ix_inbox_message_id_consumer'`),
 /// after the duplicate entry, whose raw UUID bytes may hold quotes themselves.
-fn names_inbox_key(message: &str) -> bool {
+fn names_inbox_key(message: &str, table: &InboxTable) -> bool {
     let Some(key) = last_quoted(message) else {
         return false;
     };
-    key == INDEX_NAME || key.strip_prefix("inbox.") == Some(INDEX_NAME)
+    let index = table.unique_index();
+    key == index
+        || key
+            .strip_prefix(table.name())
+            .and_then(|key| key.strip_prefix('.'))
+            == Some(index)
 }
 
 /// The text between the last two single quotes of `message`.
@@ -404,40 +414,49 @@ fn last_quoted(message: &str) -> Option<&str> {
 
 /// Whether a 1146 message names the inbox table: in every language it quotes the missing
 /// table once, as `'database.table'`.
-fn names_inbox_table(message: &str) -> bool {
+fn names_inbox_table(message: &str, table: &InboxTable) -> bool {
     let Some((_, after_open)) = message.split_once('\'') else {
         return false;
     };
     let Some((qualified, _)) = after_open.split_once('\'') else {
         return false;
     };
-    qualified.rsplit_once('.').map(|(_, table)| table) == Some("inbox")
+    qualified.rsplit_once('.').map(|(_, name)| name) == Some(table.name())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use sea_orm_inbox_entity::INDEX_NAME;
 
     #[test]
     fn key_matches_mariadb_and_mysql8_forms_only() {
         assert!(names_inbox_key(
-            "Duplicate entry '\u{1}\u{2}-billing' for key 'ix_inbox_message_id_consumer'"
+            "Duplicate entry '\u{1}\u{2}-billing' for key 'ix_inbox_message_id_consumer'",
+            &InboxTable::default()
         ));
         assert!(names_inbox_key(
-            "Duplicate entry 'x-billing' for key 'inbox.ix_inbox_message_id_consumer'"
+            "Duplicate entry 'x-billing' for key 'inbox.ix_inbox_message_id_consumer'",
+            &InboxTable::default()
         ));
         assert!(!names_inbox_key(
-            "Duplicate entry 'x-billing' for key 'orders.ix_inbox_message_id_consumer'"
+            "Duplicate entry 'x-billing' for key 'orders.ix_inbox_message_id_consumer'",
+            &InboxTable::default()
         ));
         assert!(!names_inbox_key(
-            "Duplicate entry 'x' for key 'ix_inbox_message_id_consumer_2'"
+            "Duplicate entry 'x' for key 'ix_inbox_message_id_consumer_2'",
+            &InboxTable::default()
         ));
         assert!(!names_inbox_key(
-            "Duplicate entry ' for key 'ix_inbox_message_id_consumer'' for key 'uq_order_no'"
+            "Duplicate entry ' for key 'ix_inbox_message_id_consumer'' for key 'uq_order_no'",
+            &InboxTable::default()
         ));
-        assert!(!names_inbox_key("Duplicate entry 'x' for key 'PRIMARY'"));
-        assert!(!names_inbox_key("Duplicate entry"));
-        assert!(!names_inbox_key("'"));
+        assert!(!names_inbox_key(
+            "Duplicate entry 'x' for key 'PRIMARY'",
+            &InboxTable::default()
+        ));
+        assert!(!names_inbox_key("Duplicate entry", &InboxTable::default()));
+        assert!(!names_inbox_key("'", &InboxTable::default()));
     }
 
     /// The 1062 texts of MariaDB's message catalogue (errmsg-utf8.txt,
@@ -459,16 +478,47 @@ mod tests {
         for template in languages {
             let message = |key: &str| template.replace("{entry}", entry).replace("{key}", key);
             for ours in [INDEX_NAME, "inbox.ix_inbox_message_id_consumer"] {
-                assert!(names_inbox_key(&message(ours)), "{}", message(ours));
+                assert!(
+                    names_inbox_key(&message(ours), &InboxTable::default()),
+                    "{}",
+                    message(ours)
+                );
             }
             for other in [
                 "uq_order_no",
                 "orders.ix_inbox_message_id_consumer",
                 "PRIMARY",
             ] {
-                assert!(!names_inbox_key(&message(other)), "{}", message(other));
+                assert!(
+                    !names_inbox_key(&message(other), &InboxTable::default()),
+                    "{}",
+                    message(other)
+                );
             }
         }
+    }
+
+    /// Another table's index, in either key form, is that table's duplicate only.
+    #[test]
+    fn key_of_a_custom_table_names_that_table() {
+        let app = InboxTable::named("app_inbox").expect("a valid name");
+        for key in [
+            "ix_app_inbox_message_id_consumer",
+            "app_inbox.ix_app_inbox_message_id_consumer",
+        ] {
+            let message = format!("Duplicate entry 'x-billing' for key '{key}'");
+            assert!(names_inbox_key(&message, &app), "{message}");
+            assert!(
+                !names_inbox_key(&message, &InboxTable::default()),
+                "{message}"
+            );
+        }
+        let ours = "Duplicate entry 'x' for key 'inbox.ix_inbox_message_id_consumer'";
+        assert!(!names_inbox_key(ours, &app));
+        assert!(names_inbox_table(
+            "Table 'test.app_inbox' doesn't exist",
+            &app
+        ));
     }
 
     #[test]
@@ -482,11 +532,21 @@ mod tests {
             "Det finns ingen tabell som heter '{table}'",
         ] {
             let message = |table: &str| template.replace("{table}", table);
-            assert!(names_inbox_table(&message("test.inbox")), "{template}");
+            assert!(
+                names_inbox_table(&message("test.inbox"), &InboxTable::default()),
+                "{template}"
+            );
             for other in ["test.orders", "test.inbox_archive", "inbox.orders"] {
-                assert!(!names_inbox_table(&message(other)), "{}", message(other));
+                assert!(
+                    !names_inbox_table(&message(other), &InboxTable::default()),
+                    "{}",
+                    message(other)
+                );
             }
         }
-        assert!(!names_inbox_table("Table doesn't exist"));
+        assert!(!names_inbox_table(
+            "Table doesn't exist",
+            &InboxTable::default()
+        ));
     }
 }

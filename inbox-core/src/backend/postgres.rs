@@ -8,8 +8,8 @@ use chrono::{DateTime, Utc};
 use sea_orm::sea_query::Expr;
 use sea_orm::sqlx::error::DatabaseError;
 use sea_orm::sqlx::postgres::PgDatabaseError;
-use sea_orm::{ColumnTrait, DbBackend, DbErr, Statement, TransactionOptions, Value};
-use sea_orm_inbox_entity::{INDEX_NAME, TABLE_NAME, inbox};
+use sea_orm::{ColumnTrait, DbErr, TransactionOptions, Value};
+use sea_orm_inbox_entity::{INDEX_NAME, InboxTable, inbox};
 use std::time::Duration;
 
 pub(super) struct Postgres;
@@ -44,7 +44,11 @@ impl Dialect for Postgres {
     /// transaction's index entry and its wait for a transaction holding the same marker
     /// before the conflict clause decides, and both silence settings. Binds after the
     /// marker's: the lock-wait bound and the silence bound as text.
-    fn claim_marker(&self, marker: Marker<'_>) -> Statement {
+    fn identifier_quote(&self) -> char {
+        '"'
+    }
+
+    fn claim_marker(&self, marker: Marker<'_>) -> (&'static str, Vec<Value>) {
         let mut values = marker.binds(self.timestamp_value(marker.received_at));
         let sql = match &marker.process {
             None => {
@@ -57,7 +61,7 @@ impl Dialect for Postgres {
                 r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at", "claim_token") SELECT $1, $2, $3, $4 WHERE set_config('lock_timeout', CASE WHEN current_setting('lock_timeout') = '0' OR current_setting('lock_timeout')::interval > $5::interval THEN $5 ELSE current_setting('lock_timeout') END, true) IS NOT NULL AND set_config('idle_in_transaction_session_timeout', $6, true) IS NOT NULL AND set_config('tcp_user_timeout', $6, true) IS NOT NULL ON CONFLICT ON CONSTRAINT "ix_inbox_message_id_consumer" DO NOTHING RETURNING "id""#
             }
         };
-        Statement::from_sql_and_values(DbBackend::Postgres, sql, values)
+        (sql, values)
     }
 
     fn marker_insert_returns_id(&self) -> bool {
@@ -166,7 +170,8 @@ impl Dialect for Postgres {
         inbox::Column::Consumer.eq(consumer)
     }
 
-    /// Resolved like the claims' unqualified `inbox`: through the `search_path`.
+    /// Resolved like the claims' table: through the `search_path` unless `table` names its
+    /// schema (`schema.table`).
     fn columns_catalog(&self, table: &str) -> String {
         format!(
             "SELECT attname::text, NULL::text FROM pg_attribute \
@@ -334,19 +339,28 @@ fn millis_text(bound: Duration) -> String {
 }
 
 /// Classifies a PostgreSQL error, or returns `None` when `db` comes from another driver.
-pub(super) fn classify(db: &dyn DatabaseError) -> Option<DbErrorKind> {
+///
+/// A 23505 is the inbox's duplicate only on `table`'s constraint on `table`, in `table`'s
+/// schema when it names one; a table without a schema is whichever the `search_path`
+/// finds, so its namesake's violation in any schema counts too.
+pub(super) fn classify(db: &dyn DatabaseError, table: &InboxTable) -> Option<DbErrorKind> {
     let err = db.try_downcast_ref::<PgDatabaseError>()?;
+    let on_our_table = || {
+        err.constraint() == Some(table.unique_index())
+            && err.table() == Some(table.name())
+            && table
+                .schema()
+                .is_none_or(|schema| err.schema() == Some(schema))
+    };
     Some(match err.code() {
-        "23505" if err.constraint() == Some(INDEX_NAME) && err.table() == Some(TABLE_NAME) => {
-            DbErrorKind::InboxDuplicate
-        }
+        "23505" if on_our_table() => DbErrorKind::InboxDuplicate,
         "23505" => DbErrorKind::OtherUniqueViolation,
         // serialization_failure, deadlock_detected, lock_not_available
         "40001" | "40P01" | "55P03" => DbErrorKind::Transient,
         // admin_shutdown (pg_terminate_backend), crash_shutdown, cannot_connect_now
         "57P01" | "57P02" | "57P03" => DbErrorKind::Transient,
         code if code.starts_with("08") => DbErrorKind::Transient,
-        "42P01" if names_inbox_table(err.message()) => DbErrorKind::MissingInboxTable,
+        "42P01" if names_inbox_table(err.message(), table.name()) => DbErrorKind::MissingInboxTable,
         // undefined_column
         "42703" => DbErrorKind::MissingColumn,
         _ => DbErrorKind::Other,
@@ -355,16 +369,17 @@ pub(super) fn classify(db: &dyn DatabaseError) -> Option<DbErrorKind> {
 
 /// Whether a 42P01 message names the inbox table. The words and the quotes around the
 /// name follow the server's `lc_messages` (`relation "inbox"`, German `Relation »inbox«`,
-/// French `la relation « inbox »`), so this looks for `inbox` as a whole identifier,
-/// possibly schema-qualified (`public.inbox`), and nothing else.
-fn names_inbox_table(message: &str) -> bool {
-    names_identifier(message, TABLE_NAME)
+/// French `la relation « inbox »`), so this looks for the table's `name` as a whole
+/// identifier, possibly schema-qualified (`public.inbox`), and nothing else.
+fn names_inbox_table(message: &str, name: &str) -> bool {
+    names_identifier(message, name)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::backend::ProcessMarker;
+    use sea_orm_inbox_entity::TABLE_NAME;
 
     /// Every statement that may meet an existing marker arbitrates on the inbox's
     /// constraint, by the name the entity crate gives it, and on nothing else.
@@ -380,7 +395,8 @@ mod tests {
                     claim_silence: Duration::from_secs(20),
                     process,
                 })
-                .sql
+                .0
+                .to_owned()
         };
         let process = ProcessMarker {
             token: uuid::Uuid::nil(),
@@ -416,10 +432,18 @@ mod tests {
         ] {
             let message = |table: &str| template.replace("{table}", table);
             for ours in ["inbox", "public.inbox"] {
-                assert!(names_inbox_table(&message(ours)), "{}", message(ours));
+                assert!(
+                    names_inbox_table(&message(ours), TABLE_NAME),
+                    "{}",
+                    message(ours)
+                );
             }
             for other in ["inbox_archive", "my_inbox", "inbox.orders", "orders"] {
-                assert!(!names_inbox_table(&message(other)), "{}", message(other));
+                assert!(
+                    !names_inbox_table(&message(other), TABLE_NAME),
+                    "{}",
+                    message(other)
+                );
             }
         }
     }

@@ -8,10 +8,8 @@ use chrono::{DateTime, Utc};
 use sea_orm::sea_query::Expr;
 use sea_orm::sqlx::error::DatabaseError;
 use sea_orm::sqlx::sqlite::SqliteError;
-use sea_orm::{
-    ColumnTrait, DbBackend, DbErr, SqliteTransactionMode, Statement, TransactionOptions, Value,
-};
-use sea_orm_inbox_entity::inbox;
+use sea_orm::{ColumnTrait, DbErr, SqliteTransactionMode, TransactionOptions, Value};
+use sea_orm_inbox_entity::{InboxTable, inbox};
 use std::time::Duration;
 
 pub(super) struct Sqlite;
@@ -19,7 +17,11 @@ pub(super) struct Sqlite;
 impl Dialect for Sqlite {
     /// A duplicate raises SQLITE_CONSTRAINT_UNIQUE, which [`classify`] reads; the driver
     /// reports the new rowid.
-    fn claim_marker(&self, marker: Marker<'_>) -> Statement {
+    fn identifier_quote(&self) -> char {
+        '"'
+    }
+
+    fn claim_marker(&self, marker: Marker<'_>) -> (&'static str, Vec<Value>) {
         let sql = match marker.process {
             None => {
                 r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at") VALUES (?, ?, ?)"#
@@ -28,8 +30,7 @@ impl Dialect for Sqlite {
                 r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at", "claim_token") VALUES (?, ?, ?, ?)"#
             }
         };
-        let values = marker.binds(self.timestamp_value(marker.received_at));
-        Statement::from_sql_and_values(DbBackend::Sqlite, sql, values)
+        (sql, marker.binds(self.timestamp_value(marker.received_at)))
     }
 
     fn marker_insert_returns_id(&self) -> bool {
@@ -271,34 +272,47 @@ impl Dialect for Sqlite {
 }
 
 /// SQLite's error for a column the table lacks: an INSERT's `table inbox has no column
-/// named claim_token`, a query's `no such column: claim_token`.
+/// named claim_token` (whatever the inbox's table), a query's `no such column:
+/// claim_token`.
 fn missing_column(message: &str) -> Option<&str> {
     message
-        .strip_prefix("table inbox has no column named ")
+        .strip_prefix("table ")
+        .and_then(|rest| rest.split_once(" has no column named "))
+        .map(|(_, column)| column)
         .or_else(|| message.strip_prefix("no such column: "))
 }
 
 /// Classifies a SQLite error, or returns `None` when `db` comes from another driver.
 ///
 /// SQLite names the columns, not the index: `UNIQUE constraint failed: inbox.message_id,
-/// inbox.consumer`. Only that exact list is the inbox index.
-pub(super) fn classify(db: &dyn DatabaseError) -> Option<DbErrorKind> {
+/// inbox.consumer` (with the name of `table`). Only that exact list is the inbox index.
+pub(super) fn classify(db: &dyn DatabaseError, table: &InboxTable) -> Option<DbErrorKind> {
     const SQLITE_CONSTRAINT_UNIQUE: &str = "2067";
     const SQLITE_CONSTRAINT_PRIMARYKEY: &str = "1555";
-    const INBOX_COLUMNS: &str = "UNIQUE constraint failed: inbox.message_id, inbox.consumer";
     let err = db.try_downcast_ref::<SqliteError>()?;
+    let name = table.name();
+    let is_inbox_index = || {
+        err.message()
+            .strip_prefix("UNIQUE constraint failed: ")
+            .is_some_and(|columns| columns == format!("{name}.message_id, {name}.consumer"))
+    };
+    let is_inbox_table = || {
+        err.message()
+            .strip_prefix("no such table: ")
+            .is_some_and(|missing| missing == name)
+    };
     let Some(code) = err.code() else {
         return Some(DbErrorKind::Other);
     };
     Some(match code.as_ref() {
-        SQLITE_CONSTRAINT_UNIQUE if err.message() == INBOX_COLUMNS => DbErrorKind::InboxDuplicate,
+        SQLITE_CONSTRAINT_UNIQUE if is_inbox_index() => DbErrorKind::InboxDuplicate,
         SQLITE_CONSTRAINT_UNIQUE | SQLITE_CONSTRAINT_PRIMARYKEY => {
             DbErrorKind::OtherUniqueViolation
         }
         // BUSY, LOCKED and their extended codes (BUSY_RECOVERY 261, BUSY_SNAPSHOT 517,
         // BUSY_TIMEOUT 773, LOCKED_SHAREDCACHE 262, LOCKED_VTAB 518).
         "5" | "6" | "261" | "517" | "773" | "262" | "518" => DbErrorKind::Transient,
-        "1" if err.message() == "no such table: inbox" => DbErrorKind::MissingInboxTable,
+        "1" if is_inbox_table() => DbErrorKind::MissingInboxTable,
         // SQLite's messages are English only: "no such column: x" for reads and updates,
         // "table t has no column named x" for inserts.
         "1" if err.message().starts_with("no such column: ")

@@ -7,7 +7,7 @@ use crate::consumer::validate_consumer;
 use crate::{Delivery, InboxError, MessageId, Refusal};
 use chrono::{DateTime, Utc};
 use sea_orm::{ConnectionTrait, DatabaseTransaction, DbErr, QueryResult, Statement, Value};
-use sea_orm_inbox_entity::INDEX_NAME;
+use sea_orm_inbox_entity::InboxTable;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 use uuid::Uuid;
@@ -47,6 +47,8 @@ pub struct BatchClaim {
     /// not claimed: dead-letter them (their markers may already be purged).
     pub refused: Vec<(MessageId, Refusal)>,
     consumer: String,
+    /// The table the markers are in.
+    table: InboxTable,
     tag: Uuid,
     /// The ids whose markers this transaction inserted, kept apart from the public lists so
     /// a caller who changes them cannot turn the proof off.
@@ -125,7 +127,7 @@ impl BatchClaim {
     /// What the proof reads: one of the markers this transaction inserted, or without one,
     /// whether the transaction is still open.
     pub(crate) fn held(&self) -> Held<'_> {
-        Held::tagged(&self.consumer, &self.inserted, self.tag)
+        Held::tagged(&self.table, &self.consumer, &self.inserted, self.tag)
     }
 }
 
@@ -203,6 +205,7 @@ pub(crate) fn admit_batch(
 /// The batch claim, for a connection the crate has proven is a transaction.
 pub(crate) async fn insert_batch<C: ConnectionTrait>(
     conn: &C,
+    table: &InboxTable,
     batch: Result<AdmittedBatch, InboxError>,
     consumer: &str,
 ) -> Result<BatchClaim, InboxError> {
@@ -216,6 +219,7 @@ pub(crate) async fn insert_batch<C: ConnectionTrait>(
             duplicates: Vec::new(),
             refused,
             consumer: consumer.to_owned(),
+            table: table.clone(),
             tag,
             inserted: Vec::new(),
         });
@@ -232,7 +236,7 @@ pub(crate) async fn insert_batch<C: ConnectionTrait>(
             Value::from(tag),
         ]);
     }
-    let (rows, read) = match batch_claim_sql(backend, ids.len())? {
+    let (rows, read) = match batch_claim_sql(backend, table, ids.len())? {
         BatchClaimSql::Returning(insert) => {
             let statement = Statement::from_sql_and_values(backend, insert, values);
             let rows = conn.query_all_raw(statement).await.map_err(fail)?;
@@ -257,15 +261,20 @@ pub(crate) async fn insert_batch<C: ConnectionTrait>(
         // its own and saw none of the INSERT's rows (a Galera brute-force abort).
         Err(problem) => {
             return Err(match silently_ended(conn).await {
-                Ok(true) => Held::tagged(consumer, &ids, tag).lost(None),
+                Ok(true) => Held::tagged(table, consumer, &ids, tag).lost(None),
                 Ok(false) => fail(DbErr::Custom(format!(
-                    "{problem}: a batch row conflicted on a unique key other than {INDEX_NAME}, so the message was not claimed. Roll back; a unique index on the inbox table besides the inbox's own must go"
+                    "{problem}: a batch row conflicted on a unique key other than {}, so the message was not claimed. Roll back; a unique index on the inbox table {table} besides the inbox's own must go",
+                    table.unique_index()
                 ))),
                 Err(err) => fail(err),
             });
         }
     };
-    Ok(BatchClaim { refused, ..claim })
+    Ok(BatchClaim {
+        refused,
+        table: table.clone(),
+        ..claim
+    })
 }
 
 /// The claim of the MySQL family: the tagged INSERT, whose conflict clause leaves existing
@@ -385,6 +394,8 @@ fn sort_out(
         duplicates,
         refused: Vec::new(),
         consumer: consumer.to_owned(),
+        // The caller puts its table in; sorting out rows needs none.
+        table: InboxTable::default(),
         tag,
     })
 }

@@ -14,6 +14,7 @@ use crate::backend::{batch_marker_held_sql, marker_held_statement, roll_back, tr
 use crate::silence::within;
 use crate::{Inbox, InboxError, MessageId};
 use sea_orm::{ConnectionTrait, DatabaseTransaction, DbErr, Statement, Value};
+use sea_orm_inbox_entity::InboxTable;
 use std::time::Duration;
 use uuid::Uuid;
 
@@ -23,6 +24,7 @@ use uuid::Uuid;
 /// change.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Held<'a> {
+    table: &'a InboxTable,
     consumer: &'a str,
     marker: Marker<'a>,
 }
@@ -58,12 +60,14 @@ impl<'a> Held<'a> {
     /// The marker row `id` that the claim of `message_id` inserted, with the token
     /// `Inbox::process` wrote into it.
     pub(crate) fn row(
+        table: &'a InboxTable,
         consumer: &'a str,
         message_id: MessageId,
         id: i64,
         token: Option<Uuid>,
     ) -> Self {
         Self {
+            table,
             consumer,
             marker: Marker::Row {
                 id,
@@ -74,8 +78,14 @@ impl<'a> Held<'a> {
     }
 
     /// The markers a batch inserted for `inserted`, tagged with `tag`.
-    pub(crate) fn tagged(consumer: &'a str, inserted: &'a [MessageId], tag: Uuid) -> Self {
+    pub(crate) fn tagged(
+        table: &'a InboxTable,
+        consumer: &'a str,
+        inserted: &'a [MessageId],
+        tag: Uuid,
+    ) -> Self {
         Self {
+            table,
             consumer,
             marker: Marker::Tagged { inserted, tag },
         }
@@ -113,8 +123,14 @@ impl<'a> Held<'a> {
                 message_id,
                 token,
             } => {
-                let statement =
-                    marker_held_statement(backend, id, message_id, self.consumer, token)?;
+                let statement = marker_held_statement(
+                    backend,
+                    self.table,
+                    id,
+                    message_id,
+                    self.consumer,
+                    token,
+                )?;
                 conn.query_one_raw(statement).await.map(|row| row.is_some())
             }
             Marker::Tagged {
@@ -128,7 +144,7 @@ impl<'a> Held<'a> {
                 ];
                 let statement = Statement::from_sql_and_values(
                     backend,
-                    batch_marker_held_sql(backend)?,
+                    batch_marker_held_sql(backend, self.table)?,
                     values,
                 );
                 count(conn, statement).await.map(|markers| markers == 1)

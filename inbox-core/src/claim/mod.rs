@@ -7,6 +7,7 @@ use crate::silence::answered_on;
 use crate::{Delivery, InboxError, Refusal};
 use chrono::Utc;
 use sea_orm::{ConnectionTrait, DatabaseTransaction};
+use sea_orm_inbox_entity::InboxTable;
 use std::future::Future;
 
 mod batch;
@@ -286,6 +287,49 @@ pub trait InboxTransactionExt: sealed::Sealed {
     where
         I: IntoIterator,
         I::Item: Into<Delivery>;
+
+    /// [`claim_message`](Self::claim_message) for the inbox in `table`, an
+    /// [`InboxTable`] of the application's choice (migrated with
+    /// `sea_orm_inbox_migration::inbox_migrations(&table)`).
+    ///
+    /// ```
+    /// use sea_orm_inbox::prelude::*;
+    /// use sea_orm::TransactionTrait;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    /// # use sea_orm_migration::{MigrationTrait, SchemaManager};
+    /// # let db = sea_orm::Database::connect("sqlite::memory:").await?;
+    /// let table = InboxTable::named("app_inbox")?;
+    /// # let manager = SchemaManager::new(&db);
+    /// # for migration in sea_orm_inbox_migration::inbox_migrations(&table) {
+    /// #     migration.up(&manager).await?;
+    /// # }
+    /// let txn = db.begin_with_options(CLAIM_TRANSACTION).await?;
+    /// match txn.claim_message_in(&table, uuid::Uuid::new_v4(), "billing").await? {
+    ///     Claim::Claimed(claimed) => claimed.commit(txn).await?,
+    ///     Claim::Duplicate | Claim::Refused(_) => txn.rollback().await?,
+    /// }
+    /// # Ok(()) }
+    /// ```
+    fn claim_message_in(
+        &self,
+        table: &InboxTable,
+        delivery: impl Into<Delivery>,
+        consumer: &str,
+    ) -> impl Future<Output = Result<Claim, InboxError>> + Send;
+
+    /// [`claim_batch`](Self::claim_batch) for the inbox in `table`, an [`InboxTable`] of
+    /// the application's choice.
+    fn claim_batch_in<I>(
+        &self,
+        table: &InboxTable,
+        message_ids: I,
+        consumer: &str,
+    ) -> impl Future<Output = Result<BatchClaim, InboxError>> + Send
+    where
+        I: IntoIterator,
+        I::Item: Into<Delivery>;
 }
 
 impl InboxTransactionExt for DatabaseTransaction {
@@ -294,23 +338,7 @@ impl InboxTransactionExt for DatabaseTransaction {
         delivery: impl Into<Delivery>,
         consumer: &str,
     ) -> impl Future<Output = Result<Claim, InboxError>> + Send {
-        let delivery = delivery.into();
-        let admitted = delivery.admit(None, Utc::now());
-        async move {
-            match admitted {
-                Ok(()) => {
-                    let claim = insert_marker(self, delivery.message_id(), consumer, None);
-                    let backend = self.get_database_backend();
-                    let message_id = delivery.message_id();
-                    unresponsive_within(backend, message_id, consumer, "the claim", claim).await?
-                }
-                Err(refusal) => {
-                    // Bad input is still reported first, as for an admitted delivery.
-                    validate_claim(delivery.message_id(), consumer)?;
-                    Ok(Claim::Refused(refusal))
-                }
-            }
-        }
+        claim_one(self, InboxTable::default(), delivery.into(), consumer)
     }
 
     fn claim_batch<I>(
@@ -322,11 +350,78 @@ impl InboxTransactionExt for DatabaseTransaction {
         I: IntoIterator,
         I::Item: Into<Delivery>,
     {
-        // Collected before the future, which must not hold a possibly non-Send iterator.
-        let deliveries = message_ids.into_iter().map(Into::into).collect();
-        let admitted = admit_batch(deliveries, consumer, Utc::now());
-        let claim = insert_batch(self, admitted, consumer);
-        let backend = self.get_database_backend();
-        async move { answered_on(backend, "the batch claim", claim).await? }
+        claim_many(self, InboxTable::default(), collect(message_ids), consumer)
+    }
+
+    fn claim_message_in(
+        &self,
+        table: &InboxTable,
+        delivery: impl Into<Delivery>,
+        consumer: &str,
+    ) -> impl Future<Output = Result<Claim, InboxError>> + Send {
+        claim_one(self, table.clone(), delivery.into(), consumer)
+    }
+
+    fn claim_batch_in<I>(
+        &self,
+        table: &InboxTable,
+        message_ids: I,
+        consumer: &str,
+    ) -> impl Future<Output = Result<BatchClaim, InboxError>> + Send
+    where
+        I: IntoIterator,
+        I::Item: Into<Delivery>,
+    {
+        claim_many(self, table.clone(), collect(message_ids), consumer)
+    }
+}
+
+/// The deliveries of a batch, collected before its future, which must not hold a possibly
+/// non-Send iterator.
+fn collect<I>(message_ids: I) -> Vec<Delivery>
+where
+    I: IntoIterator,
+    I::Item: Into<Delivery>,
+{
+    message_ids.into_iter().map(Into::into).collect()
+}
+
+/// One claim in `table` (owned: the future borrows only the transaction and the consumer).
+fn claim_one(
+    txn: &DatabaseTransaction,
+    table: InboxTable,
+    delivery: Delivery,
+    consumer: &str,
+) -> impl Future<Output = Result<Claim, InboxError>> + Send {
+    let admitted = delivery.admit(None, Utc::now());
+    async move {
+        match admitted {
+            Ok(()) => {
+                let claim = insert_marker(txn, &table, delivery.message_id(), consumer, None);
+                let backend = txn.get_database_backend();
+                let message_id = delivery.message_id();
+                unresponsive_within(backend, message_id, consumer, "the claim", claim).await?
+            }
+            Err(refusal) => {
+                // Bad input is still reported first, as for an admitted delivery.
+                validate_claim(delivery.message_id(), consumer)?;
+                Ok(Claim::Refused(refusal))
+            }
+        }
+    }
+}
+
+/// One batch claim in `table`.
+fn claim_many(
+    txn: &DatabaseTransaction,
+    table: InboxTable,
+    deliveries: Vec<Delivery>,
+    consumer: &str,
+) -> impl Future<Output = Result<BatchClaim, InboxError>> + Send {
+    let admitted = admit_batch(deliveries, consumer, Utc::now());
+    let backend = txn.get_database_backend();
+    async move {
+        let claim = insert_batch(txn, &table, admitted, consumer);
+        answered_on(backend, "the batch claim", claim).await?
     }
 }

@@ -3,18 +3,16 @@
 use super::Claim;
 use super::held::{Held, Step};
 use crate::backend::{
-    DbErrorKind, ProcessMarker, claim_marker_statement, claim_silence_statement, classify,
+    DbErrorKind, ProcessMarker, claim_marker_statement, claim_silence_statement, classify_in,
     inbox_duplicate_confirmation, run_marker_insert,
 };
 use crate::clock::now_micros;
 use crate::consumer::validate_claim;
 use crate::silence::within;
 use crate::{Inbox, InboxError, MessageId};
-use sea_orm::{
-    ColumnTrait, ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, EntityTrait, QueryFilter,
-    QuerySelect,
-};
-use sea_orm_inbox_entity::inbox;
+use sea_orm::sea_query::{Expr, ExprTrait, Query};
+use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend, DbErr};
+use sea_orm_inbox_entity::{InboxTable, inbox};
 use std::future::Future;
 use std::time::Duration;
 use uuid::Uuid;
@@ -90,6 +88,8 @@ use uuid::Uuid;
 #[must_use = "commit the work with ClaimedMessage::commit, which proves the marker is still held"]
 #[derive(Debug, PartialEq, Eq, Hash)]
 pub struct ClaimedMessage {
+    /// The table the marker is in.
+    table: InboxTable,
     message_id: MessageId,
     consumer: String,
     marker_id: i64,
@@ -168,7 +168,13 @@ impl ClaimedMessage {
 
     /// What the proof reads: this claim's marker row.
     pub(crate) fn held(&self) -> Held<'_> {
-        Held::row(&self.consumer, self.message_id, self.marker_id, self.token)
+        Held::row(
+            &self.table,
+            &self.consumer,
+            self.message_id,
+            self.marker_id,
+            self.token,
+        )
     }
 
     /// The error of a step of the commit that got no answer within `waited`.
@@ -227,6 +233,7 @@ fn unresponsive(
 /// transaction once the client goes silent (see [`claim_silence_statement`]).
 pub(crate) async fn insert_marker<C: ConnectionTrait>(
     conn: &C,
+    table: &InboxTable,
     message_id: MessageId,
     consumer: &str,
     process: Option<ProcessMarker>,
@@ -243,9 +250,11 @@ pub(crate) async fn insert_marker<C: ConnectionTrait>(
                 .map_err(|err| InboxError::from_claim(err, message_id, consumer))?;
         }
     }
-    let statement = claim_marker_statement(backend, message_id, consumer, now_micros(), process)?;
+    let statement =
+        claim_marker_statement(backend, table, message_id, consumer, now_micros(), process)?;
     match run_marker_insert(conn, statement).await {
         Ok(Some(marker_id)) => Ok(Claim::Claimed(ClaimedMessage {
+            table: table.clone(),
             message_id,
             consumer: consumer.to_owned(),
             marker_id,
@@ -253,7 +262,7 @@ pub(crate) async fn insert_marker<C: ConnectionTrait>(
         })),
         // The conflict clause met the marker of a committed claim.
         Ok(None) => Ok(Claim::Duplicate),
-        Err(err) => claim_failure(conn, err, message_id, consumer).await,
+        Err(err) => claim_failure(conn, table, err, message_id, consumer).await,
     }
 }
 
@@ -263,18 +272,20 @@ pub(crate) async fn insert_marker<C: ConnectionTrait>(
 /// pooler a statement with bound values outside one fails with 26000.
 pub(crate) async fn marker_token(
     conn: &DatabaseTransaction,
+    table: &InboxTable,
     message_id: MessageId,
     consumer: &str,
 ) -> Result<Option<Uuid>, DbErr> {
-    let token = inbox::Entity::find()
-        .select_only()
+    let select = Query::select()
         .column(inbox::Column::ClaimToken)
-        .filter(inbox::Column::MessageId.eq(message_id.as_uuid()))
-        .filter(inbox::Column::Consumer.eq(consumer))
-        .into_tuple::<Option<Uuid>>()
-        .one(conn)
-        .await?;
-    Ok(token.flatten())
+        .from(table.table_ref())
+        .and_where(Expr::col(inbox::Column::MessageId).eq(message_id.as_uuid()))
+        .and_where(Expr::col(inbox::Column::Consumer).eq(consumer))
+        .to_owned();
+    let Some(row) = conn.query_one(&select).await? else {
+        return Ok(None);
+    };
+    row.try_get_by_index::<Option<Uuid>>(0)
 }
 
 /// What a failed marker INSERT means: `Duplicate` only when the violated index is the
@@ -282,15 +293,17 @@ pub(crate) async fn marker_token(
 /// duplicate on the backends that need the check) where the error cannot tell.
 async fn claim_failure<C: ConnectionTrait>(
     conn: &C,
+    table: &InboxTable,
     err: DbErr,
     message_id: MessageId,
     consumer: &str,
 ) -> Result<Claim, InboxError> {
-    if classify(&err) != DbErrorKind::InboxDuplicate {
+    if classify_in(&err, table) != DbErrorKind::InboxDuplicate {
         return Err(InboxError::from_claim(err, message_id, consumer));
     }
     let backend = conn.get_database_backend();
-    let Some(confirmation) = inbox_duplicate_confirmation(backend, message_id, consumer)? else {
+    let Some(confirmation) = inbox_duplicate_confirmation(backend, table, message_id, consumer)?
+    else {
         return Ok(Claim::Duplicate);
     };
     match conn.query_one_raw(confirmation).await {

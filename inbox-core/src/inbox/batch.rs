@@ -149,7 +149,7 @@ impl Inbox {
             .await?
             .map_err(|err| self.database_failure(named, err))?;
         let batch = match txn
-            .claim_batch(deliveries.iter().copied(), &self.consumer)
+            .claim_batch_in(self.table(), deliveries.iter().copied(), &self.consumer)
             .await
         {
             Ok(batch) => batch,

@@ -14,6 +14,7 @@ use crate::{
 };
 use chrono::Utc;
 use sea_orm::{ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbErr};
+use sea_orm_inbox_entity::InboxTable;
 use std::fmt::Display;
 use std::future::Future;
 use std::pin::Pin;
@@ -76,6 +77,7 @@ pub type HandlerFuture<'t, T, E> = Pin<Box<dyn Future<Output = Result<T, E>> + S
 #[derive(Clone, Debug)]
 pub struct Inbox {
     consumer: Arc<str>,
+    table: InboxTable,
     retry: RetryPolicy,
     lock_timeout: Duration,
     floor: Option<AdmissionFloor>,
@@ -145,6 +147,7 @@ impl Inbox {
         validate_consumer(&consumer)?;
         Ok(Self {
             consumer: consumer.into(),
+            table: InboxTable::default(),
             retry: RetryPolicy::default(),
             lock_timeout: Self::DEFAULT_LOCK_TIMEOUT,
             floor: None,
@@ -161,6 +164,29 @@ impl Inbox {
 
     /// The shortest lock timeout accepted: 1 ms.
     pub const MIN_LOCK_TIMEOUT: Duration = Duration::from_millis(1);
+
+    /// Keeps this inbox's markers in `table` instead of the default `inbox`: for an
+    /// application that has a table called `inbox` already, or runs several inboxes in one
+    /// database. Migrate the table first
+    /// (`sea_orm_inbox_migration::inbox_migrations(&table)`).
+    ///
+    /// ```
+    /// use sea_orm_inbox::{Inbox, InboxTable};
+    ///
+    /// let table = InboxTable::named("app_inbox")?.in_schema("messaging")?;
+    /// let inbox = Inbox::new("billing")?.with_table(table.clone());
+    /// assert_eq!(inbox.table(), &table);
+    /// # Ok::<(), sea_orm_inbox::InboxError>(())
+    /// ```
+    pub fn with_table(mut self, table: InboxTable) -> Self {
+        self.table = table;
+        self
+    }
+
+    /// The table this inbox keeps its markers in.
+    pub fn table(&self) -> &InboxTable {
+        &self.table
+    }
 
     /// Replaces the retry policy for transient database failures.
     pub fn with_retry(mut self, retry: RetryPolicy) -> Self {
@@ -510,7 +536,7 @@ impl Inbox {
                 bound.map(|bound| bound + self.lock_timeout),
                 message_id,
                 "the claim",
-                insert_marker(&txn, message_id, &self.consumer, Some(process)),
+                insert_marker(&txn, &self.table, message_id, &self.consumer, Some(process)),
             )
             .await?;
         facade::claim_wait(&self.consumer, claim_started.elapsed());
@@ -688,7 +714,7 @@ impl Inbox {
             return Ok(Outcome::Duplicate);
         };
         let read = in_own_transaction(db, async |txn| {
-            marker_token(txn, message_id, &self.consumer).await
+            marker_token(txn, &self.table, message_id, &self.consumer).await
         });
         let token = self.bounded(
             self.step_bound(db),

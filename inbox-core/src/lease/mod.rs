@@ -5,7 +5,10 @@ mod decide;
 mod store;
 mod sweep;
 
-pub use sweep::{ExpiredLease, list_dead_claims, list_expired_leases};
+pub use sweep::{
+    ExpiredLease, list_dead_claims, list_dead_claims_in, list_expired_leases,
+    list_expired_leases_in,
+};
 
 use crate::clock::truncate_to_micros;
 use crate::consumer::validate_claim;
@@ -14,7 +17,7 @@ use crate::{Delivery, Inbox, InboxError, MessageId, Refusal, RetryPolicy};
 use chrono::{DateTime, TimeDelta, Utc};
 use decide::attempts_of;
 use sea_orm::DatabaseConnection;
-use sea_orm_inbox_entity::inbox;
+use sea_orm_inbox_entity::{InboxTable, inbox};
 use std::time::Duration;
 use store::LeaseUpdate;
 use uuid::Uuid;
@@ -199,6 +202,8 @@ impl LeaseOptions {
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Lease {
+    /// The table the lease's row is in.
+    table: InboxTable,
     message_id: MessageId,
     consumer: String,
     token: Uuid,
@@ -504,13 +509,59 @@ pub async fn claim_lease_with_token(
     options: &LeaseOptions,
     token: ClaimToken,
 ) -> Result<LeaseClaim, InboxError> {
+    claim_lease_in(
+        db,
+        &InboxTable::default(),
+        message_id,
+        consumer,
+        options,
+        token,
+    )
+    .await
+}
+
+/// [`claim_lease_with_token`] for the inbox in `table`, an [`InboxTable`] of the
+/// application's choice; the [`Lease`] completes and releases in that table. Pass
+/// [`ClaimToken::new`] for a claim without a token of your own.
+///
+/// # Errors
+/// As [`claim_lease`].
+///
+/// ```
+/// use sea_orm_inbox::{ClaimToken, InboxTable, LeaseClaim, LeaseOptions, claim_lease_in};
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// # use sea_orm_migration::{MigrationTrait, SchemaManager};
+/// # let db = sea_orm::Database::connect("sqlite::memory:").await?;
+/// let table = InboxTable::named("app_inbox")?;
+/// # for migration in sea_orm_inbox_migration::inbox_migrations(&table) {
+/// #     migration.up(&SchemaManager::new(&db)).await?;
+/// # }
+/// let options = LeaseOptions::new(std::time::Duration::from_secs(30))?;
+/// let id = uuid::Uuid::new_v4();
+/// let LeaseClaim::Claimed(lease) =
+///     claim_lease_in(&db, &table, id, "mailer", &options, ClaimToken::new()).await?
+/// else {
+///     unreachable!("a new message")
+/// };
+/// lease.complete(&db).await?;
+/// # Ok(()) }
+/// ```
+pub async fn claim_lease_in(
+    db: &DatabaseConnection,
+    table: &InboxTable,
+    message_id: impl Into<Delivery>,
+    consumer: &str,
+    options: &LeaseOptions,
+    token: ClaimToken,
+) -> Result<LeaseClaim, InboxError> {
     let delivery = message_id.into();
     let message_id = delivery.message_id();
     validate_claim(message_id, consumer)?;
     if let Err(refusal) = delivery.admit(None, Utc::now()) {
         return Ok(LeaseClaim::Refused(refusal));
     }
-    store::claim(db, message_id, consumer, options, token.as_uuid()).await
+    store::claim(db, table, message_id, consumer, options, token.as_uuid()).await
 }
 
 #[cfg(test)]

@@ -5,8 +5,8 @@ use super::decide::{Decision, decide};
 use super::{Lease, LeaseClaim, LeaseOptions};
 use crate::backend::{
     CLAIM_TRANSACTION, DbErrorKind, begin_to_completion, classify, complete_lease_sql,
-    insert_lease_sql, park_lease_sql, release_lease_sql, roll_back, silence_statement,
-    take_over_lease_sql, timestamp_value,
+    entity_select_in, insert_lease_sql, park_lease_sql, release_lease_sql, roll_back,
+    silence_statement, take_over_lease_sql, timestamp_value,
 };
 use crate::clock::now_micros;
 use crate::pooler::in_own_transaction;
@@ -16,7 +16,7 @@ use sea_orm::{
     ColumnTrait, ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbErr, EntityTrait,
     QueryFilter, QuerySelect, Statement, Value,
 };
-use sea_orm_inbox_entity::inbox;
+use sea_orm_inbox_entity::{InboxTable, inbox};
 use std::time::Duration;
 use uuid::Uuid;
 
@@ -74,6 +74,7 @@ where
 
 /// The statements of a claim, prepared once for all its tries.
 struct ClaimSql {
+    table: InboxTable,
     insert: String,
     take_over: String,
     park: String,
@@ -84,6 +85,7 @@ struct ClaimSql {
 /// writing that same token.
 pub(super) async fn claim(
     db: &DatabaseConnection,
+    table: &InboxTable,
     message_id: MessageId,
     consumer: &str,
     options: &LeaseOptions,
@@ -91,9 +93,10 @@ pub(super) async fn claim(
 ) -> Result<LeaseClaim, InboxError> {
     let backend = db.get_database_backend();
     let sql = ClaimSql {
-        insert: insert_lease_sql(backend)?,
-        take_over: take_over_lease_sql(backend)?,
-        park: park_lease_sql(backend)?,
+        table: table.clone(),
+        insert: insert_lease_sql(backend, table)?,
+        take_over: take_over_lease_sql(backend, table)?,
+        park: park_lease_sql(backend, table)?,
         silence: silence_statement(backend, options.partition_timeout)?,
     };
     let bound = (
@@ -155,14 +158,18 @@ async fn claim_in(
         ],
     ))
     .await?;
-    let row = inbox::Entity::find()
+    let select = inbox::Entity::find()
         .filter(inbox::Column::MessageId.eq(message_id.as_uuid()))
         .filter(inbox::Column::Consumer.eq(consumer))
         .lock_exclusive()
+        .limit(1);
+    let row = entity_select_in(backend, &sql.table, select)
+        .map_err(|err| DbErr::Custom(err.to_string()))?
         .one(txn)
         .await?
         .ok_or_else(|| DbErr::RecordNotFound("the inbox row just claimed".into()))?;
     let lease = |attempt, lease_until| Lease {
+        table: sql.table.clone(),
         message_id,
         consumer: consumer.to_owned(),
         token,
@@ -232,8 +239,8 @@ pub(super) async fn compare_and_set(
 ) -> Result<(), InboxError> {
     let backend = db.get_database_backend();
     let sql = match update {
-        LeaseUpdate::Complete => complete_lease_sql(backend)?,
-        LeaseUpdate::Release => release_lease_sql(backend)?,
+        LeaseUpdate::Complete => complete_lease_sql(backend, &lease.table)?,
+        LeaseUpdate::Release => release_lease_sql(backend, &lease.table)?,
     };
     let silence = silence_statement(backend, lease.partition_timeout)?;
     let bound = (

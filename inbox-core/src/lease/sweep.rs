@@ -3,7 +3,7 @@
 
 use super::DeadClaim;
 use super::decide::attempts_of;
-use crate::backend::{consumer_is, timestamp_value};
+use crate::backend::{consumer_is, entity_select_in, timestamp_value};
 use crate::clock::now_micros;
 use crate::consumer::validate_consumer;
 use crate::pooler::in_own_transaction;
@@ -12,7 +12,7 @@ use crate::{Inbox, InboxError, MessageId};
 use chrono::{DateTime, Utc};
 use sea_orm::sea_query::ExprTrait;
 use sea_orm::{ColumnTrait, DatabaseConnection, EntityTrait, QueryFilter, QueryOrder, QuerySelect};
-use sea_orm_inbox_entity::inbox;
+use sea_orm_inbox_entity::{InboxTable, inbox};
 
 /// A two-phase claim whose lease expired without completing: a crashed or hung attempt,
 /// listed by [`list_expired_leases`] for a sweeper.
@@ -65,6 +65,34 @@ pub async fn list_expired_leases(
     consumer: Option<&str>,
     limit: u64,
 ) -> Result<Vec<ExpiredLease>, InboxError> {
+    list_expired_leases_in(db, &InboxTable::default(), consumer, limit).await
+}
+
+/// [`list_expired_leases`] of the inbox in `table`, an [`InboxTable`] of the
+/// application's choice.
+///
+/// # Errors
+/// As [`list_expired_leases`].
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// # use sea_orm_migration::{MigrationTrait, SchemaManager};
+/// # let db = sea_orm::Database::connect("sqlite::memory:").await?;
+/// let table = sea_orm_inbox::InboxTable::named("app_inbox")?;
+/// # for migration in sea_orm_inbox_migration::inbox_migrations(&table) {
+/// #     migration.up(&SchemaManager::new(&db)).await?;
+/// # }
+/// let stuck = sea_orm_inbox::list_expired_leases_in(&db, &table, None, 100).await?;
+/// assert!(stuck.is_empty());
+/// # Ok(()) }
+/// ```
+pub async fn list_expired_leases_in(
+    db: &DatabaseConnection,
+    table: &InboxTable,
+    consumer: Option<&str>,
+    limit: u64,
+) -> Result<Vec<ExpiredLease>, InboxError> {
     let now = timestamp_value(db.get_database_backend(), now_micros());
     let expired = inbox::Column::ProcessedAt
         .is_null()
@@ -72,6 +100,7 @@ pub async fn list_expired_leases(
         .and(inbox::Column::LeaseUntil.lt(now));
     let rows = list_rows(
         db,
+        table,
         expired,
         inbox::Column::LeaseUntil,
         consumer,
@@ -114,9 +143,24 @@ pub async fn list_dead_claims(
     consumer: Option<&str>,
     limit: u64,
 ) -> Result<Vec<DeadClaim>, InboxError> {
+    list_dead_claims_in(db, &InboxTable::default(), consumer, limit).await
+}
+
+/// [`list_dead_claims`] of the inbox in `table`, an [`InboxTable`] of the application's
+/// choice.
+///
+/// # Errors
+/// As [`list_expired_leases`].
+pub async fn list_dead_claims_in(
+    db: &DatabaseConnection,
+    table: &InboxTable,
+    consumer: Option<&str>,
+    limit: u64,
+) -> Result<Vec<DeadClaim>, InboxError> {
     let dead = inbox::Column::DeadAt.is_not_null();
     let rows = list_rows(
         db,
+        table,
         dead,
         inbox::Column::DeadAt,
         consumer,
@@ -135,6 +179,7 @@ pub async fn list_dead_claims(
 /// the read waits at most [`Inbox::DEFAULT_PARTITION_TIMEOUT`] for the database.
 async fn list_rows(
     db: &DatabaseConnection,
+    table: &InboxTable,
     condition: sea_orm::sea_query::Expr,
     order: inbox::Column,
     consumer: Option<&str>,
@@ -158,6 +203,7 @@ async fn list_rows(
         .order_by_asc(order)
         .order_by_asc(inbox::Column::Id)
         .limit(limit);
+    let query = entity_select_in(db.get_database_backend(), table, query)?;
     let read = in_own_transaction(db, async |txn| query.all(txn).await);
     answered_within(db, Inbox::DEFAULT_PARTITION_TIMEOUT, operation, read)
         .await?

@@ -7,5 +7,5 @@ mod purger;
 mod walk;
 
 pub use policy::{BrokerRedelivery, PurgePacing, RetentionPolicy};
-pub use purge::{PurgeReport, purge};
-pub use purger::{Purger, PurgerSummary, spawn_purger};
+pub use purge::{PurgeReport, purge, purge_in};
+pub use purger::{Purger, PurgerSummary, spawn_purger, spawn_purger_in};

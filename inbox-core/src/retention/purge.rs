@@ -14,6 +14,7 @@ use crate::pooler::{in_own_transaction, in_own_transaction_with};
 use crate::silence::answered_within;
 use chrono::{DateTime, Utc};
 use sea_orm::{ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbErr, Statement, Value};
+use sea_orm_inbox_entity::InboxTable;
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
@@ -73,7 +74,37 @@ pub async fn purge(
     db: &DatabaseConnection,
     policy: &RetentionPolicy,
 ) -> Result<PurgeReport, InboxError> {
-    purge_until(db, policy, &mut StopSignal::Never).await
+    purge_in(db, &InboxTable::default(), policy).await
+}
+
+/// [`purge`] of the inbox in `table`, an [`InboxTable`] of the application's choice.
+///
+/// # Errors
+/// As [`purge`].
+///
+/// ```
+/// use sea_orm_inbox::{InboxTable, RetentionPolicy, purge_in};
+/// use std::time::Duration;
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// # use sea_orm_migration::{MigrationTrait, SchemaManager};
+/// # let db = sea_orm::Database::connect("sqlite::memory:").await?;
+/// let table = InboxTable::named("app_inbox")?;
+/// # for migration in sea_orm_inbox_migration::inbox_migrations(&table) {
+/// #     migration.up(&SchemaManager::new(&db)).await?;
+/// # }
+/// let policy = RetentionPolicy::with_window(Duration::from_secs(7 * 86_400))?;
+/// let report = purge_in(&db, &table, &policy).await?;
+/// assert_eq!(report.rows, 0);
+/// # Ok(()) }
+/// ```
+pub async fn purge_in(
+    db: &DatabaseConnection,
+    table: &InboxTable,
+    policy: &RetentionPolicy,
+) -> Result<PurgeReport, InboxError> {
+    purge_until(db, table, policy, &mut StopSignal::Never).await
 }
 
 /// Whether a purge should stop between batches: never for [`purge`], on request (or when
@@ -109,15 +140,16 @@ impl StopSignal<'_> {
 /// [`purge`] that also stops between batches once `stop` says so.
 pub(super) async fn purge_until(
     db: &DatabaseConnection,
+    table: &InboxTable,
     policy: &RetentionPolicy,
     stop: &mut StopSignal<'_>,
 ) -> Result<PurgeReport, InboxError> {
     let backend = db.get_database_backend();
     let failed = |operation| move |source| InboxError::Query { operation, source };
-    let Some(cutoff) = receiving_time_cutoff(db, policy).await? else {
+    let Some(cutoff) = receiving_time_cutoff(db, table, policy).await? else {
         return Ok(PurgeReport::default());
     };
-    let delete = purge_batch_sql(backend)?;
+    let delete = purge_batch_sql(backend, table)?;
     let mut report = PurgeReport {
         cutoff: Some(cutoff),
         ..PurgeReport::default()
@@ -178,12 +210,13 @@ pub(super) async fn purge_until(
 /// and a transaction per read would triple them (BEGIN and COMMIT around each).
 async fn receiving_time_cutoff(
     db: &DatabaseConnection,
+    table: &InboxTable,
     policy: &RetentionPolicy,
 ) -> Result<Option<DateTime<Utc>>, InboxError> {
     let backend = db.get_database_backend();
-    let newest_sql = newest_received_at_sql(backend)?;
-    let probe_sql = latest_received_at_or_before_sql(backend)?;
-    let oldest_sql = oldest_received_at_sql(backend)?;
+    let newest_sql = newest_received_at_sql(backend, table)?;
+    let probe_sql = latest_received_at_or_before_sql(backend, table)?;
+    let oldest_sql = oldest_received_at_sql(backend, table)?;
     let operation = "reading received_at for the retention cutoff";
     let walk = in_own_transaction(db, async |txn| {
         let Some(newest) = read_timestamp(txn, &newest_sql, None).await? else {

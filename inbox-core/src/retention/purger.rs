@@ -4,6 +4,7 @@ use super::RetentionPolicy;
 use super::purge::{StopSignal, purge_until};
 use crate::InboxError;
 use sea_orm::DatabaseConnection;
+use sea_orm_inbox_entity::InboxTable;
 use std::time::Duration;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -81,6 +82,34 @@ pub fn spawn_purger(
     policy: RetentionPolicy,
     every: Duration,
 ) -> Result<Purger, InboxError> {
+    spawn_purger_in(db, InboxTable::default(), policy, every)
+}
+
+/// [`spawn_purger`] for the inbox in `table`, an [`InboxTable`] of the application's
+/// choice.
+///
+/// # Errors
+/// As [`spawn_purger`].
+///
+/// ```
+/// use sea_orm_inbox::{InboxTable, RetentionPolicy, spawn_purger_in};
+/// use std::time::Duration;
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// # let db = sea_orm::Database::connect("sqlite::memory:").await?;
+/// let table = InboxTable::named("app_inbox")?;
+/// let policy = RetentionPolicy::with_window(Duration::from_secs(7 * 86_400))?;
+/// let purger = spawn_purger_in(db.clone(), table, policy, Duration::from_secs(600))?;
+/// purger.shutdown().await?;
+/// # Ok(()) }
+/// ```
+pub fn spawn_purger_in(
+    db: DatabaseConnection,
+    table: InboxTable,
+    policy: RetentionPolicy,
+    every: Duration,
+) -> Result<Purger, InboxError> {
     if every.is_zero() {
         return Err(InboxError::InvalidRetention {
             reason: "the purge interval is zero: purge every few minutes".into(),
@@ -103,7 +132,7 @@ pub fn spawn_purger(
                 break;
             }
             summary.runs += 1;
-            match purge_until(&db, &policy, &mut stop).await {
+            match purge_until(&db, &table, &policy, &mut stop).await {
                 Ok(report) => {
                     summary.rows += report.rows;
                     summary.batches += u64::from(report.batches);

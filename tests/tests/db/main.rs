@@ -40,4 +40,5 @@ mod race;
 mod retention;
 mod schema;
 mod soak;
+mod table_name;
 mod upgrade;
