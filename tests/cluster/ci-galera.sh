@@ -19,7 +19,7 @@ echo "ci-galera: INBOX_TEST_GALERA_URLS=$INBOX_TEST_GALERA_URLS"
 
 log=$(mktemp)
 status=0
-cargo test -p inbox-tests --test db galera:: -- --ignored --nocapture 2>&1 | tee "$log" || status=$?
+cargo test --workspace --test db galera:: -- --ignored --nocapture 2>&1 | tee "$log" || status=$?
 echo "ci-galera: counts"
 grep -E '^Galera ' "$log" || true
 rm -f "$log"

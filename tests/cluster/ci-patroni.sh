@@ -21,7 +21,7 @@ echo "ci-patroni: cluster up after $((SECONDS - started)) s: INBOX_TEST_PATRONI_
 
 log=$(mktemp)
 status=0
-cargo test -p inbox-tests --test db patroni:: -- --ignored --test-threads=1 --nocapture 2>&1 | tee "$log" || status=$?
+cargo test --workspace --test db patroni:: -- --ignored --test-threads=1 --nocapture 2>&1 | tee "$log" || status=$?
 echo "ci-patroni: counts"
 grep -o 'Patroni, .*' "$log" || true
 rm -f "$log"

@@ -29,8 +29,8 @@ export INBOX_TEST_PGBOUNCER_URL
 echo "== PgBouncer (transaction pooling): $INBOX_TEST_PGBOUNCER_URL"
 # Every suite's pgbouncer:: module (claim, process, lease, batch, lock_wait, retention,
 # lost_reply, pooler): the scenarios that hold up under transaction pooling.
-cargo test -p inbox-tests --test db pgbouncer:: -- --ignored
+cargo test --workspace --test db pgbouncer:: -- --ignored
 
 echo "== PostgreSQL failover behind HAProxy (synchronous, asynchronous, standby down)"
-INBOX_TEST_PG_FAILOVER=1 cargo test -p inbox-tests --test db pg_failover:: -- --ignored \
+INBOX_TEST_PG_FAILOVER=1 cargo test --workspace --test db pg_failover:: -- --ignored \
     --test-threads=1 --nocapture
