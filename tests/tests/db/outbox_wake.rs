@@ -28,37 +28,63 @@ impl Publisher for Timed {
     }
 }
 
-/// A relay on a pool of its own, polling once a minute, listening when `listen`.
-/// Returns the stop handle and the published payloads.
-async fn start_relay(
-    db: &TestDb,
-    listen: bool,
-) -> (
-    tokio::sync::oneshot::Sender<()>,
-    mpsc::UnboundedReceiver<(Vec<u8>, Instant)>,
-    tokio::task::JoinHandle<()>,
-) {
-    let (published, receiver) = mpsc::unbounded_channel();
-    let mut relay = Relay::new(Timed(published))
-        .with_options(RelayOptions {
-            poll_interval: POLL,
-            ..RelayOptions::default()
-        })
-        .expect("valid options");
-    if listen {
-        relay = relay.listening(db.url()).expect("a PostgreSQL URL");
-    }
-    let pool = db.connect().await;
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(async move {
-        relay
-            .run(&pool, async {
-                let _ = stopped.await;
+/// Two "processes" on pools of their own: a relay polling once a minute (listening when
+/// asked), and a writer whose waker notifies.
+struct Scene {
+    stop: tokio::sync::oneshot::Sender<()>,
+    published: mpsc::UnboundedReceiver<(Vec<u8>, Instant)>,
+    relay: tokio::task::JoinHandle<()>,
+    writer: DatabaseConnection,
+    waker: OutboxWaker,
+}
+
+impl Scene {
+    /// Starts the relay; when `listen`, returns once its LISTEN session is up.
+    async fn start(db: &TestDb, listen: bool) -> Self {
+        let (sender, published) = mpsc::unbounded_channel();
+        let mut relay = Relay::new(Timed(sender))
+            .with_options(RelayOptions {
+                poll_interval: POLL,
+                ..RelayOptions::default()
             })
-            .await;
-        pool.close().await.ok();
-    });
-    (stop, receiver, task)
+            .expect("valid options");
+        if listen {
+            relay = relay.listening(db.url()).expect("a PostgreSQL URL");
+        }
+        let pool = db.connect().await;
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let relay = tokio::spawn(async move {
+            relay
+                .run(&pool, async {
+                    let _ = stopped.await;
+                })
+                .await;
+            pool.close().await.ok();
+        });
+        let writer = db.connect().await;
+        if listen {
+            wait_for_listener(&writer).await;
+        } else {
+            // The relay's first pass (at start) is over.
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+        let waker = OutboxWaker::default()
+            .notifying(writer.clone())
+            .expect("PostgreSQL notifies");
+        Self {
+            stop,
+            published,
+            relay,
+            writer,
+            waker,
+        }
+    }
+
+    async fn finish(self) {
+        self.stop.send(()).ok();
+        self.relay.await.expect("the relay stops");
+        self.writer.close().await.ok();
+    }
 }
 
 /// Waits until the server shows a session listening on the channel.
@@ -98,19 +124,14 @@ fn summary(latencies: &mut [Duration]) -> (Duration, Duration) {
 async fn a_row_another_process_committed_goes_out_on_its_notify() {
     const MESSAGES: usize = 30;
     with_migrated_outbox_db(Backend::Postgres, async |db| {
-        let (stop, mut published, relay) = start_relay(db, true).await;
-        let writer = db.connect().await;
-        wait_for_listener(&writer).await;
-        let waker = OutboxWaker::default()
-            .notifying(writer.clone())
-            .expect("PostgreSQL notifies");
+        let mut scene = Scene::start(db, true).await;
         let mut latencies = Vec::with_capacity(MESSAGES);
         for n in 0..MESSAGES {
             let payload = format!("row {n}").into_bytes();
-            enqueue_one(&writer, payload.clone()).await;
+            enqueue_one(&scene.writer, payload.clone()).await;
             let committed = Instant::now();
-            waker.wake();
-            let (got, at) = tokio::time::timeout(WOKEN_WITHIN, published.recv())
+            scene.waker.wake();
+            let (got, at) = tokio::time::timeout(WOKEN_WITHIN, scene.published.recv())
                 .await
                 .unwrap_or_else(|_| panic!("row {n} not published within {WOKEN_WITHIN:?}"))
                 .expect("the relay runs");
@@ -121,9 +142,7 @@ async fn a_row_another_process_committed_goes_out_on_its_notify() {
         }
         let (p50, max) = summary(&mut latencies);
         println!("commit to publish across pools, {MESSAGES} rows: p50 {p50:?}, max {max:?}");
-        stop.send(()).ok();
-        relay.await.expect("the relay stops");
-        writer.close().await.ok();
+        scene.finish().await;
     })
     .await;
 }
@@ -133,24 +152,16 @@ async fn a_row_another_process_committed_goes_out_on_its_notify() {
 #[cfg_attr(not(inbox_postgres), ignore = "set INBOX_TEST_POSTGRES_URL")]
 async fn without_listening_a_row_another_process_committed_waits_for_the_poll() {
     with_migrated_outbox_db(Backend::Postgres, async |db| {
-        let (stop, mut published, relay) = start_relay(db, false).await;
-        let writer = db.connect().await;
-        // The relay's first pass (at start) is over.
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        let waker = OutboxWaker::default()
-            .notifying(writer.clone())
-            .expect("PostgreSQL notifies");
-        enqueue_one(&writer, b"unheard".to_vec()).await;
-        waker.wake();
+        let mut scene = Scene::start(db, false).await;
+        enqueue_one(&scene.writer, b"unheard".to_vec()).await;
+        scene.waker.wake();
         assert!(
-            tokio::time::timeout(WOKEN_WITHIN, published.recv())
+            tokio::time::timeout(WOKEN_WITHIN, scene.published.recv())
                 .await
                 .is_err(),
             "a relay that does not listen cannot have been woken"
         );
-        stop.send(()).ok();
-        relay.await.expect("the relay stops");
-        writer.close().await.ok();
+        scene.finish().await;
     })
     .await;
 }
@@ -165,23 +176,17 @@ async fn a_burst_of_wakes_is_debounced_and_loses_no_row() {
     with_migrated_outbox_db(Backend::Postgres, async |db| {
         let mut counter = PgListener::connect(db.url()).await.expect("listen");
         counter.listen(OUTBOX_CHANNEL).await.expect("listen");
-        let (stop, mut published, relay) = start_relay(db, true).await;
-        let writer = db.connect().await;
-        wait_for_listener(&writer).await;
-        let waker = OutboxWaker::default()
-            .notifying(writer.clone())
-            .expect("PostgreSQL notifies");
-
+        let mut scene = Scene::start(db, true).await;
         let started = Instant::now();
         for n in 0..BURST {
-            enqueue_one(&writer, format!("burst {n}").into_bytes()).await;
-            waker.wake();
+            enqueue_one(&scene.writer, format!("burst {n}").into_bytes()).await;
+            scene.waker.wake();
         }
         let burst = started.elapsed();
         let last_commit = Instant::now();
         let mut last_publish = last_commit;
         for _ in 0..BURST {
-            let (_, at) = tokio::time::timeout(WOKEN_WITHIN * 2, published.recv())
+            let (_, at) = tokio::time::timeout(WOKEN_WITHIN * 2, scene.published.recv())
                 .await
                 .expect("every row of the burst is published without waiting for the poll")
                 .expect("the relay runs");
@@ -203,9 +208,7 @@ async fn a_burst_of_wakes_is_debounced_and_loses_no_row() {
             u128::from(notifies) <= windows,
             "{notifies} NOTIFYs for {BURST} wakes in {burst:?}: not debounced"
         );
-        stop.send(()).ok();
-        relay.await.expect("the relay stops");
-        writer.close().await.ok();
+        scene.finish().await;
     })
     .await;
 }
