@@ -31,13 +31,7 @@ impl CutProxy {
     /// Starts a proxy in front of the server of `url` (`scheme://[user@]host:port/...`);
     /// [`url`](Self::url) is the same URL pointed at the proxy.
     pub async fn start(url: &str) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind the proxy to an ephemeral 127.0.0.1 port");
-        let port = listener
-            .local_addr()
-            .expect("the proxy's local address")
-            .port();
+        let (listener, port) = bind_ephemeral().await;
         let (upstream, url) = reroute(url, port);
         let shared = Arc::new(Shared::default());
         let acceptor = tokio::spawn(accept(listener, upstream, Arc::clone(&shared)));
@@ -76,14 +70,32 @@ impl Drop for CutProxy {
 }
 
 /// The `host:port` of `url`, and `url` with it replaced by `127.0.0.1:port`.
-fn reroute(url: &str, port: u16) -> (String, String) {
+/// A listener on an ephemeral 127.0.0.1 port, and that port.
+pub(crate) async fn bind_ephemeral() -> (TcpListener, u16) {
+    let listener = TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind the proxy to an ephemeral 127.0.0.1 port");
+    let port = listener
+        .local_addr()
+        .expect("the proxy's local address")
+        .port();
+    (listener, port)
+}
+
+/// A server URL's parts: scheme, `user@` (empty without a user), `host[:port]`, and the
+/// rest from the first `/`.
+pub(crate) fn url_parts(url: &str) -> (&str, String, &str, &str) {
     let (scheme, rest) = url.split_once("://").expect("a server URL has a scheme");
-    let authority_end = rest.find('/').unwrap_or(rest.len());
-    let (authority, path) = rest.split_at(authority_end);
+    let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
     let (user, host_port) = match authority.rsplit_once('@') {
         Some((user, host_port)) => (format!("{user}@"), host_port),
         None => (String::new(), authority),
     };
+    (scheme, user, host_port, path)
+}
+
+fn reroute(url: &str, port: u16) -> (String, String) {
+    let (scheme, user, host_port, path) = url_parts(url);
     assert!(
         host_port.contains(':'),
         "{url}: give the server's port explicitly, the proxy reads no scheme's default"

@@ -37,6 +37,7 @@
 //! SQLite is embedded: there is no network between the client and the database, so the
 //! proxy (and every lost-reply test) exists only for the server backends.
 
+use crate::cut_proxy::{bind_ephemeral, url_parts};
 use crate::{Backend, TestDb, connect_pool, create_accounts, scalar_i64, with_migrated_db};
 use futures_util::FutureExt;
 use sea_orm::DatabaseConnection;
@@ -123,13 +124,7 @@ impl LostReplyProxy {
             Backend::Postgres | Backend::PgBouncer => Protocol::Postgres,
             Backend::MySql => Protocol::MySql,
         };
-        let listener = TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind the proxy to an ephemeral 127.0.0.1 port");
-        let port = listener
-            .local_addr()
-            .expect("the proxy's local address")
-            .port();
+        let (listener, port) = bind_ephemeral().await;
         let (upstream, url) = route(&db.url, protocol, port);
         let faults = Arc::new(Faults::default());
         let acceptor = tokio::spawn(accept(listener, upstream, protocol, Arc::clone(&faults)));
@@ -240,12 +235,7 @@ impl Drop for LostReplyProxy {
 /// The server's `host:port` from a test database URL, and the same URL pointed at the
 /// proxy's port, with TLS off so the proxy can read the protocol.
 fn route(url: &str, protocol: Protocol, proxy_port: u16) -> (String, String) {
-    let (scheme, rest) = url.split_once("://").expect("a server URL has a scheme");
-    let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
-    let (user, host_port) = match authority.rsplit_once('@') {
-        Some((user, host_port)) => (format!("{user}@"), host_port),
-        None => (String::new(), authority),
-    };
+    let (scheme, user, host_port, path) = url_parts(url);
     let default_port = match protocol {
         Protocol::Postgres => 5432,
         Protocol::MySql => 3306,
