@@ -26,7 +26,6 @@ export CARGO_TERM_COLOR=never
 pg_admin=${INBOX_TEST_POSTGRES_URL:?set INBOX_TEST_POSTGRES_URL, e.g. postgres://postgres@127.0.0.1:5432/test}
 mysql_admin=${INBOX_TEST_MYSQL_URL:-}
 export AMQP_URL=${INBOX_TEST_AMQP_URL:-${AMQP_URL:?set INBOX_TEST_AMQP_URL, e.g. amqp://guest:guest@127.0.0.1:5672/%2f}}
-cli_version=2.0.4
 script_start=$SECONDS
 
 say() { echo "seaorm-app: $*"; }
@@ -40,16 +39,7 @@ step() {
   say "  $name: $((SECONDS - start)) s"
 }
 
-install_cli() {
-  if sea-orm-cli --version 2>/dev/null | grep -qx "sea-orm-cli $cli_version"; then
-    say "  sea-orm-cli $cli_version already installed"
-    return 0
-  fi
-  # Its own target directory: sea-orm-cli's lock file shares little with ours.
-  env -u CARGO_TARGET_DIR cargo install "sea-orm-cli@$cli_version" --locked --quiet
-  sea-orm-cli --version | grep -qx "sea-orm-cli $cli_version"
-}
-step "install sea-orm-cli $cli_version if missing" install_cli
+step "install sea-orm-cli if missing (ci/install-sea-orm-cli.sh)" bash "$repo/ci/install-sea-orm-cli.sh"
 
 work=$(mktemp -d)
 databases=()
