@@ -366,11 +366,16 @@ async fn paced_purge_rests_between_batches(backend: Backend) {
         let report = purge(&conn, &policy).await.expect("purge");
         assert_eq!((report.rows, report.batches), (95, 10), "{report:?}");
         assert_eq!(report.largest_batch, 10);
-        // Nine full batches rest 4x their work each (the work is the batch's time at the
-        // fastest rate seen, so a batch that stalled on a lock rests no longer). Only a stall
-        // over a hundred times the fastest batch could bring the rest below a quarter.
+        // Nine full batches rest 4x their work each, where the work is the DELETE's time at
+        // the fastest rate this purge has seen (the pacer's unit tests check that arithmetic
+        // exactly). `deleting` also counts each batch's BEGIN and COMMIT, which the pacing
+        // leaves out: on SQLite a COMMIT's fsync on a busy disk outweighs a 10-row DELETE
+        // many times over, so no lower bound on the ratio holds (a bound of a quarter failed
+        // at 25 ms rested after 129 ms deleting, under load). What holds on every machine:
+        // the purge rested, and never more than 4x its deleting, plus the timer's overshoot.
+        let overshoot = Duration::from_millis(5) * 9;
         assert!(
-            report.resting >= report.deleting / 4 && !report.resting.is_zero(),
+            !report.resting.is_zero() && report.resting <= report.deleting * 4 + overshoot,
             "rested {:?} after {:?} of deleting",
             report.resting,
             report.deleting
