@@ -50,11 +50,13 @@ use std::time::Duration;
 
 mod cut_proxy;
 mod galera;
+mod outbox;
 mod proxy;
 pub mod scenario;
 mod stream;
 pub use cut_proxy::CutProxy;
 pub use galera::{GALERA_URLS_VAR, GaleraDb, galera_script, migrated_galera_db, with_galera_db};
+pub use outbox::RecordingPublisher;
 pub use proxy::{LostReplyProxy, ProxiedDb, with_proxied_db};
 pub use stream::{
     Broker, BrokerStats, HandlerError, Plan, Report, STREAM_CONSUMER, XorShift,

@@ -1,0 +1,50 @@
+//! A stand-in broker for the outbox's cluster suites: it confirms every publish (after a
+//! set latency) and counts the publishes of each message id, so a test can tell
+//! "published once" from "published again with the same id" after the run.
+
+use sea_orm_inbox::{MessageId, OutboxMessage, PublishError, Publisher};
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+/// Records the message id of every publish, in order.
+#[derive(Default)]
+pub struct RecordingPublisher {
+    published: Mutex<Vec<MessageId>>,
+    latency: Duration,
+}
+
+impl RecordingPublisher {
+    /// A publisher whose every confirmation takes `latency`, as a broker's round trip does.
+    pub fn with_latency(latency: Duration) -> Self {
+        Self {
+            latency,
+            ..Self::default()
+        }
+    }
+
+    /// Every publish so far, in order (repeats included).
+    pub fn published(&self) -> Vec<MessageId> {
+        self.published.lock().expect("recorder lock").clone()
+    }
+
+    /// How many times each message id was published.
+    pub fn counts(&self) -> HashMap<MessageId, u32> {
+        let mut counts = HashMap::new();
+        for id in self.published() {
+            *counts.entry(id).or_default() += 1;
+        }
+        counts
+    }
+}
+
+impl Publisher for RecordingPublisher {
+    async fn publish(&self, message: &OutboxMessage) -> Result<(), PublishError> {
+        self.published
+            .lock()
+            .map_err(|_| PublishError::Transient("the recorder's lock is poisoned".into()))?
+            .push(message.message_id);
+        tokio::time::sleep(self.latency).await;
+        Ok(())
+    }
+}
