@@ -5,13 +5,17 @@
 use sea_orm_inbox::{MessageId, OutboxMessage, PublishError, Publisher};
 use std::collections::HashMap;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-/// Records the message id of every publish, in order.
+/// Records the message id of every confirmed publish, in order.
 #[derive(Default)]
 pub struct RecordingPublisher {
     published: Mutex<Vec<MessageId>>,
     latency: Duration,
+    /// A payload the broker refuses (a transient failure, recorded nowhere) until `cured`.
+    poison: Option<Vec<u8>>,
+    cured: AtomicBool,
 }
 
 impl RecordingPublisher {
@@ -21,6 +25,20 @@ impl RecordingPublisher {
             latency,
             ..Self::default()
         }
+    }
+
+    /// A publisher that fails every publish of `payload` as transient until [`cure`](Self::cure):
+    /// a poison message, parked as dead after the relay's attempts.
+    pub fn refusing(payload: &[u8]) -> Self {
+        Self {
+            poison: Some(payload.to_vec()),
+            ..Self::default()
+        }
+    }
+
+    /// Accepts the poison payload from now on (the operator fixed its cause).
+    pub fn cure(&self) {
+        self.cured.store(true, Ordering::SeqCst);
     }
 
     /// Every publish so far, in order (repeats included).
@@ -40,6 +58,11 @@ impl RecordingPublisher {
 
 impl Publisher for RecordingPublisher {
     async fn publish(&self, message: &OutboxMessage) -> Result<(), PublishError> {
+        if self.poison.as_ref() == Some(&message.payload) && !self.cured.load(Ordering::SeqCst) {
+            return Err(PublishError::Transient(
+                "the broker refused the poison".into(),
+            ));
+        }
         self.published
             .lock()
             .map_err(|_| PublishError::Transient("the recorder's lock is poisoned".into()))?
