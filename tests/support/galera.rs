@@ -120,6 +120,22 @@ impl GaleraDb {
         }
     }
 
+    /// Runs `CreateOutbox` (the inbox migrations are in) through node 0 and waits until
+    /// nodes 0 and 1 have the outbox table.
+    pub async fn migrate_outbox(&self) {
+        let conn = self.connect(0).await;
+        sea_orm_inbox_migration::MigratorWithOutbox::up(&conn, None)
+            .await
+            .expect("run CreateOutbox on node 0");
+        conn.close().await.ok();
+        for node in [0, 1] {
+            let conn = self.connect_with(node, 1).await;
+            run(&conn, "SET SESSION wsrep_sync_wait = 15").await;
+            run(&conn, "SELECT COUNT(*) FROM outbox").await;
+            conn.close().await.ok();
+        }
+    }
+
     /// Drops the test's database.
     pub async fn cleanup(self) {
         self.db.cleanup().await;

@@ -50,11 +50,13 @@ use std::time::Duration;
 
 mod cut_proxy;
 mod galera;
+mod outbox;
 mod proxy;
 pub mod scenario;
 mod stream;
 pub use cut_proxy::CutProxy;
 pub use galera::{GALERA_URLS_VAR, GaleraDb, galera_script, migrated_galera_db, with_galera_db};
+pub use outbox::RecordingPublisher;
 pub use proxy::{LostReplyProxy, ProxiedDb, with_proxied_db};
 pub use stream::{
     Broker, BrokerStats, HandlerError, Plan, Report, STREAM_CONSUMER, XorShift,
@@ -152,9 +154,18 @@ pub async fn migrated_db(backend: Backend) -> TestDb {
 pub async fn migrated_outbox_db(backend: Backend) -> TestDb {
     let db = migrated_db(backend).await;
     let conn = db.connect().await;
-    sea_orm_inbox_migration::MigratorWithOutbox::up(&conn, None)
-        .await
-        .expect("run CreateOutbox");
+    if backend == Backend::PgBouncer {
+        // As in `TestDb::migrate`: the migrator's bookkeeping needs a transaction there.
+        let txn = conn.begin().await.expect("begin CreateOutbox");
+        sea_orm_inbox_migration::MigratorWithOutbox::up(&txn, None)
+            .await
+            .expect("run CreateOutbox");
+        txn.commit().await.expect("commit CreateOutbox");
+    } else {
+        sea_orm_inbox_migration::MigratorWithOutbox::up(&conn, None)
+            .await
+            .expect("run CreateOutbox");
+    }
     conn.close().await.ok();
     db
 }

@@ -31,8 +31,8 @@ mod sqlite;
 mod transaction;
 
 pub(crate) use transaction::{
-    AfterFailure, after_failure, begin_to_completion, ends_transactions_silently, roll_back,
-    silently_ended, to_completion, transaction_ended,
+    AfterFailure, after_failure, begin_to_completion, ends_transactions_silently, lost_a_conflict,
+    roll_back, silently_ended, to_completion, transaction_ended,
 };
 
 /// Options for a transaction that claims a message: pass them to

@@ -139,6 +139,17 @@ pub(crate) async fn transaction_ended<C: ConnectionTrait>(txn: &C) -> Result<boo
     }
 }
 
+/// Whether `err` is the database choosing this transaction as the loser of a conflict
+/// with another one that went on: a serialization failure or a deadlock (SQLSTATE 40001
+/// or 40P01; on MySQL/MariaDB 1213, which is also a Galera certification failure and
+/// brute-force abort). Not a lock wait timeout or a lost connection, which say nothing
+/// about another transaction's progress.
+pub(crate) fn lost_a_conflict(err: &DbErr) -> bool {
+    database_error(err)
+        .and_then(|db| db.code())
+        .is_some_and(|code| matches!(code.as_ref(), "40001" | "40P01"))
+}
+
 /// The driver's database error inside `err`, if there is one.
 fn database_error(err: &DbErr) -> Option<&dyn DatabaseError> {
     match err {

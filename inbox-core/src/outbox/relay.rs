@@ -6,7 +6,7 @@ use crate::backend::outbox::{
     Failure, claim_statement, claim_transaction, lease_statement, mark_failed_statement,
     mark_sent_statement, release_statement,
 };
-use crate::backend::to_completion;
+use crate::backend::{lost_a_conflict, to_completion};
 use crate::clock::now_micros;
 use crate::metrics::facade;
 use crate::silence::within;
@@ -461,19 +461,29 @@ impl<P: Publisher> Relay<P> {
     /// Relays until `stop` completes: a batch at once when the last one was full, else
     /// after a [`wake`](OutboxWaker::wake) or [`RelayOptions::poll_interval`]. A failed
     /// batch is logged (`tracing` warning) and retried at the next poll: the relay
-    /// outlives database and broker outages.
+    /// outlives database and broker outages. A batch that lost a conflict to another
+    /// transaction (a deadlock, a serialization failure, a claim that failed Galera's
+    /// certification against another node's relay) is retried at once, logged at debug:
+    /// the winner took its rows, and more may be due.
     pub async fn run(&self, db: &DatabaseConnection, stop: impl Future<Output = ()>) {
         tokio::pin!(stop);
         let _listener = self.spawn_listener();
         loop {
-            let full = match self.relay_once(db).await {
+            let again = match self.relay_once(db).await {
                 Ok(report) => report.claimed >= u64::from(self.options.batch_size),
+                // Waiting a poll interval here would leave the drain to the winner: two
+                // relays on two Galera nodes see the same due rows and lose to each other
+                // all the time, and the loser sat out the rest of the backlog.
+                Err(OutboxError::Database { source, operation }) if lost_a_conflict(&source) => {
+                    tracing::debug!(error = %source, operation, "outbox relay batch lost a conflict; retrying at once");
+                    true
+                }
                 Err(error) => {
                     tracing::warn!(%error, "outbox relay batch failed; retrying at the next poll");
                     false
                 }
             };
-            if full {
+            if again {
                 continue;
             }
             tokio::select! {

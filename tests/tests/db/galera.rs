@@ -21,6 +21,8 @@ use std::time::Duration;
 use tokio::sync::Barrier;
 use uuid::Uuid;
 
+mod outbox;
+
 const CONSUMER: &str = "billing.credit";
 const BATCH_CONSUMER: &str = "projector";
 

@@ -233,6 +233,223 @@ async fn standby_down_commit_waits_and_a_cancelled_wait_has_committed() {
     cluster(&["stop"]).await;
 }
 
+/// Messages the outbox test's writers consume, each enqueueing one outgoing message.
+const OUTBOX_MESSAGES: usize = 600;
+const OUTBOX_CONSUMER: &str = "failover.outbox";
+
+/// Synchronous standby, writers and relays through HAProxy while the primary fails over:
+/// two writers consume messages through `Inbox::process`, each handler writing an effect
+/// and enqueueing one message (id derived from the incoming one, so a retried or
+/// redelivered attempt writes the same row); a message whose `process` failed is
+/// redelivered. Two relays (a pool each) publish and mark with `relay_once` and a short
+/// lease, riding out the failed batches. After the run every committed message's outbox
+/// row is on the new primary, marked sent and published at least once, with its own id
+/// every time (a row published before the kill and marked too late is published again
+/// once its lease ends): 0 lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "cluster suite: bash tests/cluster/ci-pg.sh runs it (--ignored, with INBOX_TEST_PG_FAILOVER=1); it builds a primary + standby behind HAProxy on ports 5433-5435"]
+async fn synchronous_failover_publishes_every_committed_outbox_row() {
+    use inbox_tests::RecordingPublisher;
+    use sea_orm::ConnectionTrait;
+    use sea_orm_inbox::{
+        MessageId, OutboxExt, OutgoingMessage, Relay, RelayOptions, outbox_backlog,
+    };
+    use sea_orm_inbox_migration::MigratorTrait;
+    use std::collections::HashSet;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+    require_permission();
+    let _turn = CLUSTER.lock().await;
+    fresh_cluster("sync").await;
+    let db = fresh_db_at(Backend::Postgres, STABLE_URL).await;
+    db.migrate().await;
+    let conn = db.connect().await;
+    sea_orm_inbox_migration::MigratorWithOutbox::up(&conn, None)
+        .await
+        .expect("run CreateOutbox");
+    create_effects(&conn).await;
+    conn.close().await.ok();
+
+    let incoming: Arc<Vec<MessageId>> = Arc::new(
+        (0..OUTBOX_MESSAGES)
+            .map(|_| MessageId::from_uuid(uuid::Uuid::new_v4()))
+            .collect(),
+    );
+    let next = Arc::new(AtomicUsize::new(0));
+    let committed = Arc::new(AtomicU64::new(0));
+    let redeliveries = Arc::new(AtomicU64::new(0));
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut writers = Vec::new();
+    for writer in 0..2i32 {
+        let pool = db.connect().await;
+        let (incoming, next) = (Arc::clone(&incoming), Arc::clone(&next));
+        let (committed, redeliveries) = (Arc::clone(&committed), Arc::clone(&redeliveries));
+        writers.push(tokio::spawn(async move {
+            let inbox = Inbox::new(OUTBOX_CONSUMER)
+                .expect("valid consumer")
+                .with_retry(RetryPolicy::default().max_attempts(5));
+            loop {
+                let n = next.fetch_add(1, Ordering::SeqCst);
+                let Some(&id) = incoming.get(n) else { break };
+                // Redelivered until `process` says the message is in (Processed, or
+                // Duplicate when an earlier attempt's COMMIT landed unanswered).
+                loop {
+                    let outcome = inbox
+                        .process(&pool, id, |txn| {
+                            Box::pin(async move {
+                                txn.execute_raw(inbox_tests::stmt(
+                                    txn.get_database_backend(),
+                                    "INSERT INTO effect (message_id, replica) VALUES (?, ?)",
+                                    vec![id.as_uuid().to_string().into(), writer.into()],
+                                ))
+                                .await
+                                .map_err(|source| {
+                                    sea_orm_inbox::OutboxError::Database {
+                                        operation: "the effect",
+                                        source,
+                                    }
+                                })?;
+                                txn.enqueue(
+                                    OutgoingMessage::new("events", n.to_string().into_bytes())
+                                        .message_id(id.outgoing(OUTBOX_CONSUMER, 0)),
+                                )
+                                .await
+                                .map(|_| ())
+                            })
+                        })
+                        .await;
+                    match outcome {
+                        Ok(Outcome::Processed(()) | Outcome::Duplicate) => break,
+                        Ok(other) => panic!("message {n}: {other:?}"),
+                        Err(_) => {
+                            redeliveries.fetch_add(1, Ordering::SeqCst);
+                            assert!(Instant::now() < deadline, "message {n} never committed");
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                        }
+                    }
+                }
+                committed.fetch_add(1, Ordering::SeqCst);
+            }
+            pool.close().await.ok();
+        }));
+    }
+
+    let recorder = Arc::new(RecordingPublisher::default());
+    let writing = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let options = RelayOptions {
+        batch_size: 20,
+        // Short, so a row published before the kill and not marked goes out again within
+        // the test; still several publish timeouts long.
+        lease: Duration::from_secs(3),
+        publish_timeout: Duration::from_millis(500),
+        max_attempts: 10,
+        backoff: Duration::from_millis(20),
+        max_backoff: Duration::from_millis(200),
+        poll_interval: Duration::from_millis(50),
+    };
+    let mut relays = Vec::new();
+    for _ in 0..2 {
+        let pool = db.connect().await;
+        let relay = Relay::new(Arc::clone(&recorder))
+            .with_options(options.clone())
+            .expect("options");
+        let writing = Arc::clone(&writing);
+        relays.push(tokio::spawn(async move {
+            let mut failed_batches = 0u64;
+            loop {
+                if relay.relay_once(&pool).await.is_err() {
+                    failed_batches += 1;
+                }
+                if !writing.load(Ordering::SeqCst)
+                    && outbox_backlog(&pool).await.is_ok_and(|b| b.pending == 0)
+                {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "the relays never drained the outbox"
+                );
+                tokio::time::sleep(options.poll_interval).await;
+            }
+            pool.close().await.ok();
+            (failed_batches, relay.metrics().snapshot())
+        }));
+    }
+
+    while committed.load(Ordering::SeqCst) < OUTBOX_MESSAGES as u64 / 4 {
+        assert!(
+            Instant::now() < deadline,
+            "the writers stalled before the failover"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let committed_at_kill = committed.load(Ordering::SeqCst);
+    let published_at_kill = recorder.published().len();
+    let started = Instant::now();
+    cluster(&["kill-primary"]).await;
+    cluster(&["promote"]).await;
+    let took = started.elapsed();
+    for writer in writers {
+        writer.await.expect("a writer");
+    }
+    writing.store(false, Ordering::SeqCst);
+    let (mut failed_batches, mut lost_leases, mut marked) = (0, 0, 0);
+    for relay in relays {
+        let (failed, metrics) = relay.await.expect("a relay");
+        failed_batches += failed;
+        lost_leases += metrics.lost_leases;
+        marked += metrics.published;
+    }
+
+    let conn = db.connect().await;
+    let rows = scalar_i64(&conn, "SELECT COUNT(*) FROM outbox").await;
+    let sent = scalar_i64(
+        &conn,
+        "SELECT COUNT(*) FROM outbox WHERE sent_at IS NOT NULL",
+    )
+    .await;
+    let effects = scalar_i64(&conn, "SELECT COUNT(*) FROM effect").await;
+    let publishes = recorder.published().len();
+    let counts = recorder.counts();
+    let expected: HashSet<MessageId> = incoming
+        .iter()
+        .map(|id| id.outgoing(OUTBOX_CONSUMER, 0))
+        .collect();
+    let lost = expected
+        .iter()
+        .filter(|id| !counts.contains_key(id))
+        .count();
+    let strangers = counts.keys().filter(|id| !expected.contains(id)).count();
+    let republished = publishes - counts.len();
+    println!(
+        "sync failover with the outbox after {committed_at_kill} commits and \
+         {published_at_kill} publishes (kill + promote took {took:.1?}): {OUTBOX_MESSAGES} \
+         messages committed by 2 writers ({} redeliveries), {rows} outbox rows, {sent} sent, \
+         {effects} effects; 2 relays: {publishes} publishes of {} ids, {republished} \
+         republished with their own id, {marked} marked, {failed_batches} failed batches, \
+         {lost_leases} lost leases; {lost} lost",
+        redeliveries.load(Ordering::SeqCst),
+        counts.len(),
+    );
+    assert!(
+        published_at_kill > 0 && committed_at_kill < OUTBOX_MESSAGES as u64,
+        "the failover must land while rows are written and published"
+    );
+    assert_eq!(
+        (rows, sent, effects),
+        (
+            OUTBOX_MESSAGES as i64,
+            OUTBOX_MESSAGES as i64,
+            OUTBOX_MESSAGES as i64
+        ),
+        "(outbox rows, sent rows, effects): one of each per committed message survived"
+    );
+    assert_eq!((lost, strangers), (0, 0), "(never published, unknown ids)");
+    conn.close().await.ok();
+    cluster(&["stop"]).await;
+}
+
 async fn process_once(
     inbox: &Inbox,
     conn: &DatabaseConnection,
