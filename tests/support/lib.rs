@@ -152,9 +152,12 @@ pub async fn migrated_db(backend: Backend) -> TestDb {
 pub async fn migrated_outbox_db(backend: Backend) -> TestDb {
     let db = migrated_db(backend).await;
     let conn = db.connect().await;
-    sea_orm_inbox_migration::MigratorWithOutbox::up(&conn, None)
+    // Behind a transaction pooler the migrator needs a transaction (see `migrate`).
+    let txn = conn.begin().await.expect("begin CreateOutbox");
+    sea_orm_inbox_migration::MigratorWithOutbox::up(&txn, None)
         .await
         .expect("run CreateOutbox");
+    txn.commit().await.expect("commit CreateOutbox");
     conn.close().await.ok();
     db
 }
