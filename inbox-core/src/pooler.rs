@@ -7,9 +7,13 @@
 //! `Bind`/`Execute`/`Sync`, under a name of its own (`sqlx_s_1`, `sqlx_s_2`, ... per client
 //! connection, even with its statement cache off). Outside a transaction the two halves
 //! can land on two server connections; inside one they stay on the same. So the library
-//! runs every statement it sends on a pool, not only its claims, in a short transaction
-//! of its own ([`in_own_transaction`]), and [`for_transaction_pooler`] turns off the
-//! statement cache, whose names would outlive the transaction that created them.
+//! runs every statement it sends on a PostgreSQL pool, not only its claims, in a short
+//! transaction of its own ([`in_own_transaction`]), and [`for_transaction_pooler`] turns
+//! off the statement cache, whose names would outlive the transaction that created them.
+//! The outbox relay is the one exception, and only off PostgreSQL: on SQLite and
+//! MySQL/MariaDB, where no pooler of this kind stands in between, a claim or a settle that
+//! is one statement goes on its own, saving BEGIN and COMMIT (the backend's `Dialect`
+//! decides; `outbox::pgbouncer::` runs the relay through PgBouncer).
 
 use crate::backend::roll_back;
 #[cfg(feature = "postgres")]

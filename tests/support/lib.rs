@@ -154,18 +154,12 @@ pub async fn migrated_db(backend: Backend) -> TestDb {
 pub async fn migrated_outbox_db(backend: Backend) -> TestDb {
     let db = migrated_db(backend).await;
     let conn = db.connect().await;
-    if backend == Backend::PgBouncer {
-        // As in `TestDb::migrate`: the migrator's bookkeeping needs a transaction there.
-        let txn = conn.begin().await.expect("begin CreateOutbox");
-        sea_orm_inbox_migration::MigratorWithOutbox::up(&txn, None)
-            .await
-            .expect("run CreateOutbox");
-        txn.commit().await.expect("commit CreateOutbox");
-    } else {
-        sea_orm_inbox_migration::MigratorWithOutbox::up(&conn, None)
-            .await
-            .expect("run CreateOutbox");
-    }
+    // Behind a transaction pooler the migrator needs a transaction (see `migrate`).
+    let txn = conn.begin().await.expect("begin CreateOutbox");
+    sea_orm_inbox_migration::MigratorWithOutbox::up(&txn, None)
+        .await
+        .expect("run CreateOutbox");
+    txn.commit().await.expect("commit CreateOutbox");
     conn.close().await.ok();
     db
 }

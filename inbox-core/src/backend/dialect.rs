@@ -179,12 +179,12 @@ pub(super) trait Dialect: Sync {
     /// partition_key, payload, headers, created_at, available_at.
     fn outbox_insert(&self) -> &'static str;
 
-    /// The options of the relay's claim transaction.
-    fn outbox_claim_transaction(&self) -> TransactionOptions;
+    /// The relay's claim of the due rows, oldest first (see [`OutboxClaimSql`]).
+    fn outbox_claim(&self) -> OutboxClaimSql;
 
-    /// The relay's claim: the due rows, oldest first, locked for the claim transaction.
-    /// Binds: now, now again, limit.
-    fn outbox_claim(&self) -> &'static str;
+    /// Whether the relay sends a settle that is one statement (the common batch: every row
+    /// confirmed) on its own, in autocommit, rather than in a transaction of its own.
+    fn outbox_settle_alone(&self) -> bool;
 
     /// Leases `ids` rows to a claim. Binds: leased_until, token, then the ids.
     fn outbox_lease(&self, ids: usize) -> String;
@@ -214,6 +214,20 @@ pub(super) trait Dialect: Sync {
 
     /// The count of rows waiting to be published and the count of dead rows.
     fn outbox_backlog(&self) -> &'static str;
+}
+
+/// How a backend claims a batch of due outbox rows for the relay.
+pub(super) enum OutboxClaimSql {
+    /// One UPDATE that leases the due rows and returns them as leased (`attempts` already
+    /// counting this attempt), sent on its own in autocommit. Binds: leased_until, token,
+    /// now, now again, limit.
+    Alone(&'static str),
+    /// The same UPDATE, in a transaction of its own begun with these options.
+    InTransaction(&'static str, TransactionOptions),
+    /// A locking read of the due rows (binds: now, now again, limit), then
+    /// [`Dialect::outbox_lease`] of the ids it found, in a transaction begun with these
+    /// options: for a database without `UPDATE ... RETURNING`.
+    LockThenLease(&'static str, TransactionOptions),
 }
 
 /// The marker row of one claim, for [`Dialect::claim_marker`].

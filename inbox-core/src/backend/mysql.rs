@@ -1,7 +1,7 @@
 //! MySQL and MariaDB: `?` placeholders, `ON DUPLICATE KEY UPDATE` in place of DO NOTHING,
 //! naive UTC timestamps, and the classifier that reads error numbers and key names.
 
-use super::dialect::{Dialect, Marker, migration_of_column_named_in, repeat_list};
+use super::dialect::{Dialect, Marker, OutboxClaimSql, migration_of_column_named_in, repeat_list};
 use super::{AfterFailure, BatchClaimSql, DbErrorKind};
 use crate::InboxMigration;
 use chrono::{DateTime, Utc};
@@ -279,25 +279,36 @@ impl Dialect for MySql {
         "INSERT INTO `outbox` (`message_id`, `destination`, `partition_key`, `payload`, `headers`, `created_at`, `available_at`) VALUES (?, ?, ?, ?, ?, ?, ?) ON DUPLICATE KEY UPDATE `destination` = `destination`"
     }
 
-    /// READ COMMITTED: under InnoDB's default REPEATABLE READ the claim's locking read
-    /// would take next-key locks on the gaps it walks, and every enqueue INSERT into them
-    /// would wait for the claim to commit; READ COMMITTED also releases the rows the
-    /// claim's WHERE rejects at once.
-    fn outbox_claim_transaction(&self) -> TransactionOptions {
-        TransactionOptions {
-            isolation_level: Some(IsolationLevel::ReadCommitted),
-            ..TransactionOptions::default()
-        }
+    /// MySQL and MariaDB have no `UPDATE ... RETURNING`: a locking read, then the lease,
+    /// in a transaction. `SKIP LOCKED` passes over the rows another relay's open claim
+    /// holds. `FORCE INDEX (ix_outbox_pending)`: with the relay's conditions MariaDB 10.11
+    /// walks the primary key from the oldest sent row and locks every row it reads
+    /// (measured with 1,500 of 2,000 rows sent: 1,600 rows read, 0.8 ms); on the index it
+    /// starts at the first unsent row, in `id` order (100 rows read, 0.23 ms).
+    ///
+    /// READ COMMITTED: under InnoDB's default REPEATABLE READ the locking read would take
+    /// next-key locks on the gaps it walks, and every enqueue INSERT into them would wait
+    /// for the claim to commit; READ COMMITTED also releases the rows the claim's WHERE
+    /// rejects at once.
+    fn outbox_claim(&self) -> OutboxClaimSql {
+        OutboxClaimSql::LockThenLease(
+            "SELECT o.* FROM outbox o FORCE INDEX (ix_outbox_pending) \
+             WHERE o.sent_at IS NULL AND o.dead_at IS NULL AND o.available_at <= ? \
+             AND (o.leased_until IS NULL OR o.leased_until <= ?) \
+             AND (o.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM outbox e \
+             WHERE e.partition_key = o.partition_key AND e.id < o.id AND e.sent_at IS NULL)) \
+             ORDER BY o.id LIMIT ? FOR UPDATE SKIP LOCKED",
+            TransactionOptions {
+                isolation_level: Some(IsolationLevel::ReadCommitted),
+                ..TransactionOptions::default()
+            },
+        )
     }
 
-    /// `SKIP LOCKED` passes over the rows another relay's open claim holds.
-    fn outbox_claim(&self) -> &'static str {
-        "SELECT o.* FROM outbox o \
-         WHERE o.sent_at IS NULL AND o.dead_at IS NULL AND o.available_at <= ? \
-         AND (o.leased_until IS NULL OR o.leased_until <= ?) \
-         AND (o.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM outbox e \
-         WHERE e.partition_key = o.partition_key AND e.id < o.id AND e.sent_at IS NULL)) \
-         ORDER BY o.id LIMIT ? FOR UPDATE SKIP LOCKED"
+    /// No transaction pooler of PgBouncer's kind splits a MySQL statement from its
+    /// transaction.
+    fn outbox_settle_alone(&self) -> bool {
+        true
     }
 
     fn outbox_lease(&self, ids: usize) -> String {

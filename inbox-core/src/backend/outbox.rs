@@ -2,6 +2,7 @@
 //! [`Dialect`](super::dialect::Dialect)'s outbox methods).
 
 use super::dialect;
+use super::dialect::OutboxClaimSql;
 use crate::InboxError;
 use chrono::{DateTime, Utc};
 use sea_orm::{DbBackend, Statement, TransactionOptions, Value};
@@ -40,34 +41,60 @@ pub(crate) fn insert_statement(
     ))
 }
 
-/// The options of the relay's claim transaction on `backend`.
-pub(crate) fn claim_transaction(backend: DbBackend) -> Result<TransactionOptions, InboxError> {
-    Ok(dialect(backend)?.outbox_claim_transaction())
+/// How the relay claims a batch on a backend, with the statement's binds.
+pub(crate) enum ClaimPlan {
+    /// One statement that leases the due rows and returns them as leased, sent on its own.
+    Alone(Statement),
+    /// That statement in a transaction of its own, begun with these options.
+    InTransaction(Statement, TransactionOptions),
+    /// A locking read of the due rows (returned as they were before the lease), then
+    /// [`lease_statement`] of their ids, in a transaction begun with these options.
+    LockThenLease(Statement, TransactionOptions),
 }
 
-/// The rows a relay may publish now, oldest first, at most `limit`, locked for the claim
-/// transaction (skipping rows another relay's claim holds).
+/// The relay's claim of at most `limit` due rows at `now`, oldest first, leased to `token`
+/// until `leased_until`, counting the attempt; rows another relay's claim holds are
+/// skipped.
 ///
 /// A row is due when it is unsent, not dead, available, and not leased (or its lease has
 /// ended). A row with a key is due only when no earlier row of its key is unsent, whatever
 /// that row's state (leased by another relay, waiting for a retry, dead): so a key's rows
 /// go out one at a time, in `id` order. There is no cursor: a row whose transaction
 /// commits after later ids were published is found by the next claim all the same.
-pub(crate) fn claim_statement(
+pub(crate) fn claim_plan(
     backend: DbBackend,
     now: DateTime<Utc>,
+    leased_until: DateTime<Utc>,
+    token: Uuid,
     limit: i64,
-) -> Result<Statement, InboxError> {
+) -> Result<ClaimPlan, InboxError> {
     let dialect = dialect(backend)?;
-    Ok(Statement::from_sql_and_values(
-        backend,
-        dialect.outbox_claim(),
-        [
-            dialect.timestamp_value(now),
-            dialect.timestamp_value(now),
-            Value::from(limit),
-        ],
-    ))
+    let due = [
+        dialect.timestamp_value(now),
+        dialect.timestamp_value(now),
+        Value::from(limit),
+    ];
+    let leasing = |sql: &str| {
+        let mut values = vec![dialect.timestamp_value(leased_until), Value::from(token)];
+        values.extend(due.iter().cloned());
+        Statement::from_sql_and_values(backend, sql, values)
+    };
+    Ok(match dialect.outbox_claim() {
+        OutboxClaimSql::Alone(sql) => ClaimPlan::Alone(leasing(sql)),
+        OutboxClaimSql::InTransaction(sql, options) => {
+            ClaimPlan::InTransaction(leasing(sql), options)
+        }
+        OutboxClaimSql::LockThenLease(sql, options) => ClaimPlan::LockThenLease(
+            Statement::from_sql_and_values(backend, sql, due.clone()),
+            options,
+        ),
+    })
+}
+
+/// Whether the relay sends a settle of one statement on its own on `backend` (see
+/// [`Dialect::outbox_settle_alone`](super::dialect::Dialect::outbox_settle_alone)).
+pub(crate) fn settle_alone(backend: DbBackend) -> Result<bool, InboxError> {
+    Ok(dialect(backend)?.outbox_settle_alone())
 }
 
 /// Leases the claimed rows `ids` to the claim `token` until `leased_until`, counting the

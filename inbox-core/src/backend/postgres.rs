@@ -1,7 +1,9 @@
 //! PostgreSQL: `$n` placeholders, `ON CONFLICT ON CONSTRAINT ... DO NOTHING`, and the
 //! classifier that reads SQLSTATE codes and the violated constraint's name.
 
-use super::dialect::{Dialect, Marker, migration_of_column_named_in, names_identifier};
+use super::dialect::{
+    Dialect, Marker, OutboxClaimSql, migration_of_column_named_in, names_identifier,
+};
 use super::{AfterFailure, BatchClaimSql, DbErrorKind};
 use crate::InboxMigration;
 use chrono::{DateTime, Utc};
@@ -259,19 +261,43 @@ impl Dialect for Postgres {
         r#"INSERT INTO "outbox" ("message_id", "destination", "partition_key", "payload", "headers", "created_at", "available_at") VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT ("message_id") DO NOTHING"#
     }
 
-    /// The database's default isolation, READ COMMITTED.
-    fn outbox_claim_transaction(&self) -> TransactionOptions {
-        TransactionOptions::default()
+    /// One UPDATE: the inner SELECT locks the due rows (`SKIP LOCKED` passes over those
+    /// another relay's open claim holds) and the UPDATE leases exactly those, returning
+    /// them. `= ANY(ARRAY(..))` rather than `IN (..)`: an init plan that runs once, then
+    /// primary-key lookups (`IN` may become a semi-join over a scan of the table).
+    /// `ORDER BY sent_at, id` rather than `ORDER BY id`, the same order among unsent rows,
+    /// lets the planner walk `ix_outbox_pending` from the first unsent row instead of the
+    /// primary key from the oldest sent one (measured with 1,500 of 2,000 rows sent: 0.25
+    /// ms against 1.3 ms).
+    ///
+    /// In a transaction of its own: behind PgBouncer's transaction pooling a statement
+    /// with bound values sent outside one can fail (see `pooler.rs`). The transaction sets
+    /// `synchronous_commit = off` for itself (`set_config(.., true)`, i.e. `SET LOCAL`,
+    /// riding on the statement): its COMMIT does not wait for the WAL flush, which was
+    /// half of the relay's time per batch (a flush costs about 4 ms on this machine).
+    /// What that risks is a lease lost when the server crashes within a fraction of a
+    /// second of the claim; the row is then unleased and published again after the
+    /// restart, with the same message id, as after any crash between publish and mark.
+    /// The settle that follows commits synchronously, and its flush makes the claim's WAL
+    /// records durable too. READ COMMITTED, the server's default isolation.
+    fn outbox_claim(&self) -> OutboxClaimSql {
+        OutboxClaimSql::InTransaction(
+            "UPDATE outbox SET attempts = attempts + 1, leased_until = $1, lease_token = $2 \
+             WHERE id = ANY(ARRAY(SELECT o.id FROM outbox o \
+             WHERE o.sent_at IS NULL AND o.dead_at IS NULL AND o.available_at <= $3 \
+             AND (o.leased_until IS NULL OR o.leased_until <= $4) \
+             AND (o.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM outbox e \
+             WHERE e.partition_key = o.partition_key AND e.id < o.id AND e.sent_at IS NULL)) \
+             AND set_config('synchronous_commit', 'off', true) IS NOT NULL \
+             ORDER BY o.sent_at, o.id LIMIT $5 FOR UPDATE OF o SKIP LOCKED)) \
+             RETURNING *",
+            TransactionOptions::default(),
+        )
     }
 
-    /// `SKIP LOCKED` passes over the rows another relay's open claim holds.
-    fn outbox_claim(&self) -> &'static str {
-        "SELECT o.* FROM outbox o \
-         WHERE o.sent_at IS NULL AND o.dead_at IS NULL AND o.available_at <= $1 \
-         AND (o.leased_until IS NULL OR o.leased_until <= $2) \
-         AND (o.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM outbox e \
-         WHERE e.partition_key = o.partition_key AND e.id < o.id AND e.sent_at IS NULL)) \
-         ORDER BY o.id LIMIT $3 FOR UPDATE SKIP LOCKED"
+    /// In a transaction, for PgBouncer, as the claim.
+    fn outbox_settle_alone(&self) -> bool {
+        false
     }
 
     fn outbox_lease(&self, ids: usize) -> String {

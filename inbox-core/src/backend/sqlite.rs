@@ -1,14 +1,14 @@
 //! SQLite: `?` placeholders, `ON CONFLICT DO NOTHING`, and the classifier that reads
 //! extended result codes and the failed constraint's column list.
 
-use super::dialect::{Dialect, Marker, migration_of_column_named_in, repeat_list};
+use super::dialect::{Dialect, Marker, OutboxClaimSql, migration_of_column_named_in, repeat_list};
 use super::{AfterFailure, BatchClaimSql, DbErrorKind};
 use crate::InboxMigration;
 use chrono::{DateTime, Utc};
 use sea_orm::sea_query::Expr;
 use sea_orm::sqlx::error::DatabaseError;
 use sea_orm::sqlx::sqlite::SqliteError;
-use sea_orm::{ColumnTrait, DbErr, SqliteTransactionMode, TransactionOptions, Value};
+use sea_orm::{ColumnTrait, DbErr, Value};
 use sea_orm_inbox_entity::{InboxTable, inbox};
 use std::time::Duration;
 
@@ -200,25 +200,27 @@ impl Dialect for Sqlite {
         r#"INSERT INTO "outbox" ("message_id", "destination", "partition_key", "payload", "headers", "created_at", "available_at") VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT ("message_id") DO NOTHING"#
     }
 
-    /// IMMEDIATE: the claim takes the write lock at BEGIN, so two relays' claims queue in
-    /// the busy handler instead of one failing with "database is locked" when its SELECT
-    /// is followed by the UPDATE.
-    fn outbox_claim_transaction(&self) -> TransactionOptions {
-        TransactionOptions {
-            sqlite_transaction_mode: Some(SqliteTransactionMode::Immediate),
-            ..TransactionOptions::default()
-        }
+    /// One UPDATE, on its own: an UPDATE statement takes SQLite's write lock at its
+    /// start, before it reads, so two relays' claims queue in the busy handler and no
+    /// other writer runs between the inner SELECT and the lease (what the IMMEDIATE
+    /// transaction did, without its BEGIN and COMMIT statements). No locking clause:
+    /// the write lock is the lock.
+    fn outbox_claim(&self) -> OutboxClaimSql {
+        OutboxClaimSql::Alone(
+            "UPDATE outbox SET attempts = attempts + 1, leased_until = ?, lease_token = ? \
+             WHERE id IN (SELECT o.id FROM outbox o \
+             WHERE o.sent_at IS NULL AND o.dead_at IS NULL AND o.available_at <= ? \
+             AND (o.leased_until IS NULL OR o.leased_until <= ?) \
+             AND (o.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM outbox e \
+             WHERE e.partition_key = o.partition_key AND e.id < o.id AND e.sent_at IS NULL)) \
+             ORDER BY o.id LIMIT ?) \
+             RETURNING *",
+        )
     }
 
-    /// No locking clause: the claim transaction is IMMEDIATE, holding SQLite's one write
-    /// lock from BEGIN, so no other relay reads between this claim's SELECT and its UPDATE.
-    fn outbox_claim(&self) -> &'static str {
-        "SELECT o.* FROM outbox o \
-         WHERE o.sent_at IS NULL AND o.dead_at IS NULL AND o.available_at <= ? \
-         AND (o.leased_until IS NULL OR o.leased_until <= ?) \
-         AND (o.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM outbox e \
-         WHERE e.partition_key = o.partition_key AND e.id < o.id AND e.sent_at IS NULL)) \
-         ORDER BY o.id LIMIT ?"
+    /// No transaction pooler stands in front of SQLite.
+    fn outbox_settle_alone(&self) -> bool {
+        true
     }
 
     fn outbox_lease(&self, ids: usize) -> String {

@@ -170,7 +170,8 @@ pub struct OutboxMessage {
 }
 
 impl OutboxMessage {
-    /// The message of a claimed row. Headers the column holds in another form than a JSON
+    /// The message of a claimed row, read as leased (its `attempts` counting this
+    /// attempt). Headers the column holds in another form than a JSON
     /// object of strings (written by hand) are reported, not guessed.
     pub(crate) fn from_row(row: outbox::Model) -> Result<(i64, Self), String> {
         let headers = serde_json::from_str(&row.headers)
@@ -184,7 +185,7 @@ impl OutboxMessage {
                 payload: row.payload,
                 headers,
                 created_at: row.created_at,
-                attempt: u32::try_from(row.attempts).unwrap_or(0).saturating_add(1),
+                attempt: u32::try_from(row.attempts).unwrap_or(0).max(1),
             },
         ))
     }

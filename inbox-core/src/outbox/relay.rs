@@ -3,8 +3,8 @@ use super::message::OutboxMessage;
 use super::wake::OutboxWaker;
 use crate::Inbox;
 use crate::backend::outbox::{
-    Failure, claim_statement, claim_transaction, lease_statement, mark_failed_statement,
-    mark_sent_statement, release_statement,
+    ClaimPlan, Failure, claim_plan, lease_statement, mark_failed_statement, mark_sent_statement,
+    release_statement, settle_alone,
 };
 use crate::backend::{lost_a_conflict, to_completion};
 use crate::clock::now_micros;
@@ -506,8 +506,8 @@ impl<P: Publisher> Relay<P> {
         None
     }
 
-    /// Claims due rows in a short transaction of its own: lock them, lease them to a new
-    /// token, commit.
+    /// Claims due rows, leasing them to a new token: in one statement on its own or in a
+    /// short transaction of its own, as the backend's [`ClaimPlan`] says.
     async fn claim(&self, db: &DatabaseConnection) -> Result<ClaimedBatch, OutboxError> {
         let backend = db.get_database_backend();
         let now = now_micros();
@@ -519,27 +519,57 @@ impl<P: Publisher> Relay<P> {
             }
         })?;
         let leased_until = now + lease;
-        let select = claim_statement(backend, now, i64::from(self.options.batch_size))?;
-        let options = claim_transaction(backend)?;
+        let plan = claim_plan(
+            backend,
+            now,
+            leased_until,
+            token,
+            i64::from(self.options.batch_size),
+        )?;
         let claimer = db.clone();
         let claim = async move {
-            let txn = claimer.begin_with_options(options).await?;
-            let rows = outbox::Entity::find()
-                .from_raw_sql(select)
-                .all(&txn)
-                .await?;
-            if rows.is_empty() {
-                txn.rollback().await?;
-                return Ok(rows);
+            match plan {
+                ClaimPlan::Alone(update) => {
+                    outbox::Entity::find()
+                        .from_raw_sql(update)
+                        .all(&claimer)
+                        .await
+                }
+                ClaimPlan::InTransaction(update, options) => {
+                    let txn = claimer.begin_with_options(options).await?;
+                    let rows = outbox::Entity::find()
+                        .from_raw_sql(update)
+                        .all(&txn)
+                        .await?;
+                    txn.commit().await?;
+                    Ok(rows)
+                }
+                ClaimPlan::LockThenLease(select, options) => {
+                    let txn = claimer.begin_with_options(options).await?;
+                    let mut rows = outbox::Entity::find()
+                        .from_raw_sql(select)
+                        .all(&txn)
+                        .await?;
+                    if rows.is_empty() {
+                        txn.rollback().await?;
+                        return Ok(rows);
+                    }
+                    let ids: Vec<i64> = rows.iter().map(|row| row.id).collect();
+                    let lease = lease_statement(backend, &ids, leased_until, token)
+                        .map_err(|err| DbErr::Custom(err.to_string()))?;
+                    txn.execute_raw(lease).await?;
+                    txn.commit().await?;
+                    // The read saw the rows before the lease; make them read as leased.
+                    for row in &mut rows {
+                        row.attempts = row.attempts.saturating_add(1);
+                    }
+                    Ok(rows)
+                }
             }
-            let ids: Vec<i64> = rows.iter().map(|row| row.id).collect();
-            let lease = lease_statement(backend, &ids, leased_until, token)
-                .map_err(|err| DbErr::Custom(err.to_string()))?;
-            txn.execute_raw(lease).await?;
-            txn.commit().await?;
-            Ok::<_, DbErr>(rows)
         };
-        let rows = bounded(backend, "the relay's claim", to_completion(claim)).await?;
+        let mut rows = bounded(backend, "the relay's claim", to_completion(claim)).await?;
+        // `UPDATE ... RETURNING` returns its rows in no promised order.
+        rows.sort_unstable_by_key(|row| row.id);
         let mut batch = ClaimedBatch {
             token,
             leased_until,
@@ -556,8 +586,9 @@ impl<P: Publisher> Relay<P> {
         Ok(batch)
     }
 
-    /// Writes the outcomes of one batch in one short transaction, each row fenced by the
-    /// batch's token.
+    /// Writes the outcomes of one batch, each row fenced by the batch's token: in one short
+    /// transaction, or, when they are one statement and the backend allows it, that
+    /// statement on its own.
     async fn settle(
         &self,
         db: &DatabaseConnection,
@@ -605,16 +636,16 @@ impl<P: Publisher> Relay<P> {
                 Counted::Released,
             ));
         }
+        let alone = statements.len() == 1 && settle_alone(backend)?;
         let writer = db.clone();
         let write = async move {
-            let txn = writer.begin().await?;
-            let mut counts = Vec::with_capacity(statements.len());
-            for (statement, counted) in statements {
-                let done = txn.execute_raw(statement).await?;
-                counts.push((counted, done.rows_affected()));
+            if alone {
+                return execute_counted(&writer, statements).await;
             }
+            let txn = writer.begin().await?;
+            let counts = execute_counted(&txn, statements).await?;
             txn.commit().await?;
-            Ok::<_, DbErr>(counts)
+            Ok(counts)
         };
         let counts = bounded(backend, "marking the relayed rows", to_completion(write)).await?;
         for (counted, rows) in counts {
@@ -633,6 +664,19 @@ impl<P: Publisher> Relay<P> {
         }
         Ok(())
     }
+}
+
+/// Runs a settle's statements on `conn` in order, with the rows each touched.
+async fn execute_counted<C: ConnectionTrait>(
+    conn: &C,
+    statements: Vec<(Statement, Counted)>,
+) -> Result<Vec<(Counted, u64)>, DbErr> {
+    let mut counts = Vec::with_capacity(statements.len());
+    for (statement, counted) in statements {
+        let done = conn.execute_raw(statement).await?;
+        counts.push((counted, done.rows_affected()));
+    }
+    Ok(counts)
 }
 
 /// What a settle statement's row count adds to the report.

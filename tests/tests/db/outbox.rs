@@ -3,7 +3,7 @@
 //! rows without holding back other keys.
 
 use inbox_tests::{
-    Backend, TestDb, on_every_backend, poll_then_drop, scalar_i64, with_migrated_db,
+    Backend, TestDb, on_every_backend, on_pgbouncer, poll_then_drop, scalar_i64, with_migrated_db,
     with_migrated_outbox_db,
 };
 use sea_orm::{ConnAcquireErr, ConnectionTrait, DatabaseConnection, DbErr, TransactionTrait};
@@ -261,11 +261,13 @@ async fn two_relays_publish_every_row_exactly_once(backend: Backend) {
     with_migrated_outbox_db(backend, async |db| {
         let conn = db.connect().await;
         const ROWS: usize = 120;
+        let txn = conn.begin().await.expect("begin");
         for n in 0..ROWS {
-            conn.enqueue(OutgoingMessage::new("events", n.to_string().into_bytes()))
+            txn.enqueue(OutgoingMessage::new("events", n.to_string().into_bytes()))
                 .await
                 .expect("enqueue");
         }
+        txn.commit().await.expect("commit");
         let recorder = Arc::new(Recorder::default());
         drain_with_two_relays(db, &recorder).await;
 
@@ -436,9 +438,11 @@ async fn a_poison_row_goes_dead_without_holding_back_other_keys(backend: Backend
         assert_eq!(outbox_backlog(&conn).await.expect("backlog").pending, 0);
 
         // Sent rows are purged in batches; unsent ones never.
-        conn.enqueue(OutgoingMessage::new("events", b"later".to_vec()))
+        let txn = conn.begin().await.expect("begin");
+        txn.enqueue(OutgoingMessage::new("events", b"later".to_vec()))
             .await
             .expect("enqueue");
+        txn.commit().await.expect("commit");
         let cutoff = chrono::Utc::now() + chrono::Duration::seconds(1);
         let purged = purge_sent_messages(&conn, cutoff, 2).await.expect("purge");
         assert_eq!(purged, 5);
@@ -649,7 +653,75 @@ async fn a_relay_dropped_at_any_await_point_leaves_nothing_locked(backend: Backe
     }
 }
 
+/// A batch whose every row the broker confirmed costs the relay one statement per step
+/// where the database has `UPDATE ... RETURNING` (PostgreSQL and SQLite: the claim that
+/// leases and returns its rows, then the mark), and three statements on MySQL/MariaDB (the
+/// locking read, the lease, the mark). Counted on the wire; BEGIN and COMMIT are not
+/// statements there. (Three everywhere when the claim read, then leased.) The rows go out
+/// in `id` order with their first attempt, whatever order `RETURNING` gave them in. On
+/// PostgreSQL the claim turns `synchronous_commit` off for its own transaction only: the
+/// pool's one connection reads `on` afterwards.
+async fn a_confirmed_batch_costs_the_relay_one_statement_per_step(backend: Backend) {
+    with_migrated_outbox_db(backend, async |db| {
+        let mut conn = db.connect_with(1).await;
+        let statements = Arc::new(AtomicU32::new(0));
+        let counter = Arc::clone(&statements);
+        conn.set_metric_callback(move |info| {
+            if info.statement.sql.contains("outbox") {
+                counter.fetch_add(1, Ordering::SeqCst);
+            }
+        });
+        let txn = conn.begin().await.expect("begin");
+        let mut ids = Vec::new();
+        for n in 0..5u8 {
+            let message = OutgoingMessage::new("events", vec![n]);
+            ids.push(txn.enqueue(message).await.expect("enqueue"));
+        }
+        txn.commit().await.expect("commit");
+
+        let recorder = Arc::new(Recorder::default());
+        let relay = Relay::new(Arc::clone(&recorder))
+            .with_options(quick_options())
+            .expect("options");
+        statements.store(0, Ordering::SeqCst);
+        let report = relay.relay_once(&conn).await.expect("relay");
+        assert_eq!((report.claimed, report.published), (5, 5), "{report:?}");
+        let expected = match backend {
+            Backend::MySql => 3,
+            _ => 2,
+        };
+        assert_eq!(statements.load(Ordering::SeqCst), expected, "{backend:?}");
+        assert_eq!(recorder.ids(), ids, "in id order");
+        assert!(
+            recorder
+                .published
+                .lock()
+                .expect("lock")
+                .iter()
+                .all(|message| message.attempt == 1),
+            "the first attempt of each"
+        );
+        if backend == Backend::Postgres {
+            let row = conn
+                .query_one_raw(sea_orm::Statement::from_string(
+                    conn.get_database_backend(),
+                    "SELECT current_setting('synchronous_commit')",
+                ))
+                .await
+                .expect("read the setting")
+                .expect("a row");
+            let setting: String = row.try_get_by_index(0).expect("text");
+            assert_eq!(
+                setting, "on",
+                "the claim's setting ended with its transaction"
+            );
+        }
+    })
+    .await;
+}
+
 on_every_backend!(
+    a_confirmed_batch_costs_the_relay_one_statement_per_step,
     a_slow_broker_makes_the_relay_hand_back_what_its_lease_cannot_cover,
     the_startup_check_finds_a_missing_outbox_and_a_missing_unique_index,
     a_woken_relay_publishes_without_waiting_for_its_poll,
@@ -660,4 +732,13 @@ on_every_backend!(
     a_relay_killed_after_publishing_leaves_the_row_to_be_republished_with_its_id,
     a_poison_row_goes_dead_without_holding_back_other_keys,
     a_relay_dropped_at_any_await_point_leaves_nothing_locked,
+);
+
+// Behind PgBouncer's transaction pooling every relay statement must run in a transaction
+// (a lone one with bound values can fail with 26000): the claim, the mark, the retries'
+// bookkeeping, the listing and the requeue.
+on_pgbouncer!(
+    a_confirmed_batch_costs_the_relay_one_statement_per_step,
+    two_relays_publish_every_row_exactly_once,
+    a_poison_row_goes_dead_without_holding_back_other_keys,
 );
