@@ -8,7 +8,8 @@
 # binaries must not build it. A third app names no backend feature at all, and must fail to
 # build with the crate's message.
 #
-# Needs INBOX_TEST_POSTGRES_URL for the PostgreSQL app's run. native-tls builds openssl-sys,
+# Needs INBOX_TEST_POSTGRES_URL for the PostgreSQL app's run. CARGO_TARGET_DIR, when
+# set, is where the apps build (default: the workspace's target). native-tls builds openssl-sys,
 # so libssl-dev and pkg-config are installed when missing.
 set -euo pipefail
 cd "$(dirname "$0")/apps"
@@ -20,6 +21,9 @@ if ! dpkg -s libssl-dev pkg-config >/dev/null 2>&1; then
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libssl-dev pkg-config
 fi
+# `check-deps.sh packages` stops here: .ci/run installs them before it runs the rest in
+# the background, beside scripts whose apt-get would otherwise meet this one's dpkg lock.
+if [[ ${1:-} == packages ]]; then exit 0; fi
 
 # The names of every package in the app's normal and build dependency tree.
 tree_of() {
