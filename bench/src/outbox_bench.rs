@@ -7,6 +7,7 @@
 //! cargo run --release -p inbox-bench --bin outbox-bench -- \
 //!     --postgres postgres://postgres@127.0.0.1:5432/test \
 //!     --mysql mysql://root@127.0.0.1:3306/test --rounds 5 --messages 400
+//! cargo run --release -p inbox-bench --bin outbox-bench -- --latency     # + commit-to-publish
 //! ```
 //!
 //! A server URL names a database the user may create databases from: the benchmark
@@ -23,6 +24,8 @@ use sea_orm_inbox::{
 };
 use sea_orm_inbox_migration::{MigratorTrait, MigratorWithOutbox};
 use std::time::{Duration, Instant};
+
+mod outbox_latency;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -44,6 +47,8 @@ struct Args {
     mysql: Option<String>,
     rounds: usize,
     messages: usize,
+    /// Also measure commit-to-publish latency (`--latency`).
+    latency: bool,
 }
 
 fn args() -> Result<Args, BoxError> {
@@ -52,6 +57,7 @@ fn args() -> Result<Args, BoxError> {
         mysql: None,
         rounds: 5,
         messages: 400,
+        latency: false,
     };
     let mut iter = std::env::args().skip(1);
     while let Some(flag) = iter.next() {
@@ -61,6 +67,7 @@ fn args() -> Result<Args, BoxError> {
             "--mysql" => args.mysql = Some(value()?),
             "--rounds" => args.rounds = value()?.parse()?,
             "--messages" => args.messages = value()?.parse()?,
+            "--latency" => args.latency = true,
             other => return Err(format!("unknown flag {other}; see the module docs").into()),
         }
     }
@@ -318,12 +325,21 @@ async fn bench(target: &Target, args: &Args) -> Result<(), BoxError> {
         median(hand),
         median(relay_ratio),
     );
+    if args.latency {
+        outbox_latency::report(&db, target.name, &target.url, args.rounds).await?;
+    }
     db.close().await?;
     Ok(())
 }
 
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
+    // The cross-process latency mode re-executes this binary as its relay.
+    let mut raw = std::env::args().skip(1);
+    if raw.next().as_deref() == Some(outbox_latency::CHILD_FLAG) {
+        let url = raw.next().ok_or("the relay child needs a URL")?;
+        return outbox_latency::child(&url).await;
+    }
     let args = args()?;
     println!(
         "{} rounds; {} messages per process mode, {} rows per relay mode; medians\n",

@@ -1,0 +1,350 @@
+//! Commit-to-publish latency: the time from a writer's `COMMIT` returning to the
+//! publisher being called for that message. Writer and publisher record wall-clock
+//! instants by message id, compared after the run, so neither side races the other and a
+//! relay in another process (same machine, same clock) is measured the same way.
+
+use sea_orm::{ConnectionTrait, DatabaseConnection, TransactionTrait};
+use sea_orm_inbox::{
+    OutboxExt, OutboxMessage, OutboxWaker, OutgoingMessage, PublishError, Publisher, Relay,
+    RelayOptions,
+};
+use std::collections::HashMap;
+use std::io::{BufRead, Write};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use uuid::Uuid;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The flag the benchmark re-executes itself with to run a listening relay in a child
+/// process: `--latency-relay <postgres url>`.
+pub const CHILD_FLAG: &str = "--latency-relay";
+
+/// The poll interval of the latency relays: what a message waits without a wake-up.
+pub const POLL: Duration = Duration::from_millis(100);
+
+/// Pause between the writer's transactions: latency is measured without load.
+const PACE: Duration = Duration::from_millis(5);
+
+fn micros_now() -> u128 {
+    // A clock before 1970 is a broken machine; zero makes its numbers visibly wrong.
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |since| since.as_micros())
+}
+
+/// Records when each message reached the broker.
+#[derive(Clone, Default)]
+struct Clock(Arc<Mutex<HashMap<Uuid, u128>>>);
+
+impl Clock {
+    fn record(&self, id: Uuid) {
+        let now = micros_now();
+        // A poisoned lock means another recorder panicked; the run then fails on counts.
+        if let Ok(mut seen) = self.0.lock() {
+            seen.entry(id).or_insert(now);
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.0.lock().map_or(0, |seen| seen.len())
+    }
+
+    fn get(&self, id: &Uuid) -> Option<u128> {
+        self.0.lock().ok().and_then(|seen| seen.get(id).copied())
+    }
+}
+
+/// A broker that confirms at once and notes the instant.
+struct Timed(Clock);
+
+impl Publisher for Timed {
+    async fn publish(&self, message: &OutboxMessage) -> Result<(), PublishError> {
+        self.0.record(Uuid::from(message.message_id));
+        Ok(())
+    }
+}
+
+/// Where the publish instants come from: a relay task in this process, or a child process
+/// printing `<message id> <micros>` lines.
+enum Sink {
+    Local(Clock),
+    Child(Clock, std::process::Child),
+}
+
+impl Sink {
+    fn clock(&self) -> &Clock {
+        match self {
+            Sink::Local(clock) | Sink::Child(clock, _) => clock,
+        }
+    }
+}
+
+/// p50 and p99 of one mode, in milliseconds.
+pub struct Latency {
+    pub p50: f64,
+    pub p99: f64,
+    /// The last row of a burst, from its commit.
+    pub burst_last: f64,
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    let index = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[index.min(sorted.len() - 1)]
+}
+
+/// How the relay learns of a commit.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Wake {
+    /// In this process, woken by `OutboxWaker::wake` after each commit.
+    InProcess,
+    /// In this process, polling only.
+    Polling,
+    /// In a child process, woken by `LISTEN`/`NOTIFY` (`OutboxWaker::notifying` here,
+    /// `Relay::listening` there).
+    Notify,
+}
+
+async fn wait_for(clock: &Clock, rows: usize) -> Result<(), BoxError> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while clock.len() < rows {
+        if tokio::time::Instant::now() > deadline {
+            return Err(format!("only {} of {rows} messages published", clock.len()).into());
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    Ok(())
+}
+
+/// Writes `messages` paced single-message transactions, then a burst of `burst`
+/// transactions of 10 messages each, and measures commit-to-publish for each.
+pub async fn run(
+    db: &DatabaseConnection,
+    url: &str,
+    wake: Wake,
+    messages: usize,
+    burst: usize,
+) -> Result<Latency, BoxError> {
+    // One mode's rows must not be the next one's.
+    db.execute_unprepared("DELETE FROM outbox").await?;
+    let (sink, waker, stop, task) = match wake {
+        Wake::InProcess | Wake::Polling => {
+            let clock = Clock::default();
+            let relay = Arc::new(Relay::new(Timed(clock.clone())).with_options(options())?);
+            let waker = (wake == Wake::InProcess).then(|| relay.waker());
+            let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+            let task_db = db.clone();
+            let task = tokio::spawn(async move {
+                relay
+                    .run(&task_db, async {
+                        let _ = stopped.await;
+                    })
+                    .await;
+            });
+            (Sink::Local(clock), waker, Some(stop), Some(task))
+        }
+        Wake::Notify => {
+            let clock = Clock::default();
+            let mut child = std::process::Command::new(std::env::current_exe()?)
+                .args([CHILD_FLAG, url])
+                .stdin(std::process::Stdio::piped())
+                .stdout(std::process::Stdio::piped())
+                .spawn()?;
+            let stdout = child.stdout.take().ok_or("the child has no stdout")?;
+            let (ready, is_ready) = std::sync::mpsc::channel();
+            let reader = clock.clone();
+            std::thread::spawn(move || {
+                for line in std::io::BufReader::new(stdout).lines() {
+                    let Ok(line) = line else { break };
+                    if line == "listening" {
+                        let _ = ready.send(());
+                        continue;
+                    }
+                    if let Some((id, micros)) = line.split_once(' ')
+                        && let (Ok(id), Ok(micros)) = (id.parse(), micros.parse())
+                        && let Ok(mut seen) = reader.0.lock()
+                    {
+                        seen.entry(id).or_insert(micros);
+                    }
+                }
+            });
+            tokio::task::spawn_blocking(move || is_ready.recv_timeout(Duration::from_secs(10)))
+                .await??;
+            // The child's LISTEN connection may still be starting: give it a moment.
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let waker = OutboxWaker::default().notifying(db.clone())?;
+            (Sink::Child(clock, child), Some(waker), None, None)
+        }
+    };
+
+    let mut commits = Vec::with_capacity(messages + burst * 10);
+    for n in 0..messages {
+        let id = Uuid::new_v4();
+        let txn = db.begin().await?;
+        txn.enqueue(OutgoingMessage::new("latency", format!("event {n}")).message_id(id))
+            .await?;
+        txn.commit().await?;
+        commits.push((id, micros_now()));
+        if let Some(waker) = &waker {
+            waker.wake();
+        }
+        tokio::time::sleep(PACE).await;
+    }
+    wait_for(sink.clock(), messages).await?;
+    let mut burst_last = 0.0;
+    if burst > 0 {
+        let mut last = (Uuid::nil(), 0);
+        for t in 0..burst {
+            let txn = db.begin().await?;
+            for m in 0..10 {
+                let id = Uuid::new_v4();
+                txn.enqueue(
+                    OutgoingMessage::new("latency", format!("burst {t}.{m}")).message_id(id),
+                )
+                .await?;
+                last.0 = id;
+            }
+            txn.commit().await?;
+            last.1 = micros_now();
+            if let Some(waker) = &waker {
+                waker.wake();
+            }
+        }
+        wait_for(sink.clock(), messages + burst * 10).await?;
+        let published = sink
+            .clock()
+            .get(&last.0)
+            .ok_or("the burst's last row is missing")?;
+        burst_last = published.saturating_sub(last.1) as f64 / 1000.0;
+    }
+
+    let mut latencies = Vec::with_capacity(messages);
+    for (id, committed) in &commits {
+        let published = sink
+            .clock()
+            .get(id)
+            .ok_or("a message was never published")?;
+        // Publish before the COMMIT reply is possible by a few microseconds; count it as 0.
+        latencies.push(published.saturating_sub(*committed) as f64 / 1000.0);
+    }
+    latencies.sort_by(f64::total_cmp);
+    match sink {
+        Sink::Local(_) => {
+            if let Some(stop) = stop {
+                let _ = stop.send(());
+            }
+            if let Some(task) = task {
+                task.await?;
+            }
+        }
+        Sink::Child(_, mut child) => {
+            // Closing its stdin tells the child to stop.
+            drop(child.stdin.take());
+            child.wait()?;
+        }
+    }
+    Ok(Latency {
+        p50: percentile(&latencies, 0.5),
+        p99: percentile(&latencies, 0.99),
+        burst_last,
+    })
+}
+
+fn options() -> RelayOptions {
+    RelayOptions {
+        batch_size: 100,
+        poll_interval: POLL,
+        ..RelayOptions::default()
+    }
+}
+
+/// The child process: a relay on its own pool, listening on `url`, printing each publish
+/// as `<message id> <micros>` until its stdin closes.
+pub async fn child(url: &str) -> Result<(), BoxError> {
+    let db = sea_orm::Database::connect(url).await?;
+    let clock = Clock::default();
+    let relay = Relay::new(Printing(clock))
+        .with_options(options())?
+        .listening(url)?;
+    println!("listening");
+    std::io::stdout().flush()?;
+    let stop = async {
+        let _ = tokio::task::spawn_blocking(|| {
+            let mut sink = String::new();
+            while std::io::stdin()
+                .read_line(&mut sink)
+                .is_ok_and(|read| read > 0)
+            {}
+        })
+        .await;
+    };
+    relay.run(&db, stop).await;
+    db.close().await?;
+    Ok(())
+}
+
+/// The child's publisher: one stdout line per message.
+struct Printing(Clock);
+
+impl Publisher for Printing {
+    async fn publish(&self, message: &OutboxMessage) -> Result<(), PublishError> {
+        let id = Uuid::from(message.message_id);
+        self.0.record(id);
+        if let Some(micros) = self.0.get(&id) {
+            let mut out = std::io::stdout().lock();
+            // A closed stdout means the parent is gone: nothing left to measure.
+            let _ = writeln!(out, "{id} {micros}");
+            let _ = out.flush();
+        }
+        Ok(())
+    }
+}
+
+/// Messages per latency mode and round, paced by [`PACE`].
+const MESSAGES: usize = 200;
+
+/// Transactions in the burst after them, 10 messages each.
+const BURST: usize = 200;
+
+/// Measures every mode the backend has, interleaved in rotating order over `rounds`, and
+/// prints one table row per mode: medians over rounds of p50, p99 and the burst's last row.
+pub async fn report(
+    db: &DatabaseConnection,
+    backend: &str,
+    url: &str,
+    rounds: usize,
+) -> Result<(), BoxError> {
+    let mut modes = vec![Wake::InProcess, Wake::Polling];
+    if backend == "postgres" {
+        modes.push(Wake::Notify);
+    }
+    let mut results: Vec<Vec<Latency>> = modes.iter().map(|_| Vec::new()).collect();
+    for round in 0..rounds {
+        for k in 0..modes.len() {
+            let index = (round + k) % modes.len();
+            results[index].push(run(db, url, modes[index], MESSAGES, BURST).await?);
+        }
+    }
+    println!();
+    println!("| {backend} commit-to-publish | p50 ms | p99 ms | last of {BURST}x10 burst ms |");
+    println!("| --- | ---: | ---: | ---: |");
+    for (mode, latencies) in modes.iter().zip(results) {
+        let name = match mode {
+            Wake::InProcess => "same process, woken".to_owned(),
+            Wake::Polling => format!("same process, polling every {} ms", POLL.as_millis()),
+            Wake::Notify => "other process, LISTEN/NOTIFY".to_owned(),
+        };
+        let median = |pick: fn(&Latency) -> f64| {
+            let mut values: Vec<f64> = latencies.iter().map(pick).collect();
+            values.sort_by(f64::total_cmp);
+            values[values.len() / 2]
+        };
+        println!(
+            "| {name} | {:.1} | {:.1} | {:.1} |",
+            median(|l| l.p50),
+            median(|l| l.p99),
+            median(|l| l.burst_last)
+        );
+    }
+    Ok(())
+}
