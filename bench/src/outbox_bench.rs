@@ -25,6 +25,7 @@ use sea_orm_inbox::{
 use sea_orm_inbox_migration::{MigratorTrait, MigratorWithOutbox};
 use std::time::{Duration, Instant};
 
+mod outbox_enqueue;
 mod outbox_latency;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -49,6 +50,8 @@ struct Args {
     messages: usize,
     /// Also measure commit-to-publish latency (`--latency`).
     latency: bool,
+    /// Seconds per mode and round of the writers' table (`--enqueue-seconds`; 0 skips it).
+    enqueue_seconds: f64,
 }
 
 fn args() -> Result<Args, BoxError> {
@@ -58,6 +61,7 @@ fn args() -> Result<Args, BoxError> {
         rounds: 5,
         messages: 400,
         latency: false,
+        enqueue_seconds: 1.0,
     };
     let mut iter = std::env::args().skip(1);
     while let Some(flag) = iter.next() {
@@ -68,8 +72,12 @@ fn args() -> Result<Args, BoxError> {
             "--rounds" => args.rounds = value()?.parse()?,
             "--messages" => args.messages = value()?.parse()?,
             "--latency" => args.latency = true,
+            "--enqueue-seconds" => args.enqueue_seconds = value()?.parse()?,
             other => return Err(format!("unknown flag {other}; see the module docs").into()),
         }
+    }
+    if !(args.enqueue_seconds >= 0.0 && args.enqueue_seconds.is_finite()) {
+        return Err("--enqueue-seconds must be a number of seconds, 0 or more".into());
     }
     if args.rounds == 0 || args.messages == 0 {
         return Err("--rounds and --messages must be at least 1".into());
@@ -121,7 +129,11 @@ impl Target {
 
     async fn connect(&self) -> Result<DatabaseConnection, BoxError> {
         let mut options = ConnectOptions::new(self.url.clone());
-        options.max_connections(4).sqlx_logging(false);
+        // One connection per writer of the enqueue table, and the relay's.
+        let writers = outbox_enqueue::WRITERS.iter().copied().max().unwrap_or(1);
+        options
+            .max_connections(writers as u32 + 2)
+            .sqlx_logging(false);
         let db = Database::connect(options).await?;
         if db.get_database_backend() == DbBackend::Sqlite {
             db.execute_unprepared("PRAGMA journal_mode = WAL").await?;
@@ -325,6 +337,16 @@ async fn bench(target: &Target, args: &Args) -> Result<(), BoxError> {
         median(hand),
         median(relay_ratio),
     );
+    if args.enqueue_seconds > 0.0 {
+        outbox_enqueue::create_business_table(&db).await?;
+        let modes: Vec<std::sync::Arc<dyn outbox_enqueue::WriterMode>> = vec![
+            std::sync::Arc::new(outbox_enqueue::UpdateOnly(db.clone())),
+            std::sync::Arc::new(outbox_enqueue::UpdateEnqueue(db.clone())),
+            std::sync::Arc::new(outbox_enqueue::UpdateHandInsert(db.clone())),
+        ];
+        outbox_enqueue::report(target.name, &modes, args.rounds, args.enqueue_seconds).await?;
+        db.execute_unprepared("DELETE FROM outbox").await?;
+    }
     if args.latency {
         outbox_latency::report(&db, target.name, &target.url, args.rounds).await?;
     }
