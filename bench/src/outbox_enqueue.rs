@@ -130,14 +130,14 @@ impl WriterMode for UpdateHandInsert {
                 )
                 .to_owned();
             insert.values([
-                    Expr::val(uuid::Uuid::new_v4()),
-                    Expr::val("bench.credited"),
-                    Expr::val(format!("account-{writer}")),
-                    Expr::val(format!("credited {writer}.{n}").into_bytes()),
-                    Expr::val("{}"),
-                    Expr::val(now),
-                    Expr::val(now),
-                ])?;
+                Expr::val(uuid::Uuid::new_v4()),
+                Expr::val("bench.credited"),
+                Expr::val(format!("account-{writer}")),
+                Expr::val(format!("credited {writer}.{n}").into_bytes()),
+                Expr::val("{}"),
+                Expr::val(now),
+                Expr::val(now),
+            ])?;
             let txn = self.0.begin().await?;
             txn.execute(&business_update(writer)).await?;
             txn.execute(&insert).await?;

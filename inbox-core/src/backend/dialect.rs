@@ -221,12 +221,16 @@ pub(super) enum OutboxClaimSql {
     /// One UPDATE that leases the due rows and returns them as leased (`attempts` already
     /// counting this attempt), sent on its own in autocommit. Binds: leased_until, token,
     /// now, now again, limit.
+    // Each variant is one backend's; a build without that backend never makes it.
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
     Alone(&'static str),
     /// The same UPDATE, in a transaction of its own begun with these options.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     InTransaction(&'static str, TransactionOptions),
     /// A locking read of the due rows (binds: now, now again, limit), then
     /// [`Dialect::outbox_lease`] of the ids it found, in a transaction begun with these
     /// options: for a database without `UPDATE ... RETURNING`.
+    #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
     LockThenLease(&'static str, TransactionOptions),
 }
 

@@ -25,9 +25,11 @@ pub struct OutboxWaker {
 }
 
 impl OutboxWaker {
-    /// The longest a wake waits for its `NOTIFY`: a process sends at most one per window,
-    /// at once for the first wake and at the window's end for the wakes inside it.
-    pub const NOTIFY_DEBOUNCE: Duration = Duration::from_millis(25);
+    /// The default window of [`notifying`](Self::notifying), and so the longest a wake
+    /// waits for its `NOTIFY`: a process sends at most one per window, at once for the
+    /// first wake and at the window's end for the wakes inside it. 5 ms caps a process at
+    /// 200 `NOTIFY`s a second, each a transaction of its own, whatever its commit rate.
+    pub const NOTIFY_DEBOUNCE: Duration = Duration::from_millis(5);
 
     /// Wakes the relay (and, when [`notifying`](Self::notifying), the relays of other
     /// processes).
@@ -46,7 +48,8 @@ impl OutboxWaker {
     /// This waker, also waking relays that listen in other processes
     /// ([`Relay::listening`](crate::Relay::listening)): each wake sends
     /// `pg_notify('sea_orm_inbox_outbox', '')` through `db`, outside any transaction,
-    /// debounced to one statement per [`NOTIFY_DEBOUNCE`](Self::NOTIFY_DEBOUNCE).
+    /// debounced to one statement per [`NOTIFY_DEBOUNCE`](Self::NOTIFY_DEBOUNCE)
+    /// ([`notifying_debounced`](Self::notifying_debounced) sets another window).
     ///
     /// The `NOTIFY` never runs in the business transaction: a transaction that notifies
     /// takes a database-wide lock at its commit, which would serialize every enqueuing
@@ -68,7 +71,32 @@ impl OutboxWaker {
     /// [`OutboxError::InvalidOptions`] when `db` is not PostgreSQL (the others have no
     /// notification channel: their relays poll) or when called outside a Tokio runtime;
     /// [`OutboxError::Backend`] when this build lacks the connection's backend feature.
-    pub fn notifying(mut self, db: DatabaseConnection) -> Result<Self, OutboxError> {
+    pub fn notifying(self, db: DatabaseConnection) -> Result<Self, OutboxError> {
+        self.notifying_debounced(db, Self::NOTIFY_DEBOUNCE)
+    }
+
+    /// [`notifying`](Self::notifying) with at most one `NOTIFY` per `window` instead of
+    /// per [`NOTIFY_DEBOUNCE`](Self::NOTIFY_DEBOUNCE): a longer window sends fewer
+    /// statements (many enqueuing processes, one listening relay) and makes a wake wait up
+    /// to `window` for its `NOTIFY`; `Duration::ZERO` sends one per wake that finds no
+    /// `NOTIFY` already due.
+    ///
+    /// ```no_run
+    /// # async fn run(db: sea_orm::DatabaseConnection) -> Result<(), sea_orm_inbox::OutboxError> {
+    /// use sea_orm_inbox::OutboxWaker;
+    /// use std::time::Duration;
+    ///
+    /// let waker = OutboxWaker::default().notifying_debounced(db.clone(), Duration::from_millis(50))?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// As [`notifying`](Self::notifying).
+    pub fn notifying_debounced(
+        mut self,
+        db: DatabaseConnection,
+        window: Duration,
+    ) -> Result<Self, OutboxError> {
         let statement = notify_statement(db.get_database_backend(), OUTBOX_CHANNEL)
             .map_err(OutboxError::Backend)?
             .ok_or(OutboxError::InvalidOptions {
@@ -86,7 +114,7 @@ impl OutboxWaker {
                 if let Err(error) = db.execute_raw(statement.clone()).await {
                     tracing::debug!(%error, "outbox NOTIFY failed; relays elsewhere will poll");
                 }
-                tokio::time::sleep(Self::NOTIFY_DEBOUNCE).await;
+                tokio::time::sleep(window).await;
             }
         });
         self.remote = Some(sender);
