@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# The CI's compile-only work, run by .ci/run in the background at the lowest priority
-# from the start of the test run, so that it takes the CPU the tests and the cluster
-# suites leave idle while they wait on servers. Each builds with a feature set of its own
+# The CI's compile-heavy work, run by .ci/run in the background at the lowest priority
+# while the cluster suites wait on their nodes. Each builds with a feature set of its own
 # (so it shares nothing with the workspace's test build) into CARGO_TARGET_DIR (.ci/run
 # gives it target/ci-apps, so it never holds the build lock the foreground's cargo calls
-# need). Nothing here talks to a server. In order, stopping at the first failure:
+# need). In order, stopping at the first failure:
 #
-#  1. ci/seaorm-app.sh prebuild: the SeaORM-tooling app's crates, which .ci/run then
+#  1. ci/check-deps.sh: the feature-selection apps, built, checked and run (the
+#     PostgreSQL-only one against INBOX_TEST_POSTGRES_URL).
+#  2. ci/seaorm-app.sh prebuild: the SeaORM-tooling app's crates, which .ci/run then
 #     drives with sea-orm-cli in the foreground (same CARGO_TARGET_DIR).
-#  2. The benchmark (`cargo build -p inbox-bench`: with -p, cargo resolves the bench's
+#  3. The benchmark (`cargo build -p inbox-bench`: with -p, cargo resolves the bench's
 #     own features), for .ci/run's smoke run.
-#  3. cargo package of the three library crates, verified against each other's packages
+#  4. cargo package of the three library crates, verified against each other's packages
 #     (none is published yet), with all three backends, since none is on by default: a
 #     missing file or a path dependency without a version fails here.
 set -euo pipefail
@@ -24,6 +25,7 @@ timed() { # name, command...
   echo "background-builds: $name: $((SECONDS - started)) s"
 }
 
+timed "ci/check-deps.sh" bash ci/check-deps.sh
 timed "ci/seaorm-app.sh prebuild" bash ci/seaorm-app.sh prebuild
 timed "cargo build -p inbox-bench" cargo build --quiet -p inbox-bench
 timed "cargo package of the library crates" \
