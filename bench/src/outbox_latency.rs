@@ -24,21 +24,24 @@ pub const CHILD_FLAG: &str = "--latency-relay";
 pub const POLL: Duration = Duration::from_millis(100);
 
 /// Pause between the writer's transactions: latency is measured without load.
-const PACE: Duration = Duration::from_millis(5);
+pub const PACE: Duration = Duration::from_millis(5);
 
-fn micros_now() -> u128 {
+/// Wall-clock microseconds: writer and relay (or another process) compare instants of
+/// the same clock.
+pub fn micros_now() -> u128 {
     // A clock before 1970 is a broken machine; zero makes its numbers visibly wrong.
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |since| since.as_micros())
 }
 
-/// Records when each message reached the broker.
+/// Records when each message reached the broker (or another outbox's consumer).
 #[derive(Clone, Default)]
-struct Clock(Arc<Mutex<HashMap<Uuid, u128>>>);
+pub struct Clock(Arc<Mutex<HashMap<Uuid, u128>>>);
 
 impl Clock {
-    fn record(&self, id: Uuid) {
+    /// Notes now as `id`'s delivery, unless it was delivered before.
+    pub fn record(&self, id: Uuid) {
         let now = micros_now();
         // A poisoned lock means another recorder panicked; the run then fails on counts.
         if let Ok(mut seen) = self.0.lock() {
@@ -46,11 +49,13 @@ impl Clock {
         }
     }
 
-    fn len(&self) -> usize {
+    /// Messages delivered so far.
+    pub fn len(&self) -> usize {
         self.0.lock().map_or(0, |seen| seen.len())
     }
 
-    fn get(&self, id: &Uuid) -> Option<u128> {
+    /// When `id` was delivered, if it was.
+    pub fn get(&self, id: &Uuid) -> Option<u128> {
         self.0.lock().ok().and_then(|seen| seen.get(id).copied())
     }
 }
@@ -84,10 +89,13 @@ impl Sink {
 pub struct Latency {
     pub p50: f64,
     pub p99: f64,
-    /// The last row of a burst, from its commit.
+    /// The last row of a burst, from its commit; infinite when the burst was not all
+    /// delivered within [`DEADLINE`] (only another outbox's rows record that: a stall of
+    /// ours fails the run).
     pub burst_last: f64,
 }
 
+/// The `p` quantile (0 to 1) of ascending, non-empty `sorted`.
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     let index = ((sorted.len() as f64 - 1.0) * p).round() as usize;
     sorted[index.min(sorted.len() - 1)]
@@ -105,13 +113,26 @@ pub enum Wake {
     Notify,
 }
 
-async fn wait_for(clock: &Clock, rows: usize) -> Result<(), BoxError> {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+/// How long a run waits for its messages before it calls them lost or stalled.
+pub const DEADLINE: Duration = Duration::from_secs(30);
+
+/// Waits until `rows` messages are delivered, for [`DEADLINE`] at most; false if they
+/// were not.
+pub async fn wait_until(clock: &Clock, rows: usize) -> bool {
+    let deadline = tokio::time::Instant::now() + DEADLINE;
     while clock.len() < rows {
         if tokio::time::Instant::now() > deadline {
-            return Err(format!("only {} of {rows} messages published", clock.len()).into());
+            return false;
         }
         tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    true
+}
+
+/// Waits until `rows` messages are delivered; an error after [`DEADLINE`].
+pub async fn wait_for(clock: &Clock, rows: usize) -> Result<(), BoxError> {
+    if !wait_until(clock, rows).await {
+        return Err(format!("only {} of {rows} messages published", clock.len()).into());
     }
     Ok(())
 }
@@ -144,34 +165,7 @@ pub async fn run(
             (Sink::Local(clock), waker, Some(stop), Some(task))
         }
         Wake::Notify => {
-            let clock = Clock::default();
-            let mut child = std::process::Command::new(std::env::current_exe()?)
-                .args([CHILD_FLAG, url])
-                .stdin(std::process::Stdio::piped())
-                .stdout(std::process::Stdio::piped())
-                .spawn()?;
-            let stdout = child.stdout.take().ok_or("the child has no stdout")?;
-            let (ready, is_ready) = std::sync::mpsc::channel();
-            let reader = clock.clone();
-            std::thread::spawn(move || {
-                for line in std::io::BufReader::new(stdout).lines() {
-                    let Ok(line) = line else { break };
-                    if line == "listening" {
-                        let _ = ready.send(());
-                        continue;
-                    }
-                    if let Some((id, micros)) = line.split_once(' ')
-                        && let (Ok(id), Ok(micros)) = (id.parse(), micros.parse())
-                        && let Ok(mut seen) = reader.0.lock()
-                    {
-                        seen.entry(id).or_insert(micros);
-                    }
-                }
-            });
-            tokio::task::spawn_blocking(move || is_ready.recv_timeout(Duration::from_secs(10)))
-                .await??;
-            // The child's LISTEN connection may still be starting: give it a moment.
-            tokio::time::sleep(Duration::from_millis(300)).await;
+            let (clock, child) = spawn_child(CHILD_FLAG, url).await?;
             let waker = OutboxWaker::default().notifying(db.clone())?;
             (Sink::Child(clock, child), Some(waker), None, None)
         }
@@ -211,23 +205,10 @@ pub async fn run(
             }
         }
         wait_for(sink.clock(), messages + burst * 10).await?;
-        let published = sink
-            .clock()
-            .get(&last.0)
-            .ok_or("the burst's last row is missing")?;
-        burst_last = published.saturating_sub(last.1) as f64 / 1000.0;
+        burst_last = delay(sink.clock(), &last)?;
     }
 
-    let mut latencies = Vec::with_capacity(messages);
-    for (id, committed) in &commits {
-        let published = sink
-            .clock()
-            .get(id)
-            .ok_or("a message was never published")?;
-        // Publish before the COMMIT reply is possible by a few microseconds; count it as 0.
-        latencies.push(published.saturating_sub(*committed) as f64 / 1000.0);
-    }
-    latencies.sort_by(f64::total_cmp);
+    let latency = summarize(sink.clock(), &commits, burst_last)?;
     match sink {
         Sink::Local(_) => {
             if let Some(stop) = stop {
@@ -237,17 +218,105 @@ pub async fn run(
                 task.await?;
             }
         }
-        Sink::Child(_, mut child) => {
-            // Closing its stdin tells the child to stop.
-            drop(child.stdin.take());
-            child.wait()?;
-        }
+        Sink::Child(_, child) => stop_child(child)?,
     }
+    Ok(latency)
+}
+
+/// Milliseconds from a message's commit (`(id, micros)`) to its delivery.
+pub fn delay(clock: &Clock, (id, committed): &(Uuid, u128)) -> Result<f64, BoxError> {
+    let delivered = clock.get(id).ok_or("a message was never delivered")?;
+    // Delivery before the COMMIT reply is possible by a few microseconds; count it as 0.
+    Ok(delivered.saturating_sub(*committed) as f64 / 1000.0)
+}
+
+/// p50 and p99 of the paced `commits` (`(id, micros)` each), with the burst's last row.
+pub fn summarize(
+    clock: &Clock,
+    commits: &[(Uuid, u128)],
+    burst_last: f64,
+) -> Result<Latency, BoxError> {
+    if commits.is_empty() {
+        return Err("no paced messages to measure".into());
+    }
+    let mut latencies = commits
+        .iter()
+        .map(|commit| delay(clock, commit))
+        .collect::<Result<Vec<_>, _>>()?;
+    latencies.sort_by(f64::total_cmp);
     Ok(Latency {
         p50: percentile(&latencies, 0.5),
         p99: percentile(&latencies, 0.99),
         burst_last,
     })
+}
+
+/// Starts this binary again as `<flag> <url>`: a consumer in another process that prints
+/// `listening` once it listens, then `<message id> <micros>` per delivery (see
+/// [`print_delivery`]). Returns when it listens, with the clock its lines fill.
+pub async fn spawn_child(flag: &str, url: &str) -> Result<(Clock, std::process::Child), BoxError> {
+    let clock = Clock::default();
+    let mut child = std::process::Command::new(std::env::current_exe()?)
+        .args([flag, url])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()?;
+    let stdout = child.stdout.take().ok_or("the child has no stdout")?;
+    let (ready, is_ready) = std::sync::mpsc::channel();
+    let reader = clock.clone();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if line == "listening" {
+                let _ = ready.send(());
+                continue;
+            }
+            if let Some((id, micros)) = line.split_once(' ')
+                && let (Ok(id), Ok(micros)) = (id.parse(), micros.parse())
+                && let Ok(mut seen) = reader.0.lock()
+            {
+                seen.entry(id).or_insert(micros);
+            }
+        }
+    });
+    tokio::task::spawn_blocking(move || is_ready.recv_timeout(Duration::from_secs(10))).await??;
+    // The child's LISTEN connection may still be starting: give it a moment.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    Ok((clock, child))
+}
+
+/// Stops a [`spawn_child`] child: closing its stdin tells it to stop.
+pub fn stop_child(mut child: std::process::Child) -> Result<(), BoxError> {
+    drop(child.stdin.take());
+    let status = child.wait()?;
+    if !status.success() {
+        return Err(format!("the consumer child failed: {status}").into());
+    }
+    Ok(())
+}
+
+/// Resolves when the child's stdin closes: the parent's signal to stop.
+pub async fn stdin_closed() {
+    let _ = tokio::task::spawn_blocking(|| {
+        let mut sink = String::new();
+        while std::io::stdin()
+            .read_line(&mut sink)
+            .is_ok_and(|read| read > 0)
+        {}
+    })
+    .await;
+}
+
+/// The child's side of [`spawn_child`]: records `id`'s delivery and prints it as
+/// `<message id> <micros>`.
+pub fn print_delivery(clock: &Clock, id: Uuid) {
+    clock.record(id);
+    if let Some(micros) = clock.get(&id) {
+        let mut out = std::io::stdout().lock();
+        // A closed stdout means the parent is gone: nothing left to measure.
+        let _ = writeln!(out, "{id} {micros}");
+        let _ = out.flush();
+    }
 }
 
 fn options() -> RelayOptions {
@@ -268,17 +337,7 @@ pub async fn child(url: &str) -> Result<(), BoxError> {
         .listening(url)?;
     println!("listening");
     std::io::stdout().flush()?;
-    let stop = async {
-        let _ = tokio::task::spawn_blocking(|| {
-            let mut sink = String::new();
-            while std::io::stdin()
-                .read_line(&mut sink)
-                .is_ok_and(|read| read > 0)
-            {}
-        })
-        .await;
-    };
-    relay.run(&db, stop).await;
+    relay.run(&db, stdin_closed()).await;
     db.close().await?;
     Ok(())
 }
@@ -288,23 +347,16 @@ struct Printing(Clock);
 
 impl Publisher for Printing {
     async fn publish(&self, message: &OutboxMessage) -> Result<(), PublishError> {
-        let id = Uuid::from(message.message_id);
-        self.0.record(id);
-        if let Some(micros) = self.0.get(&id) {
-            let mut out = std::io::stdout().lock();
-            // A closed stdout means the parent is gone: nothing left to measure.
-            let _ = writeln!(out, "{id} {micros}");
-            let _ = out.flush();
-        }
+        print_delivery(&self.0, Uuid::from(message.message_id));
         Ok(())
     }
 }
 
 /// Messages per latency mode and round, paced by [`PACE`].
-const MESSAGES: usize = 200;
+pub const MESSAGES: usize = 200;
 
 /// Transactions in the burst after them, 10 messages each.
-const BURST: usize = 200;
+pub const BURST: usize = 200;
 
 /// Measures every mode the backend has, interleaved in rotating order over `rounds`, and
 /// prints one table row per mode: medians over rounds of p50, p99 and the burst's last row.
@@ -334,17 +386,41 @@ pub async fn report(
             Wake::Polling => format!("same process, polling every {} ms", POLL.as_millis()),
             Wake::Notify => "other process, LISTEN/NOTIFY".to_owned(),
         };
-        let median = |pick: fn(&Latency) -> f64| {
-            let mut values: Vec<f64> = latencies.iter().map(pick).collect();
-            values.sort_by(f64::total_cmp);
-            values[values.len() / 2]
-        };
-        println!(
-            "| {name} | {:.1} | {:.1} | {:.1} |",
-            median(|l| l.p50),
-            median(|l| l.p99),
-            median(|l| l.burst_last)
-        );
+        print_row(&name, &latencies);
     }
     Ok(())
+}
+
+/// One row of the table [`report`] prints: medians over rounds of p50, p99 and the
+/// burst's last row, with the rounds whose burst stalled. Other outboxes' rows (printed
+/// right after) join the same table.
+pub fn print_row(name: &str, latencies: &[Latency]) {
+    let median = |pick: fn(&Latency) -> f64| {
+        let mut values: Vec<f64> = latencies.iter().map(pick).collect();
+        values.sort_by(f64::total_cmp);
+        values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
+    };
+    let burst = median(|l| l.burst_last);
+    let stalled = latencies
+        .iter()
+        .filter(|l| l.burst_last.is_infinite())
+        .count();
+    let burst = match stalled {
+        0 => format!("{burst:.1}"),
+        _ => format!(
+            "{} (stalled > {} s in {stalled} of {} rounds)",
+            if burst.is_infinite() {
+                "never".to_owned()
+            } else {
+                format!("{burst:.1}")
+            },
+            DEADLINE.as_secs(),
+            latencies.len()
+        ),
+    };
+    println!(
+        "| {name} | {:.1} | {:.1} | {burst} |",
+        median(|l| l.p50),
+        median(|l| l.p99),
+    );
 }
