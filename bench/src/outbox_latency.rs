@@ -10,6 +10,7 @@ use sea_orm_inbox::{
 };
 use std::collections::HashMap;
 use std::io::{BufRead, Write};
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use uuid::Uuid;
@@ -74,13 +75,14 @@ impl Publisher for Timed {
 /// printing `<message id> <micros>` lines.
 enum Sink {
     Local(Clock),
-    Child(Clock, std::process::Child),
+    Child(Child),
 }
 
 impl Sink {
     fn clock(&self) -> &Clock {
         match self {
-            Sink::Local(clock) | Sink::Child(clock, _) => clock,
+            Sink::Local(clock) => clock,
+            Sink::Child(child) => child.clock(),
         }
     }
 }
@@ -165,9 +167,9 @@ pub async fn run(
             (Sink::Local(clock), waker, Some(stop), Some(task))
         }
         Wake::Notify => {
-            let (clock, child) = spawn_child(CHILD_FLAG, url).await?;
+            let child = spawn_listener(&std::env::current_exe()?, &[CHILD_FLAG, url]).await?;
             let waker = OutboxWaker::default().notifying(db.clone())?;
-            (Sink::Child(clock, child), Some(waker), None, None)
+            (Sink::Child(child), Some(waker), None, None)
         }
     };
 
@@ -218,7 +220,7 @@ pub async fn run(
                 task.await?;
             }
         }
-        Sink::Child(_, child) => stop_child(child)?,
+        Sink::Child(child) => child.stop()?,
     }
     Ok(latency)
 }
@@ -251,52 +253,111 @@ pub fn summarize(
     })
 }
 
-/// Starts this binary again as `<flag> <url>`: a consumer in another process that prints
-/// `listening` once it listens, then `<message id> <micros>` per delivery (see
-/// [`print_delivery`]). Returns when it listens, with the clock its lines fill.
-pub async fn spawn_child(flag: &str, url: &str) -> Result<(Clock, std::process::Child), BoxError> {
-    let clock = Clock::default();
-    let mut child = std::process::Command::new(std::env::current_exe()?)
-        .args([flag, url])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .spawn()?;
-    let stdout = child.stdout.take().ok_or("the child has no stdout")?;
-    let (ready, is_ready) = std::sync::mpsc::channel();
-    let reader = clock.clone();
-    std::thread::spawn(move || {
-        for line in std::io::BufReader::new(stdout).lines() {
-            let Ok(line) = line else { break };
-            if line == "listening" {
-                let _ = ready.send(());
-                continue;
-            }
-            if let Some((id, micros)) = line.split_once(' ')
-                && let (Ok(id), Ok(micros)) = (id.parse(), micros.parse())
-                && let Ok(mut seen) = reader.0.lock()
-            {
-                seen.entry(id).or_insert(micros);
-            }
-        }
-    });
-    tokio::task::spawn_blocking(move || is_ready.recv_timeout(Duration::from_secs(10))).await??;
-    // The child's LISTEN connection may still be starting: give it a moment.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    Ok((clock, child))
+/// Another process of the benchmark's: this binary as a relay, or another outbox's
+/// consumer or publisher (obix's, see `outbox_obix`). It speaks in lines: on its stdout,
+/// `<message id> <micros>` per delivery, which fill its [`Clock`] (see [`print_delivery`]),
+/// and any other line a reply; on its stdin, commands; closing its stdin tells it to stop.
+pub struct Child {
+    process: std::process::Child,
+    stdin: std::process::ChildStdin,
+    clock: Clock,
+    replies: tokio::sync::mpsc::UnboundedReceiver<String>,
+    /// The program, for errors.
+    name: String,
 }
 
-/// Stops a [`spawn_child`] child: closing its stdin tells it to stop.
-pub fn stop_child(mut child: std::process::Child) -> Result<(), BoxError> {
-    drop(child.stdin.take());
-    let status = child.wait()?;
-    if !status.success() {
-        return Err(format!("the consumer child failed: {status}").into());
+impl Child {
+    /// Starts `program` with `args`, its stderr on the benchmark's.
+    pub fn spawn(program: &Path, args: &[&str]) -> Result<Self, BoxError> {
+        let name = program.display().to_string();
+        let mut process = std::process::Command::new(program)
+            .args(args)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .map_err(|err| format!("starting {name}: {err}"))?;
+        let stdin = process.stdin.take().ok_or("the child has no stdin")?;
+        let stdout = process.stdout.take().ok_or("the child has no stdout")?;
+        let (reply, replies) = tokio::sync::mpsc::unbounded_channel();
+        let clock = Clock::default();
+        let reader = clock.clone();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if let Some((id, micros)) = line.split_once(' ')
+                    && let (Ok(id), Ok(micros)) = (id.parse(), micros.parse())
+                {
+                    if let Ok(mut seen) = reader.0.lock() {
+                        seen.entry(id).or_insert(micros);
+                    }
+                } else if reply.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Ok(Self {
+            process,
+            stdin,
+            clock,
+            replies,
+            name,
+        })
     }
-    Ok(())
+
+    /// The deliveries it reported.
+    pub fn clock(&self) -> &Clock {
+        &self.clock
+    }
+
+    /// The next reply, waiting `within` at most.
+    pub async fn reply(&mut self, within: Duration) -> Result<String, BoxError> {
+        match tokio::time::timeout(within, self.replies.recv()).await {
+            Ok(Some(reply)) => Ok(reply),
+            Ok(None) => Err(format!("{} ended (its error is on stderr)", self.name).into()),
+            Err(_) => Err(format!("{} did not reply within {within:?}", self.name).into()),
+        }
+    }
+
+    /// Waits for the reply `expected`.
+    pub async fn expect(&mut self, expected: &str, within: Duration) -> Result<(), BoxError> {
+        let reply = self.reply(within).await?;
+        if reply != expected {
+            return Err(format!("{} said {reply:?}, not {expected:?}", self.name).into());
+        }
+        Ok(())
+    }
+
+    /// Closes its stdin and waits for it to exit; an error if it failed.
+    pub fn stop(self) -> Result<(), BoxError> {
+        let Self {
+            mut process,
+            stdin,
+            name,
+            ..
+        } = self;
+        drop(stdin);
+        let status = process
+            .wait()
+            .map_err(|err| format!("waiting for {name}: {err}"))?;
+        if !status.success() {
+            return Err(format!("{name} failed: {status}").into());
+        }
+        Ok(())
+    }
+}
+
+/// Starts a consumer in another process, [`Child::spawn`]'s `program` with `args`, which
+/// prints `listening` once it listens. Returns when it does.
+pub async fn spawn_listener(program: &Path, args: &[&str]) -> Result<Child, BoxError> {
+    let mut child = Child::spawn(program, args)?;
+    child.expect("listening", Duration::from_secs(10)).await?;
+    // The child's LISTEN connection may still be starting: give it a moment.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    Ok(child)
 }
 
 /// Resolves when the child's stdin closes: the parent's signal to stop.
-pub async fn stdin_closed() {
+async fn stdin_closed() {
     let _ = tokio::task::spawn_blocking(|| {
         let mut sink = String::new();
         while std::io::stdin()
@@ -307,9 +368,9 @@ pub async fn stdin_closed() {
     .await;
 }
 
-/// The child's side of [`spawn_child`]: records `id`'s delivery and prints it as
+/// The relay child's side of [`Child`]: records `id`'s delivery and prints it as
 /// `<message id> <micros>`.
-pub fn print_delivery(clock: &Clock, id: Uuid) {
+fn print_delivery(clock: &Clock, id: Uuid) {
     clock.record(id);
     if let Some(micros) = clock.get(&id) {
         let mut out = std::io::stdout().lock();
