@@ -59,6 +59,13 @@ impl Clock {
     pub fn get(&self, id: &Uuid) -> Option<u128> {
         self.0.lock().ok().and_then(|seen| seen.get(id).copied())
     }
+
+    /// Forgets every delivery, so a long-lived child's clock starts a run empty.
+    pub fn clear(&self) {
+        if let Ok(mut seen) = self.0.lock() {
+            seen.clear();
+        }
+    }
 }
 
 /// A broker that confirms at once and notes the instant.
@@ -307,6 +314,20 @@ impl Child {
     /// The deliveries it reported.
     pub fn clock(&self) -> &Clock {
         &self.clock
+    }
+
+    /// Sends `command`, a line on its stdin.
+    pub fn send(&mut self, command: &str) -> Result<(), BoxError> {
+        writeln!(self.stdin, "{command}")
+            .and_then(|()| self.stdin.flush())
+            .map_err(|err| format!("sending {command:?} to {}: {err}", self.name))?;
+        Ok(())
+    }
+
+    /// Sends `command` and returns the next reply, waiting `within` at most.
+    pub async fn ask(&mut self, command: &str, within: Duration) -> Result<String, BoxError> {
+        self.send(command)?;
+        self.reply(within).await
     }
 
     /// The next reply, waiting `within` at most.
