@@ -8,7 +8,18 @@
 //!     --postgres postgres://postgres@127.0.0.1:5432/test \
 //!     --mysql mysql://root@127.0.0.1:3306/test --rounds 5 --messages 400
 //! cargo run --release -p inbox-bench --bin outbox-bench -- --latency     # + commit-to-publish
+//! cargo build --release --manifest-path bench/obix/Cargo.toml           # + obix beside ours:
+//! cargo run --release -p inbox-bench --bin outbox-bench -- --latency \
+//!     --postgres postgres://postgres@127.0.0.1:5432/test \
+//!     --obix bench/obix/target/release/obix-bench
 //! ```
+//!
+//! `--obix <path to obix-bench>` (PostgreSQL only) adds obix, set up with every default as
+//! a new user would, to the PostgreSQL tables: "UPDATE + obix publish" in the writers'
+//! table, its listener in the publishing process and in another in the latency table (see
+//! `outbox_obix`). obix runs in that binary, a crate outside this workspace with its own
+//! Cargo.lock, because its sqlx 0.8 would pin the workspace's libsqlite3-sys (and so the
+//! library's SQLite) to an older release.
 //!
 //! A server URL names a database the user may create databases from: the benchmark
 //! creates its own (`outbox_bench_<random>`), migrates it with `MigratorWithOutbox`, and
@@ -27,6 +38,7 @@ use std::time::{Duration, Instant};
 
 mod outbox_enqueue;
 mod outbox_latency;
+mod outbox_obix;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -52,6 +64,8 @@ struct Args {
     latency: bool,
     /// Seconds per mode and round of the writers' table (`--enqueue-seconds`; 0 skips it).
     enqueue_seconds: f64,
+    /// The `obix-bench` binary, to measure obix beside ours on PostgreSQL (`--obix`).
+    obix: Option<std::path::PathBuf>,
 }
 
 fn args() -> Result<Args, BoxError> {
@@ -62,6 +76,7 @@ fn args() -> Result<Args, BoxError> {
         messages: 400,
         latency: false,
         enqueue_seconds: 1.0,
+        obix: None,
     };
     let mut iter = std::env::args().skip(1);
     while let Some(flag) = iter.next() {
@@ -73,11 +88,15 @@ fn args() -> Result<Args, BoxError> {
             "--messages" => args.messages = value()?.parse()?,
             "--latency" => args.latency = true,
             "--enqueue-seconds" => args.enqueue_seconds = value()?.parse()?,
+            "--obix" => args.obix = Some(outbox_obix::binary(&value()?)?),
             other => return Err(format!("unknown flag {other}; see the module docs").into()),
         }
     }
     if !(args.enqueue_seconds >= 0.0 && args.enqueue_seconds.is_finite()) {
         return Err("--enqueue-seconds must be a number of seconds, 0 or more".into());
+    }
+    if args.obix.is_some() && args.postgres.is_none() {
+        return Err("--obix needs --postgres: obix runs on PostgreSQL only".into());
     }
     if args.rounds == 0 || args.messages == 0 {
         return Err("--rounds and --messages must be at least 1".into());
@@ -279,6 +298,38 @@ async fn hand_written_run(db: &DatabaseConnection, rows: usize) -> Result<f64, B
     Ok(rows as f64 / took)
 }
 
+/// The writers' table and, with `--latency`, the latency table; obix's rows too when its
+/// child runs.
+async fn writers_and_latency(
+    db: &DatabaseConnection,
+    target: &Target,
+    args: &Args,
+    obix: Option<&outbox_obix::Obix>,
+) -> Result<(), BoxError> {
+    if args.enqueue_seconds > 0.0 {
+        use outbox_enqueue::{Mode, UpdateEnqueue, UpdateHandInsert, UpdateOnly};
+        use std::sync::Arc;
+        outbox_enqueue::create_business_table(db).await?;
+        let mut modes = vec![
+            Mode::Local(Arc::new(UpdateOnly(db.clone()))),
+            Mode::Local(Arc::new(UpdateEnqueue(db.clone()))),
+            Mode::Local(Arc::new(UpdateHandInsert(db.clone()))),
+        ];
+        if let Some(obix) = obix {
+            modes.push(Mode::External(obix));
+        }
+        outbox_enqueue::report(target.name, &modes, args.rounds, args.enqueue_seconds).await?;
+        db.execute_unprepared("DELETE FROM outbox").await?;
+    }
+    if args.latency {
+        outbox_latency::report(db, target.name, &target.url, args.rounds).await?;
+        if let Some(obix) = obix {
+            outbox_obix::latency_report(obix, args.rounds).await?;
+        }
+    }
+    Ok(())
+}
+
 async fn bench(target: &Target, args: &Args) -> Result<(), BoxError> {
     let db = target.connect().await?;
     MigratorWithOutbox::up(&db, None).await?;
@@ -337,19 +388,22 @@ async fn bench(target: &Target, args: &Args) -> Result<(), BoxError> {
         median(hand),
         median(relay_ratio),
     );
-    if args.enqueue_seconds > 0.0 {
-        outbox_enqueue::create_business_table(&db).await?;
-        let modes: Vec<std::sync::Arc<dyn outbox_enqueue::WriterMode>> = vec![
-            std::sync::Arc::new(outbox_enqueue::UpdateOnly(db.clone())),
-            std::sync::Arc::new(outbox_enqueue::UpdateEnqueue(db.clone())),
-            std::sync::Arc::new(outbox_enqueue::UpdateHandInsert(db.clone())),
-        ];
-        outbox_enqueue::report(target.name, &modes, args.rounds, args.enqueue_seconds).await?;
-        db.execute_unprepared("DELETE FROM outbox").await?;
-    }
-    if args.latency {
-        outbox_latency::report(&db, target.name, &target.url, args.rounds).await?;
-    }
+    // obix on the same database, in its child (PostgreSQL only, all it supports).
+    let obix = match (&args.obix, target.name) {
+        (Some(program), "postgres") if args.enqueue_seconds > 0.0 || args.latency => {
+            Some(outbox_obix::Obix::start(program, &target.url).await?)
+        }
+        _ => None,
+    };
+    let measured = writers_and_latency(&db, target, args, obix.as_ref()).await;
+    // Stopped whether the tables failed or not: its connections would keep the benchmark
+    // from dropping its database.
+    let stopped = match obix {
+        Some(obix) => obix.close().await,
+        None => Ok(()),
+    };
+    measured?;
+    stopped?;
     db.close().await?;
     Ok(())
 }

@@ -2,7 +2,9 @@
 //! that each commit transactions of one business `UPDATE` (of their own row), alone and
 //! with one outgoing message, at 1 and 8 writers. Each mode runs for the same time in every
 //! round, in rotating order, and is reported as a median of same-round ratios over the
-//! `UPDATE` alone.
+//! `UPDATE` alone. Another outbox that the workspace does not build (obix, on sqlx 0.8) has
+//! its writers in a child process that times the same loop and reports the rate
+//! ([`Mode::External`]).
 
 use sea_orm::sea_query::{Alias, Expr, ExprTrait, Query};
 use sea_orm::{ConnectionTrait, DatabaseConnection, TransactionTrait};
@@ -26,6 +28,45 @@ pub trait WriterMode: Send + Sync {
     /// Commits the `n`th transaction of writer `writer` (0-based): one `UPDATE` of
     /// `bench_writer` row `writer`, and whatever the mode adds.
     fn transaction(&self, writer: usize, n: u64) -> Step<'_>;
+}
+
+/// A mode whose writers run in another process, which runs [`rate`]'s loop there when
+/// asked: obix's (see `outbox_obix`), on a sqlx the workspace does not build.
+pub trait ExternalWriters: Send + Sync {
+    /// The mode's row label in the table.
+    fn name(&self) -> &str;
+
+    /// Runs `writers` writers for `seconds` there; returns their committed transactions per
+    /// second, timed there around the writers' loop only.
+    fn rate(&self, writers: usize, seconds: f64) -> RateStep<'_>;
+}
+
+/// A rate measured by [`ExternalWriters::rate`].
+pub type RateStep<'a> = Pin<Box<dyn Future<Output = Result<f64, BoxError>> + Send + 'a>>;
+
+/// A row of the writers' table: writers in this process, or in another.
+pub enum Mode<'a> {
+    /// Writers here, each committing the mode's transactions ([`rate`]).
+    Local(Arc<dyn WriterMode>),
+    /// Writers in another process, which reports their rate.
+    External(&'a dyn ExternalWriters),
+}
+
+impl Mode<'_> {
+    fn name(&self) -> &str {
+        match self {
+            Mode::Local(mode) => mode.name(),
+            Mode::External(mode) => mode.name(),
+        }
+    }
+
+    /// Committed transactions per second of `writers` writers over `seconds`.
+    async fn rate(&self, writers: usize, seconds: f64) -> Result<f64, BoxError> {
+        match self {
+            Mode::Local(mode) => rate(mode, writers, seconds).await,
+            Mode::External(mode) => mode.rate(writers, seconds).await,
+        }
+    }
 }
 
 /// The writer counts of the table.
@@ -184,7 +225,7 @@ fn median(mut values: Vec<f64>) -> f64 {
 /// ratio over the baseline.
 pub async fn report(
     backend: &str,
-    modes: &[Arc<dyn WriterMode>],
+    modes: &[Mode<'_>],
     rounds: usize,
     seconds: f64,
 ) -> Result<(), BoxError> {
@@ -200,7 +241,7 @@ pub async fn report(
             let mut this_round = vec![0.0; modes.len()];
             for k in 0..modes.len() {
                 let index = (round + k) % modes.len();
-                this_round[index] = rate(&modes[index], writers, seconds).await?;
+                this_round[index] = modes[index].rate(writers, seconds).await?;
             }
             for (index, value) in this_round.iter().enumerate() {
                 rates[index].push(*value);

@@ -10,6 +10,7 @@ use sea_orm_inbox::{
 };
 use std::collections::HashMap;
 use std::io::{BufRead, Write};
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use uuid::Uuid;
@@ -24,21 +25,24 @@ pub const CHILD_FLAG: &str = "--latency-relay";
 pub const POLL: Duration = Duration::from_millis(100);
 
 /// Pause between the writer's transactions: latency is measured without load.
-const PACE: Duration = Duration::from_millis(5);
+pub const PACE: Duration = Duration::from_millis(5);
 
-fn micros_now() -> u128 {
+/// Wall-clock microseconds: writer and relay (or another process) compare instants of
+/// the same clock.
+pub fn micros_now() -> u128 {
     // A clock before 1970 is a broken machine; zero makes its numbers visibly wrong.
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |since| since.as_micros())
 }
 
-/// Records when each message reached the broker.
+/// Records when each message reached the broker (or another outbox's consumer).
 #[derive(Clone, Default)]
-struct Clock(Arc<Mutex<HashMap<Uuid, u128>>>);
+pub struct Clock(Arc<Mutex<HashMap<Uuid, u128>>>);
 
 impl Clock {
-    fn record(&self, id: Uuid) {
+    /// Notes now as `id`'s delivery, unless it was delivered before.
+    pub fn record(&self, id: Uuid) {
         let now = micros_now();
         // A poisoned lock means another recorder panicked; the run then fails on counts.
         if let Ok(mut seen) = self.0.lock() {
@@ -46,12 +50,21 @@ impl Clock {
         }
     }
 
-    fn len(&self) -> usize {
+    /// Messages delivered so far.
+    pub fn len(&self) -> usize {
         self.0.lock().map_or(0, |seen| seen.len())
     }
 
-    fn get(&self, id: &Uuid) -> Option<u128> {
+    /// When `id` was delivered, if it was.
+    pub fn get(&self, id: &Uuid) -> Option<u128> {
         self.0.lock().ok().and_then(|seen| seen.get(id).copied())
+    }
+
+    /// Forgets every delivery, so a long-lived child's clock starts a run empty.
+    pub fn clear(&self) {
+        if let Ok(mut seen) = self.0.lock() {
+            seen.clear();
+        }
     }
 }
 
@@ -69,13 +82,14 @@ impl Publisher for Timed {
 /// printing `<message id> <micros>` lines.
 enum Sink {
     Local(Clock),
-    Child(Clock, std::process::Child),
+    Child(Child),
 }
 
 impl Sink {
     fn clock(&self) -> &Clock {
         match self {
-            Sink::Local(clock) | Sink::Child(clock, _) => clock,
+            Sink::Local(clock) => clock,
+            Sink::Child(child) => child.clock(),
         }
     }
 }
@@ -84,10 +98,13 @@ impl Sink {
 pub struct Latency {
     pub p50: f64,
     pub p99: f64,
-    /// The last row of a burst, from its commit.
+    /// The last row of a burst, from its commit; infinite when the burst was not all
+    /// delivered within [`DEADLINE`] (only another outbox's rows record that: a stall of
+    /// ours fails the run).
     pub burst_last: f64,
 }
 
+/// The `p` quantile (0 to 1) of ascending, non-empty `sorted`.
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     let index = ((sorted.len() as f64 - 1.0) * p).round() as usize;
     sorted[index.min(sorted.len() - 1)]
@@ -105,13 +122,26 @@ pub enum Wake {
     Notify,
 }
 
-async fn wait_for(clock: &Clock, rows: usize) -> Result<(), BoxError> {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+/// How long a run waits for its messages before it calls them lost or stalled.
+pub const DEADLINE: Duration = Duration::from_secs(30);
+
+/// Waits until `rows` messages are delivered, for [`DEADLINE`] at most; false if they
+/// were not.
+pub async fn wait_until(clock: &Clock, rows: usize) -> bool {
+    let deadline = tokio::time::Instant::now() + DEADLINE;
     while clock.len() < rows {
         if tokio::time::Instant::now() > deadline {
-            return Err(format!("only {} of {rows} messages published", clock.len()).into());
+            return false;
         }
         tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    true
+}
+
+/// Waits until `rows` messages are delivered; an error after [`DEADLINE`].
+pub async fn wait_for(clock: &Clock, rows: usize) -> Result<(), BoxError> {
+    if !wait_until(clock, rows).await {
+        return Err(format!("only {} of {rows} messages published", clock.len()).into());
     }
     Ok(())
 }
@@ -144,36 +174,9 @@ pub async fn run(
             (Sink::Local(clock), waker, Some(stop), Some(task))
         }
         Wake::Notify => {
-            let clock = Clock::default();
-            let mut child = std::process::Command::new(std::env::current_exe()?)
-                .args([CHILD_FLAG, url])
-                .stdin(std::process::Stdio::piped())
-                .stdout(std::process::Stdio::piped())
-                .spawn()?;
-            let stdout = child.stdout.take().ok_or("the child has no stdout")?;
-            let (ready, is_ready) = std::sync::mpsc::channel();
-            let reader = clock.clone();
-            std::thread::spawn(move || {
-                for line in std::io::BufReader::new(stdout).lines() {
-                    let Ok(line) = line else { break };
-                    if line == "listening" {
-                        let _ = ready.send(());
-                        continue;
-                    }
-                    if let Some((id, micros)) = line.split_once(' ')
-                        && let (Ok(id), Ok(micros)) = (id.parse(), micros.parse())
-                        && let Ok(mut seen) = reader.0.lock()
-                    {
-                        seen.entry(id).or_insert(micros);
-                    }
-                }
-            });
-            tokio::task::spawn_blocking(move || is_ready.recv_timeout(Duration::from_secs(10)))
-                .await??;
-            // The child's LISTEN connection may still be starting: give it a moment.
-            tokio::time::sleep(Duration::from_millis(300)).await;
+            let child = spawn_listener(&std::env::current_exe()?, &[CHILD_FLAG, url]).await?;
             let waker = OutboxWaker::default().notifying(db.clone())?;
-            (Sink::Child(clock, child), Some(waker), None, None)
+            (Sink::Child(child), Some(waker), None, None)
         }
     };
 
@@ -211,23 +214,10 @@ pub async fn run(
             }
         }
         wait_for(sink.clock(), messages + burst * 10).await?;
-        let published = sink
-            .clock()
-            .get(&last.0)
-            .ok_or("the burst's last row is missing")?;
-        burst_last = published.saturating_sub(last.1) as f64 / 1000.0;
+        burst_last = delay(sink.clock(), &last)?;
     }
 
-    let mut latencies = Vec::with_capacity(messages);
-    for (id, committed) in &commits {
-        let published = sink
-            .clock()
-            .get(id)
-            .ok_or("a message was never published")?;
-        // Publish before the COMMIT reply is possible by a few microseconds; count it as 0.
-        latencies.push(published.saturating_sub(*committed) as f64 / 1000.0);
-    }
-    latencies.sort_by(f64::total_cmp);
+    let latency = summarize(sink.clock(), &commits, burst_last)?;
     match sink {
         Sink::Local(_) => {
             if let Some(stop) = stop {
@@ -237,17 +227,178 @@ pub async fn run(
                 task.await?;
             }
         }
-        Sink::Child(_, mut child) => {
-            // Closing its stdin tells the child to stop.
-            drop(child.stdin.take());
-            child.wait()?;
-        }
+        Sink::Child(child) => child.stop()?,
     }
+    Ok(latency)
+}
+
+/// Milliseconds from a message's commit (`(id, micros)`) to its delivery.
+pub fn delay(clock: &Clock, (id, committed): &(Uuid, u128)) -> Result<f64, BoxError> {
+    let delivered = clock.get(id).ok_or("a message was never delivered")?;
+    // Delivery before the COMMIT reply is possible by a few microseconds; count it as 0.
+    Ok(delivered.saturating_sub(*committed) as f64 / 1000.0)
+}
+
+/// p50 and p99 of the paced `commits` (`(id, micros)` each), with the burst's last row.
+pub fn summarize(
+    clock: &Clock,
+    commits: &[(Uuid, u128)],
+    burst_last: f64,
+) -> Result<Latency, BoxError> {
+    if commits.is_empty() {
+        return Err("no paced messages to measure".into());
+    }
+    let mut latencies = commits
+        .iter()
+        .map(|commit| delay(clock, commit))
+        .collect::<Result<Vec<_>, _>>()?;
+    latencies.sort_by(f64::total_cmp);
     Ok(Latency {
         p50: percentile(&latencies, 0.5),
         p99: percentile(&latencies, 0.99),
         burst_last,
     })
+}
+
+/// Another process of the benchmark's: this binary as a relay, or another outbox's
+/// consumer or publisher (obix's, see `outbox_obix`). It speaks in lines: on its stdout,
+/// `<message id> <micros>` per delivery, which fill its [`Clock`] (see [`print_delivery`]),
+/// and any other line a reply; on its stdin, commands; closing its stdin tells it to stop.
+pub struct Child {
+    process: std::process::Child,
+    stdin: std::process::ChildStdin,
+    clock: Clock,
+    replies: tokio::sync::mpsc::UnboundedReceiver<String>,
+    /// The program, for errors.
+    name: String,
+}
+
+impl Child {
+    /// Starts `program` with `args`, its stderr on the benchmark's.
+    pub fn spawn(program: &Path, args: &[&str]) -> Result<Self, BoxError> {
+        let name = program.display().to_string();
+        let mut process = std::process::Command::new(program)
+            .args(args)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .map_err(|err| format!("starting {name}: {err}"))?;
+        let stdin = process.stdin.take().ok_or("the child has no stdin")?;
+        let stdout = process.stdout.take().ok_or("the child has no stdout")?;
+        let (reply, replies) = tokio::sync::mpsc::unbounded_channel();
+        let clock = Clock::default();
+        let reader = clock.clone();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if let Some((id, micros)) = line.split_once(' ')
+                    && let (Ok(id), Ok(micros)) = (id.parse(), micros.parse())
+                {
+                    if let Ok(mut seen) = reader.0.lock() {
+                        seen.entry(id).or_insert(micros);
+                    }
+                } else if reply.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Ok(Self {
+            process,
+            stdin,
+            clock,
+            replies,
+            name,
+        })
+    }
+
+    /// The deliveries it reported.
+    pub fn clock(&self) -> &Clock {
+        &self.clock
+    }
+
+    /// Sends `command`, a line on its stdin.
+    pub fn send(&mut self, command: &str) -> Result<(), BoxError> {
+        writeln!(self.stdin, "{command}")
+            .and_then(|()| self.stdin.flush())
+            .map_err(|err| format!("sending {command:?} to {}: {err}", self.name))?;
+        Ok(())
+    }
+
+    /// Sends `command` and returns the next reply, waiting `within` at most.
+    pub async fn ask(&mut self, command: &str, within: Duration) -> Result<String, BoxError> {
+        self.send(command)?;
+        self.reply(within).await
+    }
+
+    /// The next reply, waiting `within` at most.
+    pub async fn reply(&mut self, within: Duration) -> Result<String, BoxError> {
+        match tokio::time::timeout(within, self.replies.recv()).await {
+            Ok(Some(reply)) => Ok(reply),
+            Ok(None) => Err(format!("{} ended (its error is on stderr)", self.name).into()),
+            Err(_) => Err(format!("{} did not reply within {within:?}", self.name).into()),
+        }
+    }
+
+    /// Waits for the reply `expected`.
+    pub async fn expect(&mut self, expected: &str, within: Duration) -> Result<(), BoxError> {
+        let reply = self.reply(within).await?;
+        if reply != expected {
+            return Err(format!("{} said {reply:?}, not {expected:?}", self.name).into());
+        }
+        Ok(())
+    }
+
+    /// Closes its stdin and waits for it to exit; an error if it failed.
+    pub fn stop(self) -> Result<(), BoxError> {
+        let Self {
+            mut process,
+            stdin,
+            name,
+            ..
+        } = self;
+        drop(stdin);
+        let status = process
+            .wait()
+            .map_err(|err| format!("waiting for {name}: {err}"))?;
+        if !status.success() {
+            return Err(format!("{name} failed: {status}").into());
+        }
+        Ok(())
+    }
+}
+
+/// Starts a consumer in another process, [`Child::spawn`]'s `program` with `args`, which
+/// prints `listening` once it listens. Returns when it does.
+pub async fn spawn_listener(program: &Path, args: &[&str]) -> Result<Child, BoxError> {
+    let mut child = Child::spawn(program, args)?;
+    child.expect("listening", Duration::from_secs(10)).await?;
+    // The child's LISTEN connection may still be starting: give it a moment.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    Ok(child)
+}
+
+/// Resolves when the child's stdin closes: the parent's signal to stop.
+async fn stdin_closed() {
+    let _ = tokio::task::spawn_blocking(|| {
+        let mut sink = String::new();
+        while std::io::stdin()
+            .read_line(&mut sink)
+            .is_ok_and(|read| read > 0)
+        {}
+    })
+    .await;
+}
+
+/// The relay child's side of [`Child`]: records `id`'s delivery and prints it as
+/// `<message id> <micros>`.
+fn print_delivery(clock: &Clock, id: Uuid) {
+    clock.record(id);
+    if let Some(micros) = clock.get(&id) {
+        let mut out = std::io::stdout().lock();
+        // A closed stdout means the parent is gone: nothing left to measure.
+        let _ = writeln!(out, "{id} {micros}");
+        let _ = out.flush();
+    }
 }
 
 fn options() -> RelayOptions {
@@ -268,17 +419,7 @@ pub async fn child(url: &str) -> Result<(), BoxError> {
         .listening(url)?;
     println!("listening");
     std::io::stdout().flush()?;
-    let stop = async {
-        let _ = tokio::task::spawn_blocking(|| {
-            let mut sink = String::new();
-            while std::io::stdin()
-                .read_line(&mut sink)
-                .is_ok_and(|read| read > 0)
-            {}
-        })
-        .await;
-    };
-    relay.run(&db, stop).await;
+    relay.run(&db, stdin_closed()).await;
     db.close().await?;
     Ok(())
 }
@@ -288,23 +429,16 @@ struct Printing(Clock);
 
 impl Publisher for Printing {
     async fn publish(&self, message: &OutboxMessage) -> Result<(), PublishError> {
-        let id = Uuid::from(message.message_id);
-        self.0.record(id);
-        if let Some(micros) = self.0.get(&id) {
-            let mut out = std::io::stdout().lock();
-            // A closed stdout means the parent is gone: nothing left to measure.
-            let _ = writeln!(out, "{id} {micros}");
-            let _ = out.flush();
-        }
+        print_delivery(&self.0, Uuid::from(message.message_id));
         Ok(())
     }
 }
 
 /// Messages per latency mode and round, paced by [`PACE`].
-const MESSAGES: usize = 200;
+pub const MESSAGES: usize = 200;
 
 /// Transactions in the burst after them, 10 messages each.
-const BURST: usize = 200;
+pub const BURST: usize = 200;
 
 /// Measures every mode the backend has, interleaved in rotating order over `rounds`, and
 /// prints one table row per mode: medians over rounds of p50, p99 and the burst's last row.
@@ -334,17 +468,41 @@ pub async fn report(
             Wake::Polling => format!("same process, polling every {} ms", POLL.as_millis()),
             Wake::Notify => "other process, LISTEN/NOTIFY".to_owned(),
         };
-        let median = |pick: fn(&Latency) -> f64| {
-            let mut values: Vec<f64> = latencies.iter().map(pick).collect();
-            values.sort_by(f64::total_cmp);
-            values[values.len() / 2]
-        };
-        println!(
-            "| {name} | {:.1} | {:.1} | {:.1} |",
-            median(|l| l.p50),
-            median(|l| l.p99),
-            median(|l| l.burst_last)
-        );
+        print_row(&name, &latencies);
     }
     Ok(())
+}
+
+/// One row of the table [`report`] prints: medians over rounds of p50, p99 and the
+/// burst's last row, with the rounds whose burst stalled. Other outboxes' rows (printed
+/// right after) join the same table.
+pub fn print_row(name: &str, latencies: &[Latency]) {
+    let median = |pick: fn(&Latency) -> f64| {
+        let mut values: Vec<f64> = latencies.iter().map(pick).collect();
+        values.sort_by(f64::total_cmp);
+        values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
+    };
+    let burst = median(|l| l.burst_last);
+    let stalled = latencies
+        .iter()
+        .filter(|l| l.burst_last.is_infinite())
+        .count();
+    let burst = match stalled {
+        0 => format!("{burst:.1}"),
+        _ => format!(
+            "{} (stalled > {} s in {stalled} of {} rounds)",
+            if burst.is_infinite() {
+                "never".to_owned()
+            } else {
+                format!("{burst:.1}")
+            },
+            DEADLINE.as_secs(),
+            latencies.len()
+        ),
+    };
+    println!(
+        "| {name} | {:.1} | {:.1} | {burst} |",
+        median(|l| l.p50),
+        median(|l| l.p99),
+    );
 }
