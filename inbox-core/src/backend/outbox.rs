@@ -52,6 +52,16 @@ pub(crate) enum ClaimPlan {
     LockThenLease(Statement, TransactionOptions),
 }
 
+impl ClaimPlan {
+    /// The options of the transaction the claim needs, `None` for a claim sent on its own.
+    pub(crate) fn transaction_options(&self) -> Option<TransactionOptions> {
+        match self {
+            Self::Alone(_) => None,
+            Self::InTransaction(_, options) | Self::LockThenLease(_, options) => Some(*options),
+        }
+    }
+}
+
 /// The relay's claim of at most `limit` due rows at `now`, oldest first, leased to `token`
 /// until `leased_until`, counting the attempt; rows another relay's claim holds are
 /// skipped.

@@ -12,7 +12,7 @@ use crate::metrics::facade;
 use crate::silence::within;
 use chrono::{DateTime, Utc};
 use sea_orm::{
-    ConnectionTrait, DatabaseConnection, DbErr, EntityTrait, Statement, TransactionTrait,
+    ConnectionTrait, DatabaseConnection, DbBackend, DbErr, EntityTrait, Statement, TransactionTrait,
 };
 use sea_orm_inbox_entity::outbox;
 use std::future::Future;
@@ -192,7 +192,7 @@ impl RelayOptions {
     }
 }
 
-/// What one [`Relay::relay_once`] did.
+/// What one [`Relay::relay_once`] (or, summed, one [`Relay::drain`]) did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RelayReport {
     /// Rows claimed.
@@ -208,6 +208,36 @@ pub struct RelayReport {
     pub lost_leases: u64,
     /// Rows handed back unpublished because the lease was running out.
     pub released: u64,
+}
+
+impl RelayReport {
+    /// Adds what a settle's statements touched.
+    fn count(&mut self, counts: Vec<(Counted, u64)>) {
+        for (counted, rows) in counts {
+            match counted {
+                Counted::Sent(expected) => {
+                    self.published += rows;
+                    self.lost_leases += expected.saturating_sub(rows);
+                }
+                Counted::Failed => self.failed += 1,
+                Counted::Dead => {
+                    self.failed += 1;
+                    self.dead += rows;
+                }
+                Counted::Released => self.released += rows,
+            }
+        }
+    }
+
+    /// Adds another batch's report to this one.
+    fn add(&mut self, other: &RelayReport) {
+        self.claimed += other.claimed;
+        self.published += other.published;
+        self.failed += other.failed;
+        self.dead += other.dead;
+        self.lost_leases += other.lost_leases;
+        self.released += other.released;
+    }
 }
 
 /// Counters of a relay since it was created, shared by its clones.
@@ -301,13 +331,53 @@ pub struct Relay<P> {
     listen_url: Option<String>,
 }
 
-/// The rows of one claim, in `id` order, and the token that fences them.
-struct ClaimedBatch {
+/// The fencing token of one claim and the end of its lease.
+#[derive(Clone, Copy)]
+struct Lease {
     token: Uuid,
-    leased_until: DateTime<Utc>,
+    until: DateTime<Utc>,
+}
+
+/// The rows of one claim, in `id` order, and the lease that fences them.
+struct ClaimedBatch {
+    lease: Lease,
     rows: Vec<(i64, OutboxMessage)>,
     /// Rows whose stored form could not be read back (hand-written headers): parked.
     unreadable: Vec<(i64, String)>,
+}
+
+impl ClaimedBatch {
+    fn new(lease: Lease, rows: Vec<outbox::Model>) -> Self {
+        let mut batch = Self {
+            lease,
+            rows: Vec::with_capacity(rows.len()),
+            unreadable: Vec::new(),
+        };
+        for row in rows {
+            let id = row.id;
+            match OutboxMessage::from_row(row) {
+                Ok(message) => batch.rows.push(message),
+                Err(error) => batch.unreadable.push((id, error)),
+            }
+        }
+        batch
+    }
+
+    /// A report of this batch with its rows claimed and nothing done yet.
+    fn report(&self) -> RelayReport {
+        RelayReport {
+            claimed: (self.rows.len() + self.unreadable.len()) as u64,
+            ..RelayReport::default()
+        }
+    }
+}
+
+/// How the publishes of one batch went: what its settle writes.
+struct Settlement {
+    /// Each published row's id, its attempt and how the publish ended.
+    outcomes: Vec<(i64, u32, Published)>,
+    /// Rows handed back unpublished: their lease was running out.
+    unpublished: Vec<i64>,
 }
 
 /// How the publish of one row ended.
@@ -406,17 +476,104 @@ impl<P: Publisher> Relay<P> {
     /// ends, and are then published again (same message id).
     pub async fn relay_once(&self, db: &DatabaseConnection) -> Result<RelayReport, OutboxError> {
         let batch = self.claim(db).await?;
-        let mut report = RelayReport {
-            claimed: (batch.rows.len() + batch.unreadable.len()) as u64,
-            ..RelayReport::default()
-        };
+        let mut report = batch.report();
         if report.claimed == 0 {
             return Ok(report);
         }
-        let mut outcomes = Vec::with_capacity(batch.rows.len());
+        let settlement = self.publish(&batch).await;
+        self.settle(db, &batch, &settlement, &mut report).await?;
+        self.metrics.add(&report);
+        Ok(report)
+    }
+
+    /// Relays batch after batch until a claim finds less than a full batch, and reports
+    /// the sum: what [`run`](Self::run) does each time it wakes.
+    ///
+    /// Unlike [`relay_once`](Self::relay_once) in a loop, the marks of a full batch commit
+    /// in one transaction with the claim of the next, so a backlog costs one commit per
+    /// batch instead of two (the claim's lease still commits before anything of its batch
+    /// is published). When that transaction fails (a conflict with another relay, as
+    /// Galera's certification reports it), the marks are written again on their own
+    /// before the next claim, so a lost conflict costs no batch its marks.
+    ///
+    /// ```
+    /// use sea_orm::TransactionTrait;
+    /// use sea_orm_inbox::{OutboxExt, OutboxMessage, OutgoingMessage, PublishError, Publisher, Relay, RelayOptions};
+    ///
+    /// struct Discard;
+    /// impl Publisher for Discard {
+    ///     async fn publish(&self, _: &OutboxMessage) -> Result<(), PublishError> {
+    ///         Ok(())
+    ///     }
+    /// }
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    /// # use sea_orm_inbox_migration::{MigratorWithOutbox, MigratorTrait};
+    /// # let db = sea_orm::Database::connect("sqlite::memory:").await?;
+    /// # MigratorWithOutbox::up(&db, None).await?;
+    /// let txn = db.begin().await?;
+    /// for n in 0..25 {
+    ///     txn.enqueue(OutgoingMessage::new("orders.placed", format!("{n}"))).await?;
+    /// }
+    /// txn.commit().await?;
+    ///
+    /// let relay = Relay::new(Discard).with_options(RelayOptions {
+    ///     batch_size: 10,
+    ///     ..RelayOptions::default()
+    /// })?;
+    /// let report = relay.drain(&db).await?; // batches of 10, 10 and 5
+    /// assert_eq!((report.claimed, report.published), (25, 25));
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// As [`relay_once`](Self::relay_once). Batches relayed before the failure stay
+    /// marked (and counted in [`metrics`](Self::metrics)); the failed batch's rows keep
+    /// their lease until it ends, and are then published again (same message id).
+    pub async fn drain(&self, db: &DatabaseConnection) -> Result<RelayReport, OutboxError> {
+        let mut drained = RelayReport::default();
+        let mut batch = self.claim(db).await?;
+        loop {
+            let mut report = batch.report();
+            if report.claimed == 0 {
+                return Ok(drained);
+            }
+            let settlement = self.publish(&batch).await;
+            let next = if report.claimed >= u64::from(self.options.batch_size) {
+                match self
+                    .settle_then_claim(db, &batch, &settlement, &mut report)
+                    .await
+                {
+                    Ok(next) => Some(next),
+                    Err(error) => {
+                        tracing::debug!(%error, "outbox relay's marks with the next claim failed; marking alone");
+                        self.settle(db, &batch, &settlement, &mut report).await?;
+                        None
+                    }
+                }
+            } else {
+                self.settle(db, &batch, &settlement, &mut report).await?;
+                self.metrics.add(&report);
+                drained.add(&report);
+                return Ok(drained);
+            };
+            self.metrics.add(&report);
+            drained.add(&report);
+            batch = match next {
+                Some(next) => next,
+                None => self.claim(db).await?,
+            };
+        }
+    }
+
+    /// Publishes each row of `batch` with the broker's confirmation, handing back the rows
+    /// its lease no longer covers.
+    async fn publish(&self, batch: &ClaimedBatch) -> Settlement {
+        let mut outcomes = Vec::with_capacity(batch.rows.len() + batch.unreadable.len());
         let mut unpublished = Vec::new();
         for (id, message) in &batch.rows {
-            let lease_left = batch.leased_until - Utc::now();
+            let lease_left = batch.lease.until - Utc::now();
             if lease_left.to_std().unwrap_or_default() <= self.options.publish_timeout {
                 unpublished.push(*id);
                 continue;
@@ -452,14 +609,14 @@ impl<P: Publisher> Relay<P> {
                 },
             ));
         }
-        self.settle(db, &batch, &outcomes, &unpublished, &mut report)
-            .await?;
-        self.metrics.add(&report);
-        Ok(report)
+        Settlement {
+            outcomes,
+            unpublished,
+        }
     }
 
-    /// Relays until `stop` completes: a batch at once when the last one was full, else
-    /// after a [`wake`](OutboxWaker::wake) or [`RelayOptions::poll_interval`]. A failed
+    /// Relays until `stop` completes: [`drain`](Self::drain)s the due rows, then waits for
+    /// a [`wake`](OutboxWaker::wake) or [`RelayOptions::poll_interval`]. A failed
     /// batch is logged (`tracing` warning) and retried at the next poll: the relay
     /// outlives database and broker outages. A batch that lost a conflict to another
     /// transaction (a deadlock, a serialization failure, a claim that failed Galera's
@@ -469,8 +626,8 @@ impl<P: Publisher> Relay<P> {
         tokio::pin!(stop);
         let _listener = self.spawn_listener();
         loop {
-            let again = match self.relay_once(db).await {
-                Ok(report) => report.claimed >= u64::from(self.options.batch_size),
+            let again = match self.drain(db).await {
+                Ok(_) => false,
                 // Waiting a poll interval here would leave the drain to the winner: two
                 // relays on two Galera nodes see the same due rows and lose to each other
                 // all the time, and the loser sat out the rest of the backlog.
@@ -506,100 +663,90 @@ impl<P: Publisher> Relay<P> {
         None
     }
 
-    /// Claims due rows, leasing them to a new token: in one statement on its own or in a
-    /// short transaction of its own, as the backend's [`ClaimPlan`] says.
-    async fn claim(&self, db: &DatabaseConnection) -> Result<ClaimedBatch, OutboxError> {
-        let backend = db.get_database_backend();
+    /// A new lease from now, and the backend's claim of the due rows under it.
+    fn new_claim(&self, backend: DbBackend) -> Result<(Lease, ClaimPlan), OutboxError> {
         let now = now_micros();
-        let token = Uuid::new_v4();
-        let lease = chrono::Duration::from_std(self.options.lease).map_err(|_| {
+        let length = chrono::Duration::from_std(self.options.lease).map_err(|_| {
             OutboxError::InvalidOptions {
                 what: "lease is too long",
                 advice: "use hours, not centuries",
             }
         })?;
-        let leased_until = now + lease;
+        let lease = Lease {
+            token: Uuid::new_v4(),
+            until: now + length,
+        };
         let plan = claim_plan(
             backend,
             now,
-            leased_until,
-            token,
+            lease.until,
+            lease.token,
             i64::from(self.options.batch_size),
         )?;
-        let claimer = db.clone();
-        let claim = async move {
-            match plan {
-                ClaimPlan::Alone(update) => {
-                    outbox::Entity::find()
-                        .from_raw_sql(update)
-                        .all(&claimer)
-                        .await
-                }
-                ClaimPlan::InTransaction(update, options) => {
-                    let txn = claimer.begin_with_options(options).await?;
-                    let rows = outbox::Entity::find()
-                        .from_raw_sql(update)
-                        .all(&txn)
-                        .await?;
-                    txn.commit().await?;
-                    Ok(rows)
-                }
-                ClaimPlan::LockThenLease(select, options) => {
-                    let txn = claimer.begin_with_options(options).await?;
-                    let mut rows = outbox::Entity::find()
-                        .from_raw_sql(select)
-                        .all(&txn)
-                        .await?;
-                    if rows.is_empty() {
-                        txn.rollback().await?;
-                        return Ok(rows);
-                    }
-                    let ids: Vec<i64> = rows.iter().map(|row| row.id).collect();
-                    let lease = lease_statement(backend, &ids, leased_until, token)
-                        .map_err(|err| DbErr::Custom(err.to_string()))?;
-                    txn.execute_raw(lease).await?;
-                    txn.commit().await?;
-                    // The read saw the rows before the lease; make them read as leased.
-                    for row in &mut rows {
-                        row.attempts = row.attempts.saturating_add(1);
-                    }
-                    Ok(rows)
-                }
-            }
-        };
-        let mut rows = bounded(backend, "the relay's claim", to_completion(claim)).await?;
-        // `UPDATE ... RETURNING` returns its rows in no promised order.
-        rows.sort_unstable_by_key(|row| row.id);
-        let mut batch = ClaimedBatch {
-            token,
-            leased_until,
-            rows: Vec::with_capacity(rows.len()),
-            unreadable: Vec::new(),
-        };
-        for row in rows {
-            let id = row.id;
-            match OutboxMessage::from_row(row) {
-                Ok(message) => batch.rows.push(message),
-                Err(error) => batch.unreadable.push((id, error)),
-            }
-        }
-        Ok(batch)
+        Ok((lease, plan))
     }
 
-    /// Writes the outcomes of one batch, each row fenced by the batch's token: in one short
-    /// transaction, or, when they are one statement and the backend allows it, that
-    /// statement on its own.
-    async fn settle(
+    /// Claims due rows, leasing them to a new token: in one statement on its own or in a
+    /// short transaction of its own, as the backend's [`ClaimPlan`] says.
+    async fn claim(&self, db: &DatabaseConnection) -> Result<ClaimedBatch, OutboxError> {
+        let backend = db.get_database_backend();
+        let (lease, plan) = self.new_claim(backend)?;
+        let claimer = db.clone();
+        let claim = async move {
+            let Some(options) = plan.transaction_options() else {
+                return claim_rows(&claimer, plan, lease).await;
+            };
+            let txn = claimer.begin_with_options(options).await?;
+            let rows = claim_rows(&txn, plan, lease).await?;
+            txn.commit().await?;
+            Ok(rows)
+        };
+        let rows = bounded(backend, "the relay's claim", to_completion(claim)).await?;
+        Ok(ClaimedBatch::new(lease, rows))
+    }
+
+    /// The settle of `batch` and the claim of the next batch, in one transaction.
+    async fn settle_then_claim(
         &self,
         db: &DatabaseConnection,
         batch: &ClaimedBatch,
-        outcomes: &[(i64, u32, Published)],
-        unpublished: &[i64],
+        settlement: &Settlement,
         report: &mut RelayReport,
-    ) -> Result<(), OutboxError> {
+    ) -> Result<ClaimedBatch, OutboxError> {
         let backend = db.get_database_backend();
+        let statements = self.settle_statements(backend, batch, settlement)?;
+        let (lease, plan) = self.new_claim(backend)?;
+        let options = plan.transaction_options().unwrap_or_default();
+        let writer = db.clone();
+        let work = async move {
+            let txn = writer.begin_with_options(options).await?;
+            let counts = execute_counted(&txn, statements).await?;
+            let rows = claim_rows(&txn, plan, lease).await?;
+            txn.commit().await?;
+            Ok((counts, rows))
+        };
+        let (counts, rows) = bounded(
+            backend,
+            "marking the relayed rows and claiming the next",
+            to_completion(work),
+        )
+        .await?;
+        report.count(counts);
+        Ok(ClaimedBatch::new(lease, rows))
+    }
+
+    /// The statements that write the outcomes of one batch, each row fenced by the batch's
+    /// token.
+    fn settle_statements(
+        &self,
+        backend: DbBackend,
+        batch: &ClaimedBatch,
+        settlement: &Settlement,
+    ) -> Result<Vec<(Statement, Counted)>, OutboxError> {
         let now = now_micros();
-        let confirmed: Vec<i64> = outcomes
+        let token = batch.lease.token;
+        let confirmed: Vec<i64> = settlement
+            .outcomes
             .iter()
             .filter(|(_, _, outcome)| matches!(outcome, Published::Confirmed))
             .map(|(id, _, _)| *id)
@@ -607,11 +754,11 @@ impl<P: Publisher> Relay<P> {
         let mut statements: Vec<(Statement, Counted)> = Vec::new();
         if !confirmed.is_empty() {
             statements.push((
-                mark_sent_statement(backend, &confirmed, now, batch.token)?,
+                mark_sent_statement(backend, &confirmed, now, token)?,
                 Counted::Sent(confirmed.len() as u64),
             ));
         }
-        for (id, attempt, outcome) in outcomes {
+        for (id, attempt, outcome) in &settlement.outcomes {
             let Published::Failed { error, permanent } = outcome else {
                 continue;
             };
@@ -620,7 +767,7 @@ impl<P: Publisher> Relay<P> {
                 .unwrap_or(chrono::Duration::MAX);
             let failure = Failure {
                 id: *id,
-                token: batch.token,
+                token,
                 retry_at: now.checked_add_signed(retry_after).unwrap_or(now),
                 error,
                 dead_at: dead.then_some(now),
@@ -630,12 +777,26 @@ impl<P: Publisher> Relay<P> {
                 if dead { Counted::Dead } else { Counted::Failed },
             ));
         }
-        if !unpublished.is_empty() {
+        if !settlement.unpublished.is_empty() {
             statements.push((
-                release_statement(backend, unpublished, batch.token)?,
+                release_statement(backend, &settlement.unpublished, token)?,
                 Counted::Released,
             ));
         }
+        Ok(statements)
+    }
+
+    /// Writes the outcomes of one batch: in one short transaction, or, when they are one
+    /// statement and the backend allows it, that statement on its own.
+    async fn settle(
+        &self,
+        db: &DatabaseConnection,
+        batch: &ClaimedBatch,
+        settlement: &Settlement,
+        report: &mut RelayReport,
+    ) -> Result<(), OutboxError> {
+        let backend = db.get_database_backend();
+        let statements = self.settle_statements(backend, batch, settlement)?;
         let alone = statements.len() == 1 && settle_alone(backend)?;
         let writer = db.clone();
         let write = async move {
@@ -648,22 +809,47 @@ impl<P: Publisher> Relay<P> {
             Ok(counts)
         };
         let counts = bounded(backend, "marking the relayed rows", to_completion(write)).await?;
-        for (counted, rows) in counts {
-            match counted {
-                Counted::Sent(expected) => {
-                    report.published += rows;
-                    report.lost_leases += expected.saturating_sub(rows);
-                }
-                Counted::Failed => report.failed += 1,
-                Counted::Dead => {
-                    report.failed += 1;
-                    report.dead += rows;
-                }
-                Counted::Released => report.released += rows,
-            }
-        }
+        report.count(counts);
         Ok(())
     }
+}
+
+/// Runs the claim `plan` on `conn` (a transaction, when the plan needs one), leasing the
+/// rows it finds: the rows as leased, in `id` order.
+async fn claim_rows<C: ConnectionTrait>(
+    conn: &C,
+    plan: ClaimPlan,
+    lease: Lease,
+) -> Result<Vec<outbox::Model>, DbErr> {
+    let backend = conn.get_database_backend();
+    let mut rows = match plan {
+        ClaimPlan::Alone(update) | ClaimPlan::InTransaction(update, _) => {
+            outbox::Entity::find()
+                .from_raw_sql(update)
+                .all(conn)
+                .await?
+        }
+        ClaimPlan::LockThenLease(select, _) => {
+            let mut rows = outbox::Entity::find()
+                .from_raw_sql(select)
+                .all(conn)
+                .await?;
+            if !rows.is_empty() {
+                let ids: Vec<i64> = rows.iter().map(|row| row.id).collect();
+                let leasing = lease_statement(backend, &ids, lease.until, lease.token)
+                    .map_err(|err| DbErr::Custom(err.to_string()))?;
+                conn.execute_raw(leasing).await?;
+                // The read saw the rows before the lease; make them read as leased.
+                for row in &mut rows {
+                    row.attempts = row.attempts.saturating_add(1);
+                }
+            }
+            rows
+        }
+    };
+    // `UPDATE ... RETURNING` returns its rows in no promised order.
+    rows.sort_unstable_by_key(|row| row.id);
+    Ok(rows)
 }
 
 /// Runs a settle's statements on `conn` in order, with the rows each touched.

@@ -664,20 +664,8 @@ async fn a_relay_dropped_at_any_await_point_leaves_nothing_locked(backend: Backe
 async fn a_confirmed_batch_costs_the_relay_one_statement_per_step(backend: Backend) {
     with_migrated_outbox_db(backend, async |db| {
         let mut conn = db.connect_with(1).await;
-        let statements = Arc::new(AtomicU32::new(0));
-        let counter = Arc::clone(&statements);
-        conn.set_metric_callback(move |info| {
-            if info.statement.sql.contains("outbox") {
-                counter.fetch_add(1, Ordering::SeqCst);
-            }
-        });
-        let txn = conn.begin().await.expect("begin");
-        let mut ids = Vec::new();
-        for n in 0..5u8 {
-            let message = OutgoingMessage::new("events", vec![n]);
-            ids.push(txn.enqueue(message).await.expect("enqueue"));
-        }
-        txn.commit().await.expect("commit");
+        let statements = count_outbox_statements(&mut conn);
+        let ids = enqueue_many(&conn, 5).await;
 
         let recorder = Arc::new(Recorder::default());
         let relay = Relay::new(Arc::clone(&recorder))
@@ -720,7 +708,149 @@ async fn a_confirmed_batch_costs_the_relay_one_statement_per_step(backend: Backe
     .await;
 }
 
+/// A drain relays batch after batch until a claim comes back short, each full batch's
+/// marks written with the next claim: 45 rows in batches of 20 cost three claims and three
+/// marks on PostgreSQL and SQLite (the claim, two marks each with the next claim, the last
+/// mark alone), plus a lease per claim on MySQL/MariaDB. Every row goes out once, in `id`
+/// order, and the report and the metrics sum the three batches.
+async fn a_drain_relays_every_full_batch_and_the_rest(backend: Backend) {
+    with_migrated_outbox_db(backend, async |db| {
+        let mut conn = db.connect_with(1).await;
+        let statements = count_outbox_statements(&mut conn);
+        let ids = enqueue_many(&conn, 45).await;
+        let recorder = Arc::new(Recorder::default());
+        let relay = Relay::new(Arc::clone(&recorder))
+            .with_options(quick_options())
+            .expect("options");
+        statements.store(0, Ordering::SeqCst);
+        let report = relay.drain(&conn).await.expect("drain");
+        assert_eq!(
+            (report.claimed, report.published, report.failed),
+            (45, 45, 0),
+            "{report:?}"
+        );
+        let expected = match backend {
+            Backend::MySql => 9,
+            _ => 6,
+        };
+        assert_eq!(statements.load(Ordering::SeqCst), expected, "{backend:?}");
+        assert_eq!(recorder.ids(), ids, "each once, in id order");
+        assert_eq!(relay.metrics().snapshot().published, 45);
+        assert_eq!(outbox_backlog(&conn).await.expect("backlog").pending, 0);
+        let again = relay.drain(&conn).await.expect("an empty drain");
+        assert_eq!(again, sea_orm_inbox::RelayReport::default());
+    })
+    .await;
+}
+
+/// Counts the statements on `conn` that name the outbox, from now on.
+fn count_outbox_statements(conn: &mut DatabaseConnection) -> Arc<AtomicU32> {
+    let statements = Arc::new(AtomicU32::new(0));
+    let counter = Arc::clone(&statements);
+    conn.set_metric_callback(move |info| {
+        if info.statement.sql.contains("outbox") {
+            counter.fetch_add(1, Ordering::SeqCst);
+        }
+    });
+    statements
+}
+
+/// Enqueues `count` messages in one transaction; their ids in `id` order.
+async fn enqueue_many(conn: &DatabaseConnection, count: u8) -> Vec<MessageId> {
+    let txn = conn.begin().await.expect("begin");
+    let mut ids = Vec::new();
+    for n in 0..count {
+        ids.push(
+            txn.enqueue(OutgoingMessage::new("events", vec![n]))
+                .await
+                .expect("enqueue"),
+        );
+    }
+    txn.commit().await.expect("commit");
+    ids
+}
+
+/// Makes every lease of the outbox row `id` fail, as a claim that loses a conflict does.
+async fn refuse_leasing(conn: &DatabaseConnection, id: i64) {
+    let statements = match conn.get_database_backend() {
+        sea_orm::DbBackend::Postgres => vec![
+            "CREATE FUNCTION refuse_lease() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+             IF NEW.lease_token IS DISTINCT FROM OLD.lease_token THEN \
+             RAISE EXCEPTION 'the lease is refused'; END IF; RETURN NEW; END $$"
+                .to_owned(),
+            format!(
+                "CREATE TRIGGER refuse_lease BEFORE UPDATE ON outbox FOR EACH ROW \
+                 WHEN (OLD.id = {id}) EXECUTE FUNCTION refuse_lease()"
+            ),
+        ],
+        sea_orm::DbBackend::MySql => vec![format!(
+            "CREATE TRIGGER refuse_lease BEFORE UPDATE ON outbox FOR EACH ROW BEGIN \
+             IF OLD.id = {id} AND NOT (NEW.lease_token <=> OLD.lease_token) THEN \
+             SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'the lease is refused'; END IF; END"
+        )],
+        _ => vec![format!(
+            "CREATE TRIGGER refuse_lease BEFORE UPDATE OF lease_token ON outbox \
+             WHEN OLD.id = {id} BEGIN SELECT RAISE(ABORT, 'the lease is refused'); END"
+        )],
+    };
+    for statement in statements {
+        conn.execute_unprepared(&statement)
+            .await
+            .expect("create the trigger");
+    }
+}
+
+/// When the transaction that marks a full batch and claims the next fails, the drain
+/// writes the marks on their own before it gives up: nothing it published is left
+/// unmarked to be published again. The next claim fails at the 21st row (a trigger
+/// refuses its lease); the first 20 are marked sent, published once, and the rest go out
+/// once when the lease is allowed again.
+async fn a_drain_whose_next_claim_fails_still_marks_its_batch(backend: Backend) {
+    with_migrated_outbox_db(backend, async |db| {
+        let conn = db.connect().await;
+        let ids = enqueue_many(&conn, 45).await;
+        let twenty_first =
+            scalar_i64(&conn, "SELECT id FROM outbox ORDER BY id LIMIT 1 OFFSET 20").await;
+        refuse_leasing(&conn, twenty_first).await;
+        let recorder = Arc::new(Recorder::default());
+        let relay = Relay::new(Arc::clone(&recorder))
+            .with_options(quick_options())
+            .expect("options");
+
+        let failed = relay.drain(&conn).await;
+        assert!(
+            matches!(failed, Err(OutboxError::Database { .. })),
+            "the refused claim fails the drain: {failed:?}"
+        );
+        assert_eq!(recorder.ids(), ids[..20], "the first batch, once");
+        assert_eq!(
+            scalar_i64(
+                &conn,
+                "SELECT COUNT(*) FROM outbox WHERE sent_at IS NOT NULL"
+            )
+            .await,
+            20,
+            "the first batch is marked sent"
+        );
+        assert_eq!(relay.metrics().snapshot().published, 20);
+
+        let drop_trigger = match backend {
+            Backend::Postgres => "DROP TRIGGER refuse_lease ON outbox",
+            _ => "DROP TRIGGER refuse_lease",
+        };
+        conn.execute_unprepared(drop_trigger)
+            .await
+            .expect("drop the trigger");
+        let report = relay.drain(&conn).await.expect("drain the rest");
+        assert_eq!(report.published, 25, "{report:?}");
+        assert_eq!(recorder.ids(), ids, "every row once, in id order");
+    })
+    .await;
+}
+
 on_every_backend!(
+    a_drain_relays_every_full_batch_and_the_rest,
+    a_drain_whose_next_claim_fails_still_marks_its_batch,
     a_confirmed_batch_costs_the_relay_one_statement_per_step,
     a_slow_broker_makes_the_relay_hand_back_what_its_lease_cannot_cover,
     the_startup_check_finds_a_missing_outbox_and_a_missing_unique_index,
@@ -739,6 +869,7 @@ on_every_backend!(
 // bookkeeping, the listing and the requeue.
 on_pgbouncer!(
     a_confirmed_batch_costs_the_relay_one_statement_per_step,
+    a_drain_relays_every_full_batch_and_the_rest,
     two_relays_publish_every_row_exactly_once,
     a_poison_row_goes_dead_without_holding_back_other_keys,
 );
