@@ -31,6 +31,11 @@ pub(crate) fn validate_consumer(consumer: &str) -> Result<(), InboxError> {
 /// Checks the input of a single-message claim: the consumer name and a non-nil id.
 pub(crate) fn validate_claim(message_id: MessageId, consumer: &str) -> Result<(), InboxError> {
     validate_consumer(consumer)?;
+    validate_message_id(message_id)
+}
+
+/// Checks that a message id is not the nil UUID.
+pub(crate) fn validate_message_id(message_id: MessageId) -> Result<(), InboxError> {
     if message_id.is_nil() {
         return Err(InboxError::NilMessageId);
     }

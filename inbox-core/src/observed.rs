@@ -220,7 +220,12 @@ fn is_plain_statement(sql: &str) -> bool {
     if body.contains(';') {
         return false;
     }
-    let first_word: String = body.chars().take_while(char::is_ascii_alphabetic).collect();
+    let word_end = body
+        .bytes()
+        .position(|byte| !byte.is_ascii_alphabetic())
+        .unwrap_or(body.len());
+    // ASCII letters end on a character boundary.
+    let first_word = &body[..word_end];
     PLAIN
         .iter()
         .any(|plain| first_word.eq_ignore_ascii_case(plain))

@@ -238,7 +238,11 @@ pub(crate) async fn insert_marker<C: ConnectionTrait>(
     consumer: &str,
     process: Option<ProcessMarker>,
 ) -> Result<Claim, InboxError> {
-    validate_claim(message_id, consumer)?;
+    if process.is_none() {
+        // `Inbox::process` checked its id before its first attempt, and its consumer when
+        // the inbox was made.
+        validate_claim(message_id, consumer)?;
+    }
     let backend = conn.get_database_backend();
     let token = process.as_ref().map(|process| process.token);
     if let Some(process) = &process {

@@ -4,7 +4,7 @@ use crate::backend::{
 };
 use crate::cause::db_cause;
 use crate::claim::{Held, insert_marker, marker_token};
-use crate::consumer::{validate_claim, validate_consumer};
+use crate::consumer::{validate_consumer, validate_message_id};
 use crate::metrics::{Counter, InboxMetrics, facade};
 use crate::observed::{ObservedTransaction, Verdict};
 use crate::pooler::in_own_transaction;
@@ -427,8 +427,9 @@ impl Inbox {
         let started = Instant::now();
         async {
             // Before any transaction: with the database down, a nil id must still come
-            // back as the input error it is, not as exhausted retries of BEGIN.
-            if let Err(err) = validate_claim(message_id, &self.consumer) {
+            // back as the input error it is, not as exhausted retries of BEGIN. The
+            // consumer was checked when the inbox was made.
+            if let Err(err) = validate_message_id(message_id) {
                 let result = Err(ProcessError::Inbox(err));
                 self.record(&result, 0, started);
                 return result;
