@@ -42,6 +42,13 @@
 #   for a `patronictl reinit`. Production: wal_keep_size or a WAL archive with a
 #   restore_command. checkpoint_timeout: 30s keeps that shared checkpoint recent, so the
 #   rewind copies and the rejoin replays seconds of WAL, not minutes.
+# - remove_data_directory_on_rewind_failure: true. When pg_rewind fails, Patroni's default
+#   starts PostgreSQL on the unrewound data directory, which waits for WAL of a timeline
+#   the leader never had and stays "starting" (patroni/patroni#3652); with it the node is
+#   recloned from the leader instead. One CI run of 831732a saw the old leader stuck
+#   "starting" for over 60 s after its PostgreSQL was killed; its log did not survive the
+#   suite's stop, so which path it took is not known: wait-healthy now prints the log of
+#   every member that is not running or streaming when it gives up.
 #
 # HAProxy (port base+8) checks every node's REST `OPTIONS /primary` every 500 ms (200 only
 # on the node holding the leader key, with PostgreSQL running); two failures mark a node
@@ -182,12 +189,18 @@ proxy_up() {
 }
 
 wait_healthy() {
-    local timeout=${1:-60} started=$SECONDS
+    local timeout=${1:-60} started=$SECONDS node
     while ! healthy; do
         if ((SECONDS - started >= timeout)); then
             echo "patroni.sh: not healthy after $timeout s" >&2
             patronictl list >&2 || true
             echo "HAProxy sends to: $(proxy_up)" >&2
+            # The log of each member that is neither leading nor streaming says why (its
+            # PostgreSQL writes there too): the directory is gone after the suite stops.
+            for node in $(cluster_json | jq -r '.members[] | select(.state != "running" and .state != "streaming") | .name'); do
+                echo "--- the last 40 lines of $node.log" >&2
+                tail -40 "$PATRONI_DIR/$node.log" >&2 || true
+            done
             return 1
         fi
         sleep 0.2
@@ -260,6 +273,7 @@ postgresql:
       username: postgres
     rewind:
       username: postgres
+  remove_data_directory_on_rewind_failure: true
   parameters:
     unix_socket_directories: '$PATRONI_DIR'
   pg_hba:
