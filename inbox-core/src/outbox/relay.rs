@@ -540,7 +540,8 @@ impl<P: Publisher> Relay<P> {
                 return Ok(drained);
             }
             let settlement = self.publish(&batch).await;
-            let next = if report.claimed >= u64::from(self.options.batch_size) {
+            let full = report.claimed >= u64::from(self.options.batch_size);
+            let next = if full {
                 match self
                     .settle_then_claim(db, &batch, &settlement, &mut report)
                     .await
@@ -554,12 +555,13 @@ impl<P: Publisher> Relay<P> {
                 }
             } else {
                 self.settle(db, &batch, &settlement, &mut report).await?;
-                self.metrics.add(&report);
-                drained.add(&report);
-                return Ok(drained);
+                None
             };
             self.metrics.add(&report);
             drained.add(&report);
+            if !full {
+                return Ok(drained);
+            }
             batch = match next {
                 Some(next) => next,
                 None => self.claim(db).await?,
