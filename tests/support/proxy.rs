@@ -74,9 +74,17 @@ enum Trigger {
 struct Seen {
     commit: bool,
     execute: bool,
+    /// Round trips that carry SQL: MySQL's `COM_QUERY` and `COM_STMT_EXECUTE`, PostgreSQL's
+    /// simple `Query` and the `Sync` after an extended-protocol `Execute` (a prepare or a
+    /// pool's ping is not one).
+    round_trips: u32,
 }
 
 impl Seen {
+    fn is_nothing(self) -> bool {
+        !self.commit && !self.execute
+    }
+
     fn fires(self, trigger: Trigger) -> bool {
         match trigger {
             Trigger::Commit | Trigger::PartitionAtCommit => self.commit,
@@ -100,6 +108,8 @@ struct Faults {
     heals: watch::Sender<u64>,
     /// Error replies the server sent.
     errors: AtomicU32,
+    /// Round trips that carried SQL (see [`Seen::round_trips`]).
+    round_trips: AtomicU32,
 }
 
 /// A proxy on an ephemeral 127.0.0.1 port in front of a test database's server.
@@ -138,7 +148,14 @@ impl LostReplyProxy {
 
     /// A new pool whose connections all go through the proxy.
     pub async fn connect(&self) -> DatabaseConnection {
-        connect_pool(&self.url, self.backend, 5).await
+        self.connect_with(5).await
+    }
+
+    /// A new pool of at most `max_connections` whose connections all go through the proxy
+    /// (one, to count a client's round trips: a pool of more may open a connection, and
+    /// send its session set-up, whenever the last one is not back yet).
+    pub async fn connect_with(&self, max_connections: u32) -> DatabaseConnection {
+        connect_pool(&self.url, self.backend, max_connections).await
     }
 
     /// Loses the reply of the next COMMIT any connection sends (once).
@@ -193,6 +210,18 @@ impl LostReplyProxy {
     /// `ErrorResponse`, MySQL's `ERR` packet).
     pub fn error_replies(&self) -> u32 {
         self.faults.errors.load(Ordering::SeqCst)
+    }
+
+    /// The round trips that carried SQL through the proxy so far (see
+    /// [`reset_round_trips`](Self::reset_round_trips)): what a client paid in waits on the
+    /// network, whichever statements they were.
+    pub fn round_trips(&self) -> u32 {
+        self.faults.round_trips.load(Ordering::SeqCst)
+    }
+
+    /// Starts [`round_trips`](Self::round_trips) again from 0.
+    pub fn reset_round_trips(&self) {
+        self.faults.round_trips.store(0, Ordering::SeqCst);
     }
 
     /// COMMIT replies dropped so far.
@@ -322,7 +351,10 @@ async fn requests(
         // through.
         let partitioned = faults.partitioned.load(Ordering::SeqCst);
         let seen = framer.push(&chunk[..read]);
-        if seen != Seen::default() {
+        faults
+            .round_trips
+            .fetch_add(seen.round_trips, Ordering::SeqCst);
+        if !seen.is_nothing() {
             let mut armed = faults.armed.lock().expect("the proxy's lock");
             match *armed {
                 Some(trigger @ (Trigger::PartitionAtCommit | Trigger::PartitionAtExecute))
@@ -404,6 +436,8 @@ struct Framer {
     buffer: Vec<u8>,
     /// PostgreSQL: still in the startup phase, whose messages carry no type byte.
     startup: bool,
+    /// PostgreSQL: an `Execute` since the last `Sync`.
+    executed: bool,
 }
 
 /// PostgreSQL's SSLRequest and GSSENCRequest codes: after them the client sends another
@@ -419,6 +453,7 @@ impl Framer {
             protocol,
             buffer: Vec::new(),
             startup: true,
+            executed: false,
         }
     }
 
@@ -432,6 +467,7 @@ impl Framer {
             }
             let message: Vec<u8> = self.buffer.drain(..len).collect();
             seen.execute |= self.is_execute(&message);
+            seen.round_trips += u32::from(self.is_round_trip(&message));
             seen.commit |= self.is_commit(&message);
         }
         seen
@@ -463,6 +499,30 @@ impl Framer {
             Protocol::Postgres => !self.startup && message.first() == Some(&b'E'),
             Protocol::MySql => {
                 message.get(3) == Some(&0) && message.get(4) == Some(&MYSQL_COM_STMT_EXECUTE)
+            }
+        }
+    }
+
+    /// Whether `message` ends a round trip that carries SQL (read before `is_commit`,
+    /// which ends the PostgreSQL startup phase).
+    fn is_round_trip(&mut self, message: &[u8]) -> bool {
+        match self.protocol {
+            Protocol::Postgres if self.startup => false,
+            Protocol::Postgres => match message.first() {
+                Some(b'Q') => true,
+                Some(b'E') => {
+                    self.executed = true;
+                    false
+                }
+                Some(b'S') => std::mem::take(&mut self.executed),
+                _ => false,
+            },
+            Protocol::MySql => {
+                message.get(3) == Some(&0)
+                    && matches!(
+                        message.get(4),
+                        Some(&MYSQL_COM_QUERY | &MYSQL_COM_STMT_EXECUTE)
+                    )
             }
         }
     }

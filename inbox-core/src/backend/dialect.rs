@@ -37,11 +37,13 @@ pub(super) trait Dialect: Sync {
     /// driver reports the new row's auto-increment id and a duplicate raises.
     fn marker_insert_returns_id(&self) -> bool;
 
-    /// The statement to run before the marker INSERT of
-    /// [`Inbox::process`](crate::Inbox::process) so that the server ends the transaction
-    /// once its client has been silent for `silence`; `None` where the INSERT carries the
-    /// bound itself or there is no server.
-    fn claim_silence_bound(&self, silence: Duration) -> Option<String>;
+    /// The marker INSERT of [`Inbox::process`](crate::Inbox::process) (`marker.process` is
+    /// set) as one unprepared statement that first makes the server end the transaction
+    /// once its client has been silent for the marker's `silence`, where the INSERT cannot
+    /// carry that bound itself: the session variables and the INSERT in one round trip,
+    /// its values written in as literals that need no escaping. `None` where the INSERT
+    /// carries the bound (see [`claim_marker`](Self::claim_marker)) or there is no server.
+    fn claim_marker_with_silence_bound(&self, marker: &Marker<'_>) -> Option<String>;
 
     /// A statement that makes the server end the current transaction, releasing its
     /// locks, once its client has been silent for `silence` (waiting for the next
@@ -148,10 +150,11 @@ pub(super) trait Dialect: Sync {
     /// transaction succeeds anyway.
     fn before_rollback(&self) -> Option<&'static str>;
 
-    /// Whether the server can end a transaction without failing any statement, so that a
-    /// transaction whose statements all succeeded must still prove its marker before
-    /// COMMIT.
-    fn ends_transactions_silently(&self) -> bool;
+    /// A read answering 1 when the server can end a transaction without failing any
+    /// statement (a Galera node), so that a transaction whose statements all succeeded
+    /// must still prove its marker before COMMIT, and 0 when it cannot. `None` where no
+    /// server of the backend can.
+    fn silent_end_capability_probe(&self) -> Option<&'static str>;
 
     /// A read answering 1 when the server has already ended the session's transaction
     /// while the statements after the end ran on their own (autocommit), 0 otherwise.
@@ -235,6 +238,7 @@ pub(super) enum OutboxClaimSql {
 }
 
 /// The marker row of one claim, for [`Dialect::claim_marker`].
+#[derive(Clone, Copy)]
 pub(super) struct Marker<'a> {
     pub(super) message_id: MessageId,
     pub(super) consumer: &'a str,

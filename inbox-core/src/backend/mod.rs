@@ -26,13 +26,15 @@ mod mysql;
 pub(crate) mod outbox;
 #[cfg(feature = "postgres")]
 mod postgres;
+mod server;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 mod transaction;
 
+pub(crate) use server::SilentEnds;
 pub(crate) use transaction::{
-    AfterFailure, after_failure, begin_to_completion, ends_transactions_silently, lost_a_conflict,
-    roll_back, silently_ended, to_completion, transaction_ended,
+    AfterFailure, after_failure, begin_to_completion, lost_a_conflict, roll_back, silently_ended,
+    to_completion, transaction_ended,
 };
 
 /// Options for a transaction that claims a message: pass them to
@@ -222,6 +224,7 @@ pub(crate) fn missing_migration(err: &DbErr) -> Option<InboxMigration> {
 
 /// What `Inbox::process` adds to its marker: the call's token and the transaction's
 /// bounds.
+#[derive(Clone, Copy)]
 pub(crate) struct ProcessMarker {
     /// Written into `claim_token`, the same for every attempt of one call.
     pub(crate) token: Uuid,
@@ -231,8 +234,9 @@ pub(crate) struct ProcessMarker {
     #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub(crate) lock_wait: Duration,
     /// How long the server keeps the transaction (and the marker's lock) while its client
-    /// is silent, where the INSERT can set it (PostgreSQL); elsewhere
-    /// [`claim_silence_statement`] sets it before the INSERT.
+    /// is silent: set by the INSERT (PostgreSQL), or by session variables sent with it in
+    /// one text query (MySQL/MariaDB, see [`MarkerInsert::Unprepared`]).
+    #[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
     pub(crate) silence: Duration,
 }
 
@@ -241,17 +245,6 @@ pub(crate) struct ProcessMarker {
 /// inbox cannot use, whose first statement fails anyway).
 pub(crate) fn over_network(backend: DbBackend) -> bool {
     dialect(backend).is_ok_and(|dialect| dialect.over_network())
-}
-
-/// The statement to run in a claim transaction of `Inbox::process` before its marker
-/// INSERT, so that the server ends the transaction once its client has been silent for
-/// `silence`: `None` where the INSERT sets the bound itself (PostgreSQL) or there is no
-/// server (SQLite).
-pub(crate) fn claim_silence_statement(
-    backend: DbBackend,
-    silence: Duration,
-) -> Result<Option<String>, InboxError> {
-    Ok(dialect(backend)?.claim_silence_bound(silence))
 }
 
 /// The statement that makes the server end the current transaction once its client has
@@ -264,10 +257,20 @@ pub(crate) fn silence_statement(
     Ok(dialect(backend)?.silence_bound(silence))
 }
 
-/// The marker INSERT for one claim, with its bind values: `claim_message`'s plain marker
-/// (with the server-side silence bound of [`Inbox::DEFAULT_PARTITION_TIMEOUT`] where the
-/// INSERT can carry it), or with `process`, `Inbox::process`'s marker carrying its token
-/// and lock-wait bound.
+/// The marker INSERT of one claim, as the backend sends it.
+pub(crate) enum MarkerInsert {
+    /// A prepared statement with its binds.
+    Prepared(Statement),
+    /// `Inbox::process`'s marker on a backend whose INSERT cannot carry the silence bound:
+    /// the bound's session variables and the INSERT in one text query, its values written
+    /// in, so that the claim costs one round trip.
+    Unprepared(String),
+}
+
+/// The marker INSERT for one claim: `claim_message`'s plain marker (with the server-side
+/// silence bound of [`Inbox::DEFAULT_PARTITION_TIMEOUT`] where the INSERT can carry it), or
+/// with `process`, `Inbox::process`'s marker carrying its token, lock-wait bound and
+/// silence bound.
 pub(crate) fn claim_marker_statement(
     backend: DbBackend,
     table: &InboxTable,
@@ -275,40 +278,54 @@ pub(crate) fn claim_marker_statement(
     consumer: &str,
     received_at: DateTime<Utc>,
     process: Option<ProcessMarker>,
-) -> Result<Statement, InboxError> {
+) -> Result<MarkerInsert, InboxError> {
     let dialect = dialect(backend)?;
-    let (sql, values) = dialect.claim_marker(Marker {
+    let marker = Marker {
         message_id,
         consumer,
         received_at,
         claim_silence: Inbox::DEFAULT_PARTITION_TIMEOUT,
         process,
-    });
-    Ok(Statement::from_sql_and_values(
+    };
+    if let Some(sql) = dialect.claim_marker_with_silence_bound(&marker) {
+        let sql = if table.is_default() {
+            sql
+        } else {
+            dialect::retarget(&sql, table, dialect.identifier_quote())
+        };
+        return Ok(MarkerInsert::Unprepared(sql));
+    }
+    let (sql, values) = dialect.claim_marker(marker);
+    Ok(MarkerInsert::Prepared(Statement::from_sql_and_values(
         backend,
         for_table(dialect, table, sql),
         values,
-    ))
+    )))
 }
 
-/// Runs the marker INSERT `statement` through `conn`: the new marker's id, or `None` when
+/// Runs the marker INSERT `insert` through `conn`: the new marker's id, or `None` when
 /// the INSERT's conflict clause met a committed marker. Where the INSERT returns the id
 /// (`RETURNING "id"`) it runs as a query and no row means the marker exists; elsewhere the
 /// driver reports the id (MySQL's `LAST_INSERT_ID`, SQLite's rowid) and a duplicate raises.
 pub(crate) async fn run_marker_insert<C: ConnectionTrait>(
     conn: &C,
-    statement: Statement,
+    insert: MarkerInsert,
 ) -> Result<Option<i64>, DbErr> {
-    let returns_id = dialect(conn.get_database_backend())
-        .map_err(|err| DbErr::Custom(err.to_string()))?
-        .marker_insert_returns_id();
-    if returns_id {
-        return match conn.query_one_raw(statement).await? {
-            Some(row) => row.try_get_by_index::<i64>(0).map(Some),
-            None => Ok(None),
-        };
-    }
-    let inserted = conn.execute_raw(statement).await?.last_insert_id();
+    let inserted = match insert {
+        MarkerInsert::Unprepared(sql) => conn.execute_unprepared(&sql).await?.last_insert_id(),
+        MarkerInsert::Prepared(statement) => {
+            let returns_id = dialect(conn.get_database_backend())
+                .map_err(|err| DbErr::Custom(err.to_string()))?
+                .marker_insert_returns_id();
+            if returns_id {
+                return match conn.query_one_raw(statement).await? {
+                    Some(row) => row.try_get_by_index::<i64>(0).map(Some),
+                    None => Ok(None),
+                };
+            }
+            conn.execute_raw(statement).await?.last_insert_id()
+        }
+    };
     i64::try_from(inserted)
         .map(Some)
         .map_err(|_| DbErr::Custom(format!("the marker id {inserted} does not fit a bigint")))

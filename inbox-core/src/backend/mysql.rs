@@ -38,9 +38,43 @@ impl Dialect for MySql {
         false
     }
 
-    /// The INSERT cannot carry it: the session variables go first.
-    fn claim_silence_bound(&self, silence: Duration) -> Option<String> {
-        self.silence_bound(silence)
+    /// The INSERT cannot carry the bound: the session variables go first, in the same
+    /// text query (sqlx opens every MySQL connection with `CLIENT_MULTI_STATEMENTS`), so
+    /// the claim costs one round trip, not two. A text query takes no binds, so the values
+    /// go in as literals no `sql_mode` reads differently: hex for the ids and the
+    /// consumer's UTF-8 bytes (introduced as `utf8mb4`, whatever the connection's character
+    /// set), digits and separators for the time. The driver reports the last statement's
+    /// id, the marker's, and a duplicate raises 1062 from the INSERT as it does prepared.
+    fn claim_marker_with_silence_bound(&self, marker: &Marker<'_>) -> Option<String> {
+        let process = marker.process.as_ref()?;
+        let bound = self.silence_bound(process.silence)?;
+        let (insert, _) = self.claim_marker(*marker);
+        let literals = [
+            hex_literal(marker.message_id.as_uuid().as_bytes()),
+            format!("_utf8mb4 {}", hex_literal(marker.consumer.as_bytes())),
+            format!(
+                "'{}'",
+                marker
+                    .received_at
+                    .naive_utc()
+                    .format("%Y-%m-%d %H:%M:%S%.6f")
+            ),
+            hex_literal(process.token.as_bytes()),
+        ];
+        let mut literals = literals.iter();
+        let mut inlined = String::with_capacity(bound.len() + insert.len() + 160);
+        inlined.push_str(&bound);
+        inlined.push_str("; ");
+        for piece in insert.split_inclusive('?') {
+            match piece.strip_suffix('?') {
+                Some(before) => {
+                    inlined.push_str(before);
+                    inlined.push_str(literals.next()?);
+                }
+                None => inlined.push_str(piece),
+            }
+        }
+        Some(inlined)
     }
 
     /// MariaDB ends a transaction whose client has been silent for
@@ -246,9 +280,11 @@ impl Dialect for MySql {
     }
 
     /// A Galera brute-force abort can end the transaction between two statements without
-    /// failing the next one, which then runs on its own.
-    fn ends_transactions_silently(&self) -> bool {
-        true
+    /// failing the next one, which then runs on its own: `wsrep_on` is on for a Galera
+    /// node (MariaDB 10.1+ reads it in the executable comment). MySQL 8 skips the comment
+    /// and reads 0, as [`silently_ended_probe`](Dialect::silently_ended_probe) does there.
+    fn silent_end_capability_probe(&self) -> Option<&'static str> {
+        Some("SELECT CAST(/*M!100100 @@global.wsrep_on + */ 0 AS SIGNED)")
     }
 
     /// MariaDB's `@@in_transaction` (10.3+) is 0 once a Galera brute-force abort ended the
@@ -435,10 +471,58 @@ fn names_inbox_table(message: &str, table: &InboxTable) -> bool {
     qualified.rsplit_once('.').map(|(_, name)| name) == Some(table.name())
 }
 
+/// `bytes` as a MySQL hex literal, `x'...'`: read the same under every `sql_mode`, with
+/// nothing to escape.
+fn hex_literal(bytes: &[u8]) -> String {
+    let mut literal = String::with_capacity(3 + 2 * bytes.len());
+    literal.push_str("x'");
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    for byte in bytes {
+        literal.push(char::from(DIGITS[usize::from(byte >> 4)]));
+        literal.push(char::from(DIGITS[usize::from(byte & 0x0f)]));
+    }
+    literal.push('\'');
+    literal
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::MessageId;
+    use crate::backend::ProcessMarker;
     use sea_orm_inbox_entity::INDEX_NAME;
+
+    #[test]
+    fn process_marker_goes_with_its_silence_bound_as_literals() {
+        let at = DateTime::parse_from_rfc3339("2026-12-04T03:04:05.000006Z")
+            .expect("a valid time")
+            .with_timezone(&Utc);
+        let marker = Marker {
+            message_id: MessageId::from_uuid(uuid::Uuid::from_u128(0x0102)),
+            consumer: "o'brien\\ ?",
+            received_at: at,
+            claim_silence: Duration::from_secs(20),
+            process: Some(ProcessMarker {
+                token: uuid::Uuid::from_u128(0xff),
+                lock_wait: Duration::from_secs(5),
+                silence: Duration::from_millis(1500),
+            }),
+        };
+        assert_eq!(
+            MySql.claim_marker_with_silence_bound(&marker).as_deref(),
+            Some(
+                "SET SESSION net_write_timeout = 2 /*M!100300 , idle_transaction_timeout = 2 */; \
+                 INSERT INTO `inbox` (`message_id`, `consumer`, `received_at`, `claim_token`) \
+                 VALUES (x'00000000000000000000000000000102', _utf8mb4 x'6f27627269656e5c203f', \
+                 '2026-12-04 03:04:05.000006', x'000000000000000000000000000000ff')"
+            )
+        );
+        let claim = Marker {
+            process: None,
+            ..marker
+        };
+        assert_eq!(MySql.claim_marker_with_silence_bound(&claim), None);
+    }
 
     #[test]
     fn key_matches_mariadb_and_mysql8_forms_only() {

@@ -71,7 +71,7 @@ impl Dialect for Postgres {
     }
 
     /// The marker INSERT sets the bound itself.
-    fn claim_silence_bound(&self, _silence: Duration) -> Option<String> {
+    fn claim_marker_with_silence_bound(&self, _marker: &Marker<'_>) -> Option<String> {
         None
     }
 
@@ -235,8 +235,8 @@ impl Dialect for Postgres {
         None
     }
 
-    fn ends_transactions_silently(&self) -> bool {
-        false
+    fn silent_end_capability_probe(&self) -> Option<&'static str> {
+        None
     }
 
     fn silently_ended_probe(&self) -> Option<&'static str> {

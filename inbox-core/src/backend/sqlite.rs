@@ -38,7 +38,7 @@ impl Dialect for Sqlite {
     }
 
     /// Embedded: no client can vanish while the database holds its transaction.
-    fn claim_silence_bound(&self, _silence: Duration) -> Option<String> {
+    fn claim_marker_with_silence_bound(&self, _marker: &Marker<'_>) -> Option<String> {
         None
     }
 
@@ -172,8 +172,8 @@ impl Dialect for Sqlite {
         Some("SAVEPOINT inbox_before_rollback")
     }
 
-    fn ends_transactions_silently(&self) -> bool {
-        false
+    fn silent_end_capability_probe(&self) -> Option<&'static str> {
+        None
     }
 
     fn silently_ended_probe(&self) -> Option<&'static str> {

@@ -91,13 +91,6 @@ pub(crate) fn after_failure(backend: DbBackend, err: &DbErr, savepoint_depth: u3
     })
 }
 
-/// Whether a transaction on `backend` whose statements all succeeded must still prove its
-/// marker before COMMIT (see the backend's
-/// [`ends_transactions_silently`](super::dialect::Dialect::ends_transactions_silently)).
-pub(crate) fn ends_transactions_silently(backend: DbBackend) -> bool {
-    dialect(backend).is_ok_and(|dialect| dialect.ends_transactions_silently())
-}
-
 /// Whether the server already ended `txn` without failing the statement that followed
 /// (Galera's brute-force abort between two statements: the next one runs on its own,
 /// in autocommit). Asked only after a batch's read-back missed a row; `false` without a

@@ -3,8 +3,8 @@
 use super::Claim;
 use super::held::{Held, Step};
 use crate::backend::{
-    DbErrorKind, ProcessMarker, claim_marker_statement, claim_silence_statement, classify_in,
-    inbox_duplicate_confirmation, run_marker_insert,
+    DbErrorKind, ProcessMarker, claim_marker_statement, classify_in, inbox_duplicate_confirmation,
+    run_marker_insert,
 };
 use crate::clock::now_micros;
 use crate::consumer::validate_claim;
@@ -230,7 +230,7 @@ fn unresponsive(
 /// With `process` (from `Inbox::process`) the marker carries the call's token in
 /// `claim_token` (see [`marker_token`]), bounds its lock wait where the backend allows it
 /// per transaction (see [`claim_marker_statement`]), and makes the server end the
-/// transaction once the client goes silent (see [`claim_silence_statement`]).
+/// transaction once the client goes silent (in the same round trip as the INSERT).
 pub(crate) async fn insert_marker<C: ConnectionTrait>(
     conn: &C,
     table: &InboxTable,
@@ -245,18 +245,12 @@ pub(crate) async fn insert_marker<C: ConnectionTrait>(
     }
     let backend = conn.get_database_backend();
     let token = process.as_ref().map(|process| process.token);
-    if let Some(process) = &process {
-        // Before the INSERT: the server reads the bound when it starts waiting for the
-        // client, and from the INSERT on the transaction holds the marker's lock.
-        if let Some(sql) = claim_silence_statement(backend, process.silence)? {
-            conn.execute_unprepared(&sql)
-                .await
-                .map_err(|err| InboxError::from_claim(err, message_id, consumer))?;
-        }
-    }
-    let statement =
+    // With `process`, the silence bound is set no later than the INSERT: the server reads
+    // it when it starts waiting for the client, and from the INSERT on the transaction
+    // holds the marker's lock.
+    let insert =
         claim_marker_statement(backend, table, message_id, consumer, now_micros(), process)?;
-    match run_marker_insert(conn, statement).await {
+    match run_marker_insert(conn, insert).await {
         Ok(Some(marker_id)) => Ok(Claim::Claimed(ClaimedMessage {
             table: table.clone(),
             message_id,

@@ -139,6 +139,7 @@ impl Inbox {
             Delivery::message_id,
         );
         let bound = self.step_bound(db);
+        let silent_end = self.silent_end_possible(bound, db).await;
         let txn = self
             .bounded(
                 bound,
@@ -184,7 +185,7 @@ impl Inbox {
             )
             .await?;
         let (value, txn) = self
-            .conclude(bound, named, observed, returned, &batch.held())
+            .conclude(bound, named, observed, returned, &batch.held(), silent_end)
             .await?;
         self.commit_attempt(bound, named, txn).await?;
         Ok(BatchOutcome {

@@ -1,6 +1,6 @@
 use crate::backend::{
-    CLAIM_TRANSACTION, DbErrorKind, ProcessMarker, begin_to_completion, classify,
-    ends_transactions_silently, roll_back,
+    CLAIM_TRANSACTION, DbErrorKind, ProcessMarker, SilentEnds, begin_to_completion, classify,
+    roll_back,
 };
 use crate::cause::db_cause;
 use crate::claim::{Held, insert_marker, marker_token};
@@ -13,7 +13,7 @@ use crate::{
     AdmissionFloor, Claim, Delivery, InboxError, MessageId, Outcome, ProcessError, RetryPolicy,
 };
 use chrono::Utc;
-use sea_orm::{ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbErr};
+use sea_orm::{DatabaseConnection, DatabaseTransaction, DbErr};
 use sea_orm_inbox_entity::InboxTable;
 use std::fmt::Display;
 use std::future::Future;
@@ -83,6 +83,9 @@ pub struct Inbox {
     floor: Option<AdmissionFloor>,
     partition_timeout: Duration,
     metrics: Arc<InboxMetrics>,
+    /// Whether the server of the pool last used can end a transaction silently: shared by
+    /// the clones of an inbox, so that the replicas' tasks read it once.
+    silent_ends: Arc<SilentEnds>,
 }
 
 /// What the attempts of one `process` call share.
@@ -153,6 +156,7 @@ impl Inbox {
             floor: None,
             partition_timeout: Self::DEFAULT_PARTITION_TIMEOUT,
             metrics: Arc::default(),
+            silent_ends: Arc::default(),
         })
     }
 
@@ -280,9 +284,9 @@ impl Inbox {
     ///   marker, once its client has sent nothing for this long (PostgreSQL:
     ///   `idle_in_transaction_session_timeout` and `tcp_user_timeout`, set for the
     ///   transaction by the claim INSERT itself, no extra round trip; MariaDB:
-    ///   `idle_transaction_timeout` and `net_write_timeout`, session variables set by one
-    ///   statement before the claim, which the pooled connection keeps; MySQL 8 has only
-    ///   the latter);
+    ///   `idle_transaction_timeout` and `net_write_timeout`, session variables set in the
+    ///   claim INSERT's own text query, no extra round trip, which the pooled connection
+    ///   keeps; MySQL 8 has only the latter);
     /// - `process` waits at most this long for each step of an attempt (BEGIN, the claim,
     ///   which may first wait for a lock as long as the
     ///   [lock timeout](Self::with_lock_timeout) allows, the handler, the pre-commit check,
@@ -515,6 +519,7 @@ impl Inbox {
         E: 'static,
     {
         let bound = self.step_bound(db);
+        let silent_end = self.silent_end_possible(bound, db).await;
         let txn = self
             .bounded(
                 bound,
@@ -571,7 +576,7 @@ impl Inbox {
             .await?;
         let held = claimed.held();
         let (value, txn) = self
-            .conclude(bound, message_id, observed, returned, &held)
+            .conclude(bound, message_id, observed, returned, &held, silent_end)
             .await?;
         if let Err(err) = self.commit_attempt(bound, message_id, txn).await {
             // The COMMIT may have landed with its reply lost, or be lost in a partition:
@@ -587,10 +592,22 @@ impl Inbox {
         Ok(Outcome::Processed(value))
     }
 
+    /// Whether the server behind `db` can end a transaction without failing a statement
+    /// (see [`SilentEnds`]), asked before the attempt's BEGIN so that a read it needs never
+    /// waits for a second connection of a pool the attempt holds. An unanswered read
+    /// counts as "can".
+    async fn silent_end_possible(&self, bound: Option<Duration>, db: &DatabaseConnection) -> bool {
+        within_bound(bound, self.silent_ends.possible(db))
+            .await
+            .unwrap_or(true)
+    }
+
     /// The end of an attempt whose handler returned `returned` through `observed`, the
     /// claim's transaction, before its COMMIT: a failed handler or a transaction the
-    /// database ended is rolled back; a claim whose transaction may have lost its marker is
-    /// proven (`held`). Gives back the handler's value and the transaction to commit.
+    /// database ended is rolled back; a claim whose transaction may have lost its marker
+    /// (a statement failed, or `silent_end`: the server can end a transaction without
+    /// failing one) is proven (`held`). Gives back the handler's value and the transaction
+    /// to commit.
     async fn conclude<T, E: 'static>(
         &self,
         bound: Option<Duration>,
@@ -598,6 +615,7 @@ impl Inbox {
         observed: ObservedTransaction,
         returned: Result<T, E>,
         held: &Held<'_>,
+        silent_end: bool,
     ) -> Result<(T, DatabaseTransaction), AttemptError<E>> {
         let verdict = observed.verdict();
         let txn = observed.into_inner();
@@ -618,9 +636,7 @@ impl Inbox {
             }
             // Every statement succeeded in the transaction: it holds the marker, unless the
             // server can end a transaction without failing a statement.
-            Verdict::Clean if ends_transactions_silently(txn.get_database_backend()) => {
-                Proof::AgainstSilentEnd
-            }
+            Verdict::Clean if silent_end => Proof::AgainstSilentEnd,
             Verdict::Clean => return Ok((value, txn)),
             Verdict::ProofNeeded => Proof::AfterHandlerFailure,
         };

@@ -306,6 +306,48 @@ async fn process_with_1213_at_commit_retries_and_finds_the_duplicate() {
     .await;
 }
 
+/// On a Galera node `process` still proves its marker before COMMIT when every statement
+/// succeeded (a brute-force abort can end the transaction without failing one); the same
+/// handler on a plain MariaDB sends no proof (`observed::clean_handler_commits_without_the_proof`).
+/// The server is read once, not per message: 20 calls, 20 proofs, and at most one read of
+/// `wsrep_on` per ten seconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "cluster suite: bash tests/cluster/ci-galera.sh runs it (--ignored, with INBOX_TEST_GALERA_URLS)"]
+async fn clean_process_on_a_galera_node_keeps_the_proof() {
+    const CALLS: usize = 20;
+    with_galera_db(async |galera| {
+        let mut node = galera.connect(0).await;
+        create_accounts(&node).await;
+        let sent = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+        let sink = Arc::clone(&sent);
+        node.set_metric_callback(move |info| {
+            sink.lock()
+                .expect("statement log")
+                .push(info.statement.sql.clone());
+        });
+        let inbox = Inbox::new(CONSUMER).unwrap();
+        for _ in 0..CALLS {
+            let outcome = inbox
+                .process(&node, Uuid::new_v4(), |txn| Box::pin(credit(txn, 1)))
+                .await;
+            assert!(matches!(outcome, Ok(Outcome::Processed(()))), "{outcome:?}");
+        }
+        let sent = sent.lock().expect("statement log").clone();
+        let count = |prefix: &str| sent.iter().filter(|sql| sql.starts_with(prefix)).count();
+        assert_eq!(
+            count("SELECT 1 FROM inbox WHERE id ="),
+            CALLS,
+            "one proof per clean call on a Galera node"
+        );
+        assert!(
+            count("SELECT CAST(/*M!100100 @@global.wsrep_on") <= 2,
+            "the server's kind is read once per ten seconds, not per call: {sent:?}"
+        );
+        node.close().await.ok();
+    })
+    .await;
+}
+
 /// One pump iteration on one node: claim the batch, apply exactly the claimed ids through
 /// the transaction, commit; stop at the first failed statement, and re-run the whole
 /// transaction on a transient failure. Returns the number of transient retries.

@@ -39,6 +39,7 @@ mod proof;
 mod quiet_duplicates;
 mod race;
 mod retention;
+mod round_trips;
 mod schema;
 mod soak;
 mod table_name;

@@ -1,0 +1,80 @@
+//! What `Inbox::process` costs on the wire, counted by the proxy between a replica's pool
+//! and its server: BEGIN, the marker INSERT, the handler's statements and COMMIT, the
+//! round trips of the one-transaction peers. On MySQL/MariaDB the marker's silence bound
+//! (session variables the INSERT cannot carry) travels in the INSERT's own text query, and
+//! on a server that is no Galera node no pre-commit proof follows a clean handler.
+
+use inbox_tests::{
+    Backend, create_accounts, credit_once, on_every_backend, on_server_backends, scalar_i64,
+    with_migrated_db, with_proxied_db,
+};
+use sea_orm::EntityTrait;
+use sea_orm_inbox::{Inbox, Outcome};
+use sea_orm_inbox_entity::inbox;
+use uuid::Uuid;
+
+const CONSUMER: &str = "billing.credit";
+
+/// Four round trips a message, every time: BEGIN, the marker INSERT, the handler's one
+/// UPDATE, COMMIT (it was six on MariaDB: the silence bound and the proof had their own).
+async fn process_costs_begin_marker_handler_and_commit(backend: Backend) {
+    const CALLS: u32 = 5;
+    with_proxied_db(backend, async |fixture| {
+        let inbox = Inbox::new(CONSUMER).expect("valid name");
+        let replica = fixture.proxy.connect_with(1).await;
+        // The connection prepares its statements and the inbox reads the server's kind.
+        for _ in 0..2 {
+            let outcome = credit_once(&inbox, &replica, Uuid::new_v4()).await;
+            assert!(matches!(outcome, Ok(Outcome::Processed(()))), "{outcome:?}");
+        }
+        fixture.proxy.reset_round_trips();
+        for _ in 0..CALLS {
+            let outcome = credit_once(&inbox, &replica, Uuid::new_v4()).await;
+            assert!(matches!(outcome, Ok(Outcome::Processed(()))), "{outcome:?}");
+        }
+        let counted = fixture.proxy.round_trips();
+        replica.close().await.ok();
+        assert_eq!(
+            counted,
+            4 * CALLS,
+            "{backend:?}: round trips of {CALLS} clean calls"
+        );
+        assert_eq!(fixture.balance().await, i64::from(CALLS) + 2);
+    })
+    .await;
+}
+
+/// A consumer name holding what SQL quotes and escapes (`'`, `\`, `?`) claims, commits and
+/// meets its duplicate like any other: on MySQL/MariaDB its marker's values go into the
+/// claim's text query as literals.
+async fn consumer_with_quotes_and_escapes_claims_and_meets_its_duplicate(backend: Backend) {
+    with_migrated_db(backend, async |db| {
+        let conn = db.connect().await;
+        create_accounts(&conn).await;
+        let inbox = Inbox::new("o'brien\\ ? \"x\"").expect("valid name");
+        let id = Uuid::new_v4();
+        let first = credit_once(&inbox, &conn, id).await;
+        assert!(matches!(first, Ok(Outcome::Processed(()))), "{first:?}");
+        let again = credit_once(&inbox, &conn, id).await;
+        assert!(matches!(again, Ok(Outcome::Duplicate)), "{again:?}");
+        assert_eq!(
+            scalar_i64(&conn, "SELECT balance FROM account WHERE id = 1").await,
+            1
+        );
+        let markers = inbox::Entity::find()
+            .all(&conn)
+            .await
+            .expect("read the markers");
+        let consumers: Vec<&str> = markers.iter().map(|row| row.consumer.as_str()).collect();
+        assert_eq!(consumers, [inbox.consumer()]);
+        conn.close().await.ok();
+    })
+    .await;
+}
+
+on_server_backends!(process_costs_begin_marker_handler_and_commit);
+
+mod quoted_consumer {
+    use super::*;
+    on_every_backend!(consumer_with_quotes_and_escapes_claims_and_meets_its_duplicate);
+}
