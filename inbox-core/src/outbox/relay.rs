@@ -16,8 +16,11 @@ use sea_orm::{
 };
 use sea_orm_inbox_entity::outbox;
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
 use std::time::Duration;
 use uuid::Uuid;
 
@@ -582,14 +585,18 @@ impl<P: Publisher> Relay<P> {
             }
             let outcome = match tokio::time::timeout(
                 self.options.publish_timeout,
-                self.publisher.publish(message),
+                PanicCaught(Box::pin(self.publisher.publish(message))),
             )
             .await
             {
-                Ok(Ok(())) => Published::Confirmed,
-                Ok(Err(err)) => Published::Failed {
+                Ok(Ok(Ok(()))) => Published::Confirmed,
+                Ok(Ok(Err(err))) => Published::Failed {
                     permanent: matches!(err, PublishError::Rejected(_)),
                     error: err.to_string(),
+                },
+                Ok(Err(panic)) => Published::Failed {
+                    error: format!("the publisher panicked: {panic}"),
+                    permanent: false,
                 },
                 Err(_) => Published::Failed {
                     error: format!(
@@ -885,6 +892,30 @@ pub(crate) async fn bounded<T, F: Future<Output = Result<T, DbErr>>>(
         .await
         .map_err(|waited| OutboxError::DatabaseSilent { operation, waited })?
         .map_err(|source| OutboxError::Database { operation, source })
+}
+
+/// A publish whose panic is caught and returned as its message: a publisher that panics
+/// on one message (a bug in a broker client, a payload it cannot encode) fails that
+/// attempt like any other failure, counted against `max_attempts`, instead of unwinding
+/// through the relay, whose task would end with the row leased, and which would meet the
+/// same row first again after a restart, every time.
+struct PanicCaught<'a>(Pin<Box<dyn Future<Output = Result<(), PublishError>> + Send + 'a>>);
+
+impl Future for PanicCaught<'_> {
+    type Output = Result<Result<(), PublishError>, String>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let publish = self.0.as_mut();
+        match std::panic::catch_unwind(AssertUnwindSafe(|| publish.poll(cx))) {
+            Ok(Poll::Pending) => Poll::Pending,
+            Ok(Poll::Ready(published)) => Poll::Ready(Ok(published)),
+            Err(panic) => Poll::Ready(Err(panic
+                .downcast_ref::<&str>()
+                .map(|message| (*message).to_owned())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic without a message".to_owned()))),
+        }
+    }
 }
 
 /// Aborts a spawned task when dropped, so a task serving [`Relay::run`] ends with it, also

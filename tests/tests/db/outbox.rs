@@ -365,6 +365,89 @@ async fn a_relay_killed_after_publishing_leaves_the_row_to_be_republished_with_i
     .await;
 }
 
+/// A publisher that panics on one payload (a bug in a broker client, a message it cannot
+/// encode) and records every call.
+struct PanicsOn {
+    payload: Vec<u8>,
+    calls: Mutex<Vec<Vec<u8>>>,
+}
+
+impl Publisher for PanicsOn {
+    async fn publish(&self, message: &OutboxMessage) -> Result<(), PublishError> {
+        self.calls
+            .lock()
+            .expect("call log")
+            .push(message.payload.clone());
+        tokio::task::yield_now().await;
+        assert!(
+            message.payload != self.payload,
+            "the broker client cannot encode this message"
+        );
+        Ok(())
+    }
+}
+
+/// A publisher's panic on one message is a failed attempt of that message: the relay
+/// publishes the rest of the batch, retries it with backoff, and parks it dead after
+/// `max_attempts`, with the panic as its last error. (Before, the panic unwound through
+/// `relay_once` with the batch leased and unmarked, and the relay met the same row first
+/// again after every restart.)
+async fn a_publisher_panic_fails_one_attempt_not_the_relay(backend: Backend) {
+    with_migrated_outbox_db(backend, async |db| {
+        let conn = db.connect().await;
+        let txn = conn.begin().await.expect("begin");
+        let poison = txn
+            .enqueue(OutgoingMessage::new("events", b"kills".to_vec()))
+            .await
+            .expect("enqueue");
+        txn.enqueue(OutgoingMessage::new("events", b"fine".to_vec()))
+            .await
+            .expect("enqueue");
+        txn.commit().await.expect("commit");
+        let publisher = Arc::new(PanicsOn {
+            payload: b"kills".to_vec(),
+            calls: Mutex::default(),
+        });
+        let relay = Relay::new(Arc::clone(&publisher))
+            .with_options(quick_options())
+            .expect("options");
+        let mut total = sea_orm_inbox::RelayReport::default();
+        for _ in 0..50 {
+            let report = relay.relay_once(&conn).await.expect("relay");
+            total.published += report.published;
+            total.failed += report.failed;
+            total.dead += report.dead;
+            if total.dead > 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(
+            (total.published, total.failed, total.dead),
+            (1, 3, 1),
+            "the other row went out; 3 failed attempts, the last one parked"
+        );
+        let calls = publisher.calls.lock().expect("call log").clone();
+        assert_eq!(
+            calls.iter().filter(|payload| *payload == b"kills").count(),
+            3
+        );
+        let dead = list_dead_messages(&conn, 10).await.expect("list");
+        assert_eq!(dead.len(), 1);
+        assert_eq!(dead[0].message_id, poison);
+        assert!(
+            dead[0]
+                .last_error
+                .as_deref()
+                .is_some_and(|error| error
+                    .contains("the publisher panicked: the broker client cannot encode")),
+            "{:?}",
+            dead[0].last_error
+        );
+    })
+    .await;
+}
+
 async fn a_poison_row_goes_dead_without_holding_back_other_keys(backend: Backend) {
     with_migrated_outbox_db(backend, async |db| {
         let conn = db.connect().await;
@@ -861,6 +944,7 @@ on_every_backend!(
     a_key_goes_out_in_order_under_two_relays,
     a_relay_killed_after_publishing_leaves_the_row_to_be_republished_with_its_id,
     a_poison_row_goes_dead_without_holding_back_other_keys,
+    a_publisher_panic_fails_one_attempt_not_the_relay,
     a_relay_dropped_at_any_await_point_leaves_nothing_locked,
 );
 
