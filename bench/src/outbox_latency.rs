@@ -413,6 +413,7 @@ fn options() -> RelayOptions {
 /// as `<message id> <micros>` until its stdin closes.
 pub async fn child(url: &str) -> Result<(), BoxError> {
     let db = sea_orm::Database::connect(url).await?;
+    warm_up(&db).await?;
     let clock = Clock::default();
     let relay = Relay::new(Printing(clock))
         .with_options(options())?
@@ -421,6 +422,30 @@ pub async fn child(url: &str) -> Result<(), BoxError> {
     std::io::stdout().flush()?;
     relay.run(&db, stdin_closed()).await;
     db.close().await?;
+    Ok(())
+}
+
+/// Connections a relay's pool holds open once it has run a while: a finished call's
+/// connection goes back to the pool a moment after the call returns, so the next call
+/// sometimes opens another one, until the pool has a few.
+const WARM_CONNECTIONS: usize = 4;
+
+/// Opens [`WARM_CONNECTIONS`] in the child's pool before it listens, as a relay in a
+/// service that has run a while has them. A fresh child opened them during its round
+/// instead, each a stall of the relay's claim or mark: 86-90 ms from the server's
+/// `connection received` to `authorized` in its log, with TLS (with `sslmode=disable` the
+/// p99 fell to 6 ms without this warm-up), and that stall was the whole of the
+/// cross-process p99 (BENCHMARKS.md, "The cross-process p99").
+async fn warm_up(db: &DatabaseConnection) -> Result<(), BoxError> {
+    let holds: Vec<_> = (0..WARM_CONNECTIONS)
+        .map(|_| {
+            let db = db.clone();
+            tokio::spawn(async move { db.execute_unprepared("SELECT pg_sleep(0.05)").await })
+        })
+        .collect();
+    for hold in holds {
+        hold.await??;
+    }
     Ok(())
 }
 
