@@ -9,8 +9,9 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// Whether the server behind a pool can end a transaction silently, read from the server
-/// and remembered for [`SilentEnds::REREAD_AFTER`] per pool: one read every ten seconds
-/// instead of a proof query per message. A pool the crate cannot tell apart from another
+/// and remembered for [`SilentEnds::REREAD_AFTER`] for the pool last used: one read every
+/// ten seconds instead of a proof query per message (an inbox used on two MySQL pools in
+/// turn reads again whenever the pool changes). A pool the crate cannot tell apart from another
 /// (a mock or proxy connection) is never remembered, and a failed read counts as "can":
 /// the proof then runs, as it always did.
 #[derive(Debug, Default)]
