@@ -432,7 +432,7 @@ const WARM_CONNECTIONS: usize = 4;
 
 /// Opens [`WARM_CONNECTIONS`] in the child's pool before it listens, as a relay in a
 /// service that has run a while has them. A fresh child opened them during its round
-/// instead, each a stall of the relay's claim or mark: 86-90 ms from the server's
+/// instead, each a stall of the relay's claim or mark: 85-89 ms from the server's
 /// `connection received` to `authorized` in its log, with TLS (with `sslmode=disable` the
 /// p99 fell to 6 ms without this warm-up), and that stall was the whole of the
 /// cross-process p99 (BENCHMARKS.md, "The cross-process p99").
