@@ -288,12 +288,7 @@ pub(crate) fn claim_marker_statement(
         process,
     };
     if let Some(sql) = dialect.claim_marker_with_silence_bound(&marker) {
-        let sql = if table.is_default() {
-            sql
-        } else {
-            dialect::retarget(&sql, table, dialect.identifier_quote())
-        };
-        return Ok(MarkerInsert::Unprepared(sql));
+        return Ok(MarkerInsert::Unprepared(retarget(backend, table, sql)?));
     }
     let (sql, values) = dialect.claim_marker(marker);
     Ok(MarkerInsert::Prepared(Statement::from_sql_and_values(

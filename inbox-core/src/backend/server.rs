@@ -4,6 +4,7 @@
 //! COMMIT only where that can happen.
 
 use super::dialect;
+use crate::silence::within_bound;
 use sea_orm::{ConnectionTrait, DatabaseConnection, Statement};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -32,8 +33,11 @@ impl SilentEnds {
     pub(crate) const REREAD_AFTER: Duration = Duration::from_secs(10);
 
     /// Whether a transaction on `db` whose statements all succeeded may still have been
-    /// ended by the server before its COMMIT.
-    pub(crate) async fn possible(&self, db: &DatabaseConnection) -> bool {
+    /// ended by the server before its COMMIT. Ask before the transaction's BEGIN: a read
+    /// takes a connection of the pool, which must never wait for the one the transaction
+    /// holds. A read waits at most `bound`; unanswered, it counts as "can". Without a read
+    /// (another backend, or an answer remembered) no timer is armed.
+    pub(crate) async fn possible(&self, db: &DatabaseConnection, bound: Option<Duration>) -> bool {
         let probe = dialect(db.get_database_backend())
             .ok()
             .and_then(|dialect| dialect.silent_end_capability_probe());
@@ -47,7 +51,11 @@ impl SilentEnds {
             return possible;
         }
         let statement = Statement::from_string(db.get_database_backend(), probe);
-        let read = db.query_one_raw(statement).await.ok().flatten();
+        let read = within_bound(bound, db.query_one_raw(statement))
+            .await
+            .ok()
+            .and_then(Result::ok)
+            .flatten();
         let Some(possible) = read.and_then(|row| row.try_get_by_index::<i64>(0).ok()) else {
             return true;
         };

@@ -139,7 +139,7 @@ impl Inbox {
             Delivery::message_id,
         );
         let bound = self.step_bound(db);
-        let silent_end = self.silent_end_possible(bound, db).await;
+        let silent_end = self.silent_ends.possible(db, bound).await;
         let txn = self
             .bounded(
                 bound,

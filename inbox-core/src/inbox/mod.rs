@@ -519,7 +519,7 @@ impl Inbox {
         E: 'static,
     {
         let bound = self.step_bound(db);
-        let silent_end = self.silent_end_possible(bound, db).await;
+        let silent_end = self.silent_ends.possible(db, bound).await;
         let txn = self
             .bounded(
                 bound,
@@ -590,16 +590,6 @@ impl Inbox {
             });
         }
         Ok(Outcome::Processed(value))
-    }
-
-    /// Whether the server behind `db` can end a transaction without failing a statement
-    /// (see [`SilentEnds`]), asked before the attempt's BEGIN so that a read it needs never
-    /// waits for a second connection of a pool the attempt holds. An unanswered read
-    /// counts as "can".
-    async fn silent_end_possible(&self, bound: Option<Duration>, db: &DatabaseConnection) -> bool {
-        within_bound(bound, self.silent_ends.possible(db))
-            .await
-            .unwrap_or(true)
     }
 
     /// The end of an attempt whose handler returned `returned` through `observed`, the
