@@ -246,6 +246,24 @@ pub enum InboxError {
         source: Option<DbErr>,
     },
 
+    /// A claim's proof ([`ClaimedMessage::commit`](crate::ClaimedMessage::commit),
+    /// [`ClaimedMessage::ensure_held`](crate::ClaimedMessage::ensure_held),
+    /// [`BatchClaim::commit`](crate::BatchClaim::commit)) was given a transaction other
+    /// than the one that claimed: one begun after the claiming transaction committed on
+    /// its own, or one that claimed something else. It vouches for nothing of it: `commit`
+    /// rolled it back, nothing of it was committed. A bug in the calling code: commit each
+    /// claim through the transaction whose `claim_message` (or `claim_batch`) returned it.
+    #[error(
+        "the claim of {} for consumer {consumer:?} was given a transaction other than the one that claimed it, which it cannot vouch for: nothing of that transaction was committed (commit rolled it back). Commit each claim through the transaction whose claim_message or claim_batch returned it, and never commit the claiming transaction on its own first",
+        claimed(.message_ids)
+    )]
+    NotTheClaimingTransaction {
+        /// The messages of the claim.
+        message_ids: Vec<MessageId>,
+        /// The consumer that claimed them.
+        consumer: String,
+    },
+
     /// Before COMMIT, the claim's transaction no longer held its marker although every
     /// statement in it had succeeded: the database ended it on its own (a Galera
     /// brute-force abort by a conflicting write certified on another node, between two
@@ -378,7 +396,8 @@ impl InboxError {
             | Self::OutOfRange { .. }
             | Self::InvalidRetention { .. }
             | Self::InvalidAdmissionFloor { .. }
-            | Self::NoTokioRuntime => ErrorKind::Configuration,
+            | Self::NoTokioRuntime
+            | Self::NotTheClaimingTransaction { .. } => ErrorKind::Configuration,
             Self::InvalidTableName(_)
             | Self::EmptyConsumer
             | Self::ConsumerNotTrimmed { .. }

@@ -8,7 +8,7 @@
 //! (transaction control, several statements in one string): the marker is proven before
 //! COMMIT, as on the manual path.
 
-use crate::backend::{AfterFailure, after_failure, transaction_ended};
+use crate::backend::{AfterFailure, after_failure, roll_back_stranded, transaction_ended};
 use sea_orm::{
     AccessMode, ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, ExecResult, IsolationLevel,
     QueryResult, Statement, TransactionError, TransactionOptions, TransactionSession,
@@ -16,6 +16,7 @@ use sea_orm::{
 };
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 /// A SeaORM transaction whose statements [`Inbox::process`](crate::Inbox::process) sees.
@@ -59,9 +60,38 @@ use std::sync::{Arc, Mutex, PoisonError};
 /// # Ok(()) }
 /// ```
 pub struct ObservedTransaction {
-    inner: DatabaseTransaction,
+    inner: Level,
     watch: Arc<Watch>,
     savepoint_depth: u32,
+    backend: DbBackend,
+}
+
+/// One level of the observed transaction, SeaORM's transaction or savepoint. Dropped
+/// after the database ended the transaction, it is kept in the [`Watch`] instead of being
+/// dropped: SeaORM's rollback on drop would fail with the transaction gone and leave the
+/// driver counting the level (see [`roll_back_stranded`]), so `process` rolls it back
+/// itself, after recreating what it rolls back to.
+struct Level {
+    txn: Option<DatabaseTransaction>,
+    watch: Arc<Watch>,
+}
+
+impl Level {
+    fn get(&self) -> Result<&DatabaseTransaction, DbErr> {
+        self.txn
+            .as_ref()
+            .ok_or_else(|| DbErr::Custom("this transaction has already ended".into()))
+    }
+}
+
+impl Drop for Level {
+    fn drop(&mut self) {
+        if let Some(txn) = self.txn.take()
+            && self.watch.ended().is_some()
+        {
+            self.watch.strand(txn);
+        }
+    }
 }
 
 impl std::fmt::Debug for ObservedTransaction {
@@ -74,9 +104,15 @@ impl std::fmt::Debug for ObservedTransaction {
 }
 
 /// What the statements of one observed transaction showed, shared by its savepoints.
-#[derive(Debug, Default)]
+#[derive(Default)]
 struct Watch {
     state: Mutex<Verdict>,
+    /// The savepoints dropped or ended after the database ended the transaction, outermost
+    /// first: see [`Level`].
+    stranded: Mutex<Vec<DatabaseTransaction>>,
+    /// Whether the handler sent a `SAVEPOINT` of its own as SQL: a failure may then be
+    /// undone by its `ROLLBACK TO SAVEPOINT`, which the wrapper cannot follow.
+    handler_savepoint: AtomicBool,
 }
 
 /// What an attempt may do at its end, from what its statements showed.
@@ -107,6 +143,17 @@ impl Watch {
         }
     }
 
+    fn strand(&self, txn: DatabaseTransaction) {
+        self.stranded
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(txn);
+    }
+
+    fn take_stranded(&self) -> Vec<DatabaseTransaction> {
+        std::mem::take(&mut *self.stranded.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+
     /// Records `next` unless the transaction already ended: nothing undoes an end.
     fn record(&self, next: Verdict) {
         let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
@@ -119,9 +166,14 @@ impl Watch {
 
 impl ObservedTransaction {
     pub(crate) fn new(inner: DatabaseTransaction) -> Self {
+        let watch = Arc::<Watch>::default();
         Self {
-            inner,
-            watch: Arc::default(),
+            backend: inner.get_database_backend(),
+            inner: Level {
+                txn: Some(inner),
+                watch: Arc::clone(&watch),
+            },
+            watch,
             savepoint_depth: 0,
         }
     }
@@ -131,9 +183,16 @@ impl ObservedTransaction {
         self.watch.verdict()
     }
 
-    /// The transaction itself, for the commit or the rollback of the attempt.
-    pub(crate) fn into_inner(self) -> DatabaseTransaction {
-        self.inner
+    /// The transaction itself, for the commit or the rollback of the attempt, once the
+    /// savepoints the handler left in a transaction the database ended are rolled back.
+    ///
+    /// # Errors
+    /// Never in practice: only a nested level can be ended before this.
+    pub(crate) async fn into_inner(mut self) -> Result<DatabaseTransaction, DbErr> {
+        let txn = self.inner.txn.take();
+        let txn = txn.ok_or_else(|| DbErr::Custom("the attempt's transaction already ended".into()))?;
+        roll_back_stranded(&txn, self.watch.take_stranded()).await;
+        Ok(txn)
     }
 
     /// The error every statement gets once the database ended the transaction.
@@ -150,9 +209,10 @@ impl ObservedTransaction {
     /// statements count as plain: their ends are observed apart).
     async fn observe<T>(
         &self,
-        plain: bool,
+        sql: Option<&str>,
         statement: impl Future<Output = Result<T, DbErr>>,
     ) -> Result<T, DbErr> {
+        let plain = sql.is_none_or(is_plain_statement);
         if let Some(ending) = self.watch.ended() {
             return Err(Self::refusal(&ending));
         }
@@ -160,37 +220,66 @@ impl ObservedTransaction {
             self.watch.record(Verdict::ProofNeeded);
         }
         let result = statement.await;
-        if let Err(err) = &result {
-            self.failed(err).await;
+        match &result {
+            Err(err) => self.failed(err).await,
+            Ok(_) if !plain => self.opaque_ran(sql.unwrap_or_default()).await,
+            Ok(_) => {}
         }
         result
     }
 
+    /// After a statement the wrapper cannot see through: a `SAVEPOINT` of the handler's
+    /// own is remembered; and where the database can tell at no network cost (SQLite),
+    /// whether the statement ended the transaction (a raw `ROLLBACK` or `COMMIT`) is
+    /// asked at once, before the handler drops a savepoint of the ended transaction.
+    async fn opaque_ran(&self, sql: &str) {
+        if first_word(sql).eq_ignore_ascii_case("SAVEPOINT") {
+            self.watch.handler_savepoint.store(true, Ordering::Release);
+        }
+        let Ok(txn) = self.inner.get() else {
+            return;
+        };
+        if let Ok(true) = transaction_ended(txn).await {
+            self.watch.record(Verdict::Ended(DbErr::Custom(format!(
+                "the handler's statement `{}` ended the transaction",
+                first_word(sql)
+            ))));
+        }
+    }
+
     async fn failed(&self, err: &DbErr) {
-        let verdict =
-            match after_failure(self.inner.get_database_backend(), err, self.savepoint_depth) {
-                AfterFailure::Ended => Verdict::Ended(err.clone()),
-                AfterFailure::WentOn => Verdict::ProofNeeded,
-                AfterFailure::Ask => match transaction_ended(&self.inner).await {
+        // A savepoint the handler named in SQL may be rolled back to: count it as a level.
+        let handler_savepoint = u32::from(self.watch.handler_savepoint.load(Ordering::Acquire));
+        let depth = self.savepoint_depth + handler_savepoint;
+        let verdict = match after_failure(self.backend, err, depth) {
+            AfterFailure::Ended => Verdict::Ended(err.clone()),
+            AfterFailure::WentOn => Verdict::ProofNeeded,
+            AfterFailure::Ask => match self.inner.get() {
+                Ok(txn) => match transaction_ended(txn).await {
                     Ok(false) => Verdict::ProofNeeded,
                     Ok(true) | Err(_) => Verdict::Ended(err.clone()),
                 },
-            };
+                Err(_) => Verdict::Ended(err.clone()),
+            },
+        };
         self.watch.record(verdict);
     }
 
     /// A savepoint's end: a failure there leaves the enclosing transaction in a state
     /// nothing can restore (PostgreSQL keeps it aborted), so it ends the observation.
     async fn end_savepoint(
-        self,
+        mut self,
         end: impl FnOnce(DatabaseTransaction) -> Pin<Box<dyn Future<Output = Result<(), DbErr>> + Send>>,
     ) -> Result<(), DbErr> {
         if let Some(ending) = self.watch.ended() {
-            drop(self.inner);
+            // Dropping the level strands it for `process` to roll back.
             return Err(Self::refusal(&ending));
         }
         let watch = Arc::clone(&self.watch);
-        let result = end(self.inner).await;
+        let Some(txn) = self.inner.txn.take() else {
+            return Err(DbErr::Custom("this transaction has already ended".into()));
+        };
+        let result = end(txn).await;
         if let Err(err) = &result {
             watch.record(Verdict::Ended(err.clone()));
         }
@@ -199,9 +288,13 @@ impl ObservedTransaction {
 
     fn nested(&self, inner: DatabaseTransaction) -> Self {
         Self {
-            inner,
+            inner: Level {
+                txn: Some(inner),
+                watch: Arc::clone(&self.watch),
+            },
             watch: Arc::clone(&self.watch),
             savepoint_depth: self.savepoint_depth + 1,
+            backend: self.backend,
         }
     }
 }
@@ -220,45 +313,54 @@ fn is_plain_statement(sql: &str) -> bool {
     if body.contains(';') {
         return false;
     }
-    let word_end = body
-        .bytes()
-        .position(|byte| !byte.is_ascii_alphabetic())
-        .unwrap_or(body.len());
-    // ASCII letters end on a character boundary.
-    let first_word = &body[..word_end];
+    let first_word = first_word(body);
     PLAIN
         .iter()
         .any(|plain| first_word.eq_ignore_ascii_case(plain))
 }
 
+/// The leading ASCII letters of `sql`, after its leading whitespace.
+fn first_word(sql: &str) -> &str {
+    let sql = sql.trim_start();
+    let word_end = sql
+        .bytes()
+        .position(|byte| !byte.is_ascii_alphabetic())
+        .unwrap_or(sql.len());
+    // ASCII letters end on a character boundary.
+    &sql[..word_end]
+}
+
 #[async_trait::async_trait]
 impl ConnectionTrait for ObservedTransaction {
     fn get_database_backend(&self) -> DbBackend {
-        self.inner.get_database_backend()
+        self.backend
     }
 
     async fn execute_raw(&self, stmt: Statement) -> Result<ExecResult, DbErr> {
-        let plain = is_plain_statement(&stmt.sql);
-        self.observe(plain, self.inner.execute_raw(stmt)).await
+        let sql = stmt.sql.clone();
+        let txn = self.inner.get()?;
+        self.observe(Some(&sql), txn.execute_raw(stmt)).await
     }
 
     async fn execute_unprepared(&self, sql: &str) -> Result<ExecResult, DbErr> {
-        self.observe(is_plain_statement(sql), self.inner.execute_unprepared(sql))
-            .await
+        let txn = self.inner.get()?;
+        self.observe(Some(sql), txn.execute_unprepared(sql)).await
     }
 
     async fn query_one_raw(&self, stmt: Statement) -> Result<Option<QueryResult>, DbErr> {
-        let plain = is_plain_statement(&stmt.sql);
-        self.observe(plain, self.inner.query_one_raw(stmt)).await
+        let sql = stmt.sql.clone();
+        let txn = self.inner.get()?;
+        self.observe(Some(&sql), txn.query_one_raw(stmt)).await
     }
 
     async fn query_all_raw(&self, stmt: Statement) -> Result<Vec<QueryResult>, DbErr> {
-        let plain = is_plain_statement(&stmt.sql);
-        self.observe(plain, self.inner.query_all_raw(stmt)).await
+        let sql = stmt.sql.clone();
+        let txn = self.inner.get()?;
+        self.observe(Some(&sql), txn.query_all_raw(stmt)).await
     }
 
     fn support_returning(&self) -> bool {
-        self.inner.support_returning()
+        self.backend.support_returning()
     }
 }
 
@@ -267,7 +369,7 @@ impl TransactionTrait for ObservedTransaction {
     type Transaction = ObservedTransaction;
 
     async fn begin(&self) -> Result<ObservedTransaction, DbErr> {
-        let inner = self.observe(true, self.inner.begin()).await?;
+        let inner = self.observe(None, self.inner.get()?.begin()).await?;
         Ok(self.nested(inner))
     }
 
@@ -278,8 +380,10 @@ impl TransactionTrait for ObservedTransaction {
     ) -> Result<ObservedTransaction, DbErr> {
         let inner = self
             .observe(
-                true,
-                self.inner.begin_with_config(isolation_level, access_mode),
+                None,
+                self.inner
+                    .get()?
+                    .begin_with_config(isolation_level, access_mode),
             )
             .await?;
         Ok(self.nested(inner))
@@ -290,7 +394,7 @@ impl TransactionTrait for ObservedTransaction {
         options: TransactionOptions,
     ) -> Result<ObservedTransaction, DbErr> {
         let inner = self
-            .observe(true, self.inner.begin_with_options(options))
+            .observe(None, self.inner.get()?.begin_with_options(options))
             .await?;
         Ok(self.nested(inner))
     }
@@ -377,7 +481,7 @@ impl TransactionSession for ObservedTransaction {
 
 #[cfg(feature = "stream")]
 mod stream {
-    use super::{ObservedTransaction, Verdict, Watch, is_plain_statement};
+    use super::{ObservedTransaction, Verdict, Watch};
     use crate::backend::{AfterFailure, after_failure};
     use futures_util::Stream;
     use sea_orm::{DbBackend, DbErr, QueryResult, Statement, StreamTrait, TransactionStream};
@@ -422,7 +526,7 @@ mod stream {
         type Stream<'a> = ObservedStream<'a>;
 
         fn get_database_backend(&self) -> DbBackend {
-            self.inner.get_database_backend()
+            self.backend
         }
 
         fn stream_raw<'a>(
@@ -430,12 +534,13 @@ mod stream {
             stmt: Statement,
         ) -> Pin<Box<dyn Future<Output = Result<ObservedStream<'a>, DbErr>> + 'a + Send>> {
             Box::pin(async move {
-                let plain = is_plain_statement(&stmt.sql);
-                let rows = self.observe(plain, self.inner.stream_raw(stmt)).await?;
+                let sql = stmt.sql.clone();
+                let txn = self.inner.get()?;
+                let rows = self.observe(Some(&sql), txn.stream_raw(stmt)).await?;
                 Ok(ObservedStream {
                     rows: Box::pin(rows),
                     watch: Arc::clone(&self.watch),
-                    backend: self.inner.get_database_backend(),
+                    backend: self.backend,
                     savepoint_depth: self.savepoint_depth,
                 })
             })

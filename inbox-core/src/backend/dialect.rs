@@ -171,6 +171,19 @@ pub(super) trait Dialect: Sync {
     /// transaction, or `None` when `db` comes from another driver.
     fn refuses_probe(&self, db: &dyn DatabaseError) -> Option<bool>;
 
+    /// Whether `db`, the failure of `RELEASE SAVEPOINT`, says for certain that the
+    /// transaction is open and simply has no such savepoint (it is not the one that made
+    /// it). `false` where the error cannot tell that from a transaction the database
+    /// ended: the caller then asks otherwise.
+    fn savepoint_missing_in_open_transaction(&self, db: &dyn DatabaseError) -> bool;
+
+    /// The statement that recreates the driver's savepoint of nesting `level` (1 for the
+    /// first savepoint inside the transaction) after the database ended the transaction
+    /// under nested SeaORM transactions, so that the driver's own `ROLLBACK TO SAVEPOINT`
+    /// of each level succeeds and its count of open levels goes back to zero. `None` where
+    /// no such end leaves the driver counting levels the database no longer has.
+    fn restore_driver_savepoint(&self, level: usize) -> Option<String>;
+
     /// Whether a client reaches the database over a network, which a partition can
     /// silence (an embedded database cannot go silent: its waits end in its busy timeout).
     fn over_network(&self) -> bool;

@@ -303,6 +303,18 @@ impl Dialect for MySql {
         None
     }
 
+    /// 1305 comes both from another transaction and from one InnoDB rolled back: the
+    /// caller asks whether the marker is still there.
+    fn savepoint_missing_in_open_transaction(&self, _db: &dyn DatabaseError) -> bool {
+        false
+    }
+
+    /// A lock wait timeout ends only the statement, a deadlock the whole transaction, and
+    /// reopening one after the first would commit the work: never guessed here.
+    fn restore_driver_savepoint(&self, _level: usize) -> Option<String> {
+        None
+    }
+
     fn over_network(&self) -> bool {
         true
     }

@@ -251,6 +251,18 @@ impl Dialect for Postgres {
         None
     }
 
+    /// 3B001 (invalid_savepoint_specification) comes only from an open transaction: one
+    /// the database ended answers 25P01 (no transaction) or 25P02 (aborted).
+    fn savepoint_missing_in_open_transaction(&self, db: &dyn DatabaseError) -> bool {
+        db.code().is_some_and(|code| code == "3B001")
+    }
+
+    /// A failed statement aborts the transaction without ending it, and the driver's
+    /// `ROLLBACK TO SAVEPOINT` restores it.
+    fn restore_driver_savepoint(&self, _level: usize) -> Option<String> {
+        None
+    }
+
     fn over_network(&self) -> bool {
         true
     }

@@ -191,6 +191,19 @@ impl Dialect for Sqlite {
         Some(err.message() == "cannot start a transaction within a transaction")
     }
 
+    /// SQLite says "no such savepoint" both inside another transaction and outside any:
+    /// the caller asks whether the transaction is open.
+    fn savepoint_missing_in_open_transaction(&self, _db: &dyn DatabaseError) -> bool {
+        false
+    }
+
+    /// sqlx names its savepoints `_sqlx_savepoint_N` (`sqlx_core::transaction`). A
+    /// `SAVEPOINT` outside a transaction opens one, so this also reopens the transaction
+    /// the levels nest in.
+    fn restore_driver_savepoint(&self, level: usize) -> Option<String> {
+        Some(format!("SAVEPOINT _sqlx_savepoint_{level}"))
+    }
+
     fn over_network(&self) -> bool {
         false
     }

@@ -66,6 +66,45 @@ pub(crate) async fn roll_back(txn: DatabaseTransaction) {
     }
 }
 
+/// Rolls back `levels`, nested SeaORM transactions (savepoints) of `txn` left open when
+/// the database ended the whole transaction under them, innermost last in the list, so
+/// that the driver counts no level of them any more. sqlx lowers its count only when its
+/// `ROLLBACK TO SAVEPOINT` succeeds, and with the transaction gone none can: the
+/// connection would go back to the pool counted inside a transaction, and every later
+/// `begin` on it would be a savepoint whose "commit" commits nothing (SQLite). The
+/// backend's [`restore_driver_savepoint`](super::dialect::Dialect::restore_driver_savepoint)
+/// recreates each level first; [`roll_back`] then ends `txn` itself. Failures are logged:
+/// the caller already rolls back.
+pub(crate) async fn roll_back_stranded(txn: &DatabaseTransaction, levels: Vec<DatabaseTransaction>) {
+    if levels.is_empty() {
+        return;
+    }
+    if let Ok(dialect) = dialect(txn.get_database_backend()) {
+        for level in 1..=levels.len() {
+            let Some(sql) = dialect.restore_driver_savepoint(level) else {
+                break;
+            };
+            if let Err(error) = txn.execute_unprepared(&sql).await {
+                tracing::warn!(%error, "recreating a savepoint of an ended transaction failed");
+            }
+        }
+    }
+    for level in levels.into_iter().rev() {
+        if let Err(error) = level.rollback().await {
+            tracing::warn!(%error, "rolling back a savepoint of an ended transaction failed");
+        }
+    }
+}
+
+/// Whether `err`, the failure of `RELEASE SAVEPOINT`, says for certain that the
+/// transaction is open but did not make the savepoint.
+pub(crate) fn savepoint_missing_in_open_transaction(backend: DbBackend, err: &DbErr) -> bool {
+    match (dialect(backend), database_error(err)) {
+        (Ok(dialect), Some(db)) => dialect.savepoint_missing_in_open_transaction(db),
+        _ => false,
+    }
+}
+
 /// What a failed statement did to the transaction it ran in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum AfterFailure {

@@ -1,6 +1,6 @@
 //! Claiming many messages for one consumer in one statement (Kafka-style batches).
 
-use super::held::{Held, Step};
+use super::held::{ClaimSavepoint, Held, Step};
 use crate::backend::{BatchClaimSql, batch_claim_sql, silently_ended, timestamp_value};
 use crate::clock::now_micros;
 use crate::consumer::validate_consumer;
@@ -53,6 +53,8 @@ pub struct BatchClaim {
     /// The ids whose markers this transaction inserted, kept apart from the public lists so
     /// a caller who changes them cannot turn the proof off.
     inserted: Vec<MessageId>,
+    /// The savepoint the claim opened in the caller's transaction, whose release proves it.
+    savepoint: Option<ClaimSavepoint>,
 }
 
 impl BatchClaim {
@@ -128,6 +130,15 @@ impl BatchClaim {
     /// whether the transaction is still open.
     pub(crate) fn held(&self) -> Held<'_> {
         Held::tagged(&self.table, &self.consumer, &self.inserted, self.tag)
+            .with_savepoint(self.savepoint)
+    }
+
+    /// This claim, proven by releasing `savepoint`, which its transaction opened.
+    pub(super) fn bound_to(self, savepoint: ClaimSavepoint) -> Self {
+        Self {
+            savepoint: Some(savepoint),
+            ..self
+        }
     }
 }
 
@@ -222,6 +233,7 @@ pub(crate) async fn insert_batch<C: ConnectionTrait>(
             table: table.clone(),
             tag,
             inserted: Vec::new(),
+            savepoint: None,
         });
     };
     let backend = conn.get_database_backend();
@@ -390,6 +402,7 @@ fn sort_out(
         ids.iter().copied().partition(|id| inserted.contains(id));
     Ok(BatchClaim {
         inserted: claimed.clone(),
+        savepoint: None,
         claimed,
         duplicates,
         refused: Vec::new(),

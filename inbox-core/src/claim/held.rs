@@ -10,7 +10,10 @@
 //! `Inbox::process_batch` when they cannot tell) first reads one of its markers through
 //! the transaction, here.
 
-use crate::backend::{batch_marker_held_sql, marker_held_statement, roll_back, transaction_ended};
+use crate::backend::{
+    batch_marker_held_sql, marker_held_statement, roll_back, savepoint_missing_in_open_transaction,
+    transaction_ended,
+};
 use crate::silence::within;
 use crate::{Inbox, InboxError, MessageId};
 use sea_orm::{ConnectionTrait, DatabaseTransaction, DbErr, Statement, Value};
@@ -27,6 +30,44 @@ pub(crate) struct Held<'a> {
     table: &'a InboxTable,
     consumer: &'a str,
     marker: Marker<'a>,
+    /// The [`ClaimSavepoint`] a claim on the caller's transaction opened: its release is
+    /// the proof.
+    savepoint: Option<ClaimSavepoint>,
+}
+
+/// The savepoint a claim on a caller's transaction opens right after its INSERT, named
+/// uniquely for that claim. Only the transaction that opened it can release it, and it is
+/// gone once the database ended that transaction (or rolled it back past the claim), so
+/// its `RELEASE` proves in one statement that the transaction being committed is the
+/// claiming one and still holds the marker. A proof that only read the marker passed in
+/// any later transaction once the claiming one had committed on its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct ClaimSavepoint(Uuid);
+
+impl ClaimSavepoint {
+    /// Opens a new claim savepoint in `conn`, the claim's transaction.
+    pub(crate) async fn open<C: ConnectionTrait>(conn: &C) -> Result<Self, DbErr> {
+        let savepoint = Self(Uuid::new_v4());
+        savepoint.reopen(conn).await?;
+        Ok(savepoint)
+    }
+
+    async fn reopen<C: ConnectionTrait>(&self, conn: &C) -> Result<(), DbErr> {
+        conn.execute_unprepared(&format!("SAVEPOINT {}", self.name()))
+            .await
+            .map(|_| ())
+    }
+
+    async fn release<C: ConnectionTrait>(&self, conn: &C) -> Result<(), DbErr> {
+        conn.execute_unprepared(&format!("RELEASE SAVEPOINT {}", self.name()))
+            .await
+            .map(|_| ())
+    }
+
+    /// Letters, digits and underscores only: a valid unquoted identifier everywhere.
+    fn name(&self) -> String {
+        format!("inbox_claim_{}", self.0.simple())
+    }
 }
 
 /// How the proof finds the claim's marker.
@@ -74,6 +115,7 @@ impl<'a> Held<'a> {
                 message_id,
                 token,
             },
+            savepoint: None,
         }
     }
 
@@ -88,7 +130,13 @@ impl<'a> Held<'a> {
             table,
             consumer,
             marker: Marker::Tagged { inserted, tag },
+            savepoint: None,
         }
+    }
+
+    /// The same claim, proven by releasing `savepoint` (`None`: by reading its marker).
+    pub(crate) fn with_savepoint(self, savepoint: Option<ClaimSavepoint>) -> Self {
+        Self { savepoint, ..self }
     }
 
     /// Proves that `conn`, the claim's transaction, still holds the claim.
@@ -103,10 +151,66 @@ impl<'a> Held<'a> {
     /// # Errors
     /// [`InboxError::ClaimLost`], or the backend's error when the inbox cannot use it.
     pub(crate) async fn prove<C: ConnectionTrait>(&self, conn: &C) -> Result<(), InboxError> {
+        if let Some(savepoint) = self.savepoint {
+            return match savepoint.release(conn).await {
+                Ok(()) => Ok(()),
+                Err(refused) => Err(self.unreleased(conn, refused).await?),
+            };
+        }
         match self.visible(conn).await? {
             Ok(true) => Ok(()),
             Ok(false) => Err(self.lost(None)),
             Err(err) => Err(self.lost(Some(err))),
+        }
+    }
+
+    /// [`prove`](Self::prove), and then the claim savepoint opened again, so that the claim
+    /// can be proven once more (by its commit).
+    pub(crate) async fn vouch<C: ConnectionTrait>(&self, conn: &C) -> Result<(), InboxError> {
+        self.prove(conn).await?;
+        match self.savepoint {
+            Some(savepoint) => savepoint
+                .reopen(conn)
+                .await
+                .map_err(|err| self.lost(Some(err))),
+            None => Ok(()),
+        }
+    }
+
+    /// Why `conn` could not release the claim savepoint (`refused`): another transaction
+    /// than the claiming one when it is open and sees the claim's marker; otherwise the
+    /// database ended the claiming transaction, or rolled it back past the claim.
+    async fn unreleased<C: ConnectionTrait>(
+        &self,
+        conn: &C,
+        refused: DbErr,
+    ) -> Result<InboxError, InboxError> {
+        if savepoint_missing_in_open_transaction(conn.get_database_backend(), &refused) {
+            return Ok(self.not_claiming());
+        }
+        if let Marker::Tagged { inserted: [], .. } = self.marker {
+            // No marker to tell the claiming transaction by.
+            return Ok(self.lost(Some(refused)));
+        }
+        Ok(match self.visible(conn).await? {
+            Ok(true) => self.not_claiming(),
+            Ok(false) => self.lost(None),
+            Err(err) => self.lost(Some(err)),
+        })
+    }
+
+    /// The error of a proof given another transaction than the claiming one.
+    fn not_claiming(&self) -> InboxError {
+        InboxError::NotTheClaimingTransaction {
+            message_ids: self.message_ids(),
+            consumer: self.consumer.to_owned(),
+        }
+    }
+
+    fn message_ids(&self) -> Vec<MessageId> {
+        match self.marker {
+            Marker::Row { message_id, .. } => vec![message_id],
+            Marker::Tagged { inserted, .. } => inserted.to_vec(),
         }
     }
 
@@ -168,12 +272,8 @@ impl<'a> Held<'a> {
 
     /// The error of this claim lost, with what the check met.
     pub(crate) fn lost(&self, source: Option<DbErr>) -> InboxError {
-        let message_ids = match self.marker {
-            Marker::Row { message_id, .. } => vec![message_id],
-            Marker::Tagged { inserted, .. } => inserted.to_vec(),
-        };
         InboxError::ClaimLost {
-            message_ids,
+            message_ids: self.message_ids(),
             consumer: self.consumer.to_owned(),
             source,
         }

@@ -15,7 +15,7 @@ mod held;
 mod single;
 
 pub use batch::{BatchClaim, MAX_CLAIM_BATCH};
-pub(crate) use held::Held;
+pub(crate) use held::{ClaimSavepoint, Held};
 pub use single::ClaimedMessage;
 pub(crate) use single::{insert_marker, marker_token};
 
@@ -397,9 +397,19 @@ fn claim_one(
     async move {
         match admitted {
             Ok(()) => {
-                let claim = insert_marker(txn, &table, delivery.message_id(), consumer, None);
-                let backend = txn.get_database_backend();
                 let message_id = delivery.message_id();
+                let claim = async {
+                    match insert_marker(txn, &table, message_id, consumer, None).await? {
+                        Claim::Claimed(claimed) => {
+                            let savepoint = ClaimSavepoint::open(txn).await.map_err(|err| {
+                                InboxError::from_claim(err, message_id, consumer)
+                            })?;
+                            Ok(Claim::Claimed(claimed.bound_to(savepoint)))
+                        }
+                        other => Ok(other),
+                    }
+                };
+                let backend = txn.get_database_backend();
                 unresponsive_within(backend, message_id, consumer, "the claim", claim).await?
             }
             Err(refusal) => {
@@ -421,7 +431,13 @@ fn claim_many(
     let admitted = admit_batch(deliveries, consumer, Utc::now());
     let backend = txn.get_database_backend();
     async move {
-        let claim = insert_batch(txn, &table, admitted, consumer);
+        let claim = async {
+            let batch = insert_batch(txn, &table, admitted, consumer).await?;
+            let savepoint = ClaimSavepoint::open(txn)
+                .await
+                .map_err(|err| batch.held().lost(Some(err)))?;
+            Ok(batch.bound_to(savepoint))
+        };
         answered_on(backend, "the batch claim", claim).await?
     }
 }

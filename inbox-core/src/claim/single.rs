@@ -1,7 +1,7 @@
 //! The claim of one message: the marker INSERT and the [`ClaimedMessage`] that commits it.
 
 use super::Claim;
-use super::held::{Held, Step};
+use super::held::{ClaimSavepoint, Held, Step};
 use crate::backend::{
     DbErrorKind, ProcessMarker, claim_marker_statement, classify_in, inbox_duplicate_confirmation,
     run_marker_insert,
@@ -96,6 +96,9 @@ pub struct ClaimedMessage {
     /// The `claim_token` the marker was written with (by `Inbox::process` only), which the
     /// proof checks too.
     token: Option<Uuid>,
+    /// The savepoint a claim on the caller's transaction opened, whose release proves it
+    /// (not `Inbox::process`'s, which owns its transaction).
+    savepoint: Option<ClaimSavepoint>,
 }
 
 impl ClaimedMessage {
@@ -137,7 +140,7 @@ impl ClaimedMessage {
         within(
             backend,
             Inbox::DEFAULT_PARTITION_TIMEOUT,
-            self.held().prove(txn),
+            self.held().vouch(txn),
         )
         .await
         .map_err(|waited| self.unanswered(Step::Proof, waited))?
@@ -175,6 +178,15 @@ impl ClaimedMessage {
             self.marker_id,
             self.token,
         )
+        .with_savepoint(self.savepoint)
+    }
+
+    /// This claim, proven by releasing `savepoint`, which its transaction opened.
+    pub(super) fn bound_to(self, savepoint: ClaimSavepoint) -> Self {
+        Self {
+            savepoint: Some(savepoint),
+            ..self
+        }
     }
 
     /// The error of a step of the commit that got no answer within `waited`.
@@ -257,6 +269,7 @@ pub(crate) async fn insert_marker<C: ConnectionTrait>(
             consumer: consumer.to_owned(),
             marker_id,
             token,
+            savepoint: None,
         })),
         // The conflict clause met the marker of a committed claim.
         Ok(None) => Ok(Claim::Duplicate),

@@ -608,7 +608,10 @@ impl Inbox {
         silent_end: bool,
     ) -> Result<(T, DatabaseTransaction), AttemptError<E>> {
         let verdict = observed.verdict();
-        let txn = observed.into_inner();
+        let txn = observed
+            .into_inner()
+            .await
+            .map_err(|err| self.database_failure(named, err))?;
         let value = match returned {
             Ok(value) => value,
             Err(err) => {

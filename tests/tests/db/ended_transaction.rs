@@ -8,7 +8,9 @@ use inbox_tests::{
     Backend, TestDb, begin_and_claim, committed, create_accounts, credit, credit_once,
     on_every_backend, on_server_backends, run, scalar_i64, with_migrated_db,
 };
-use sea_orm::{ConnectionTrait, DatabaseConnection, DbErr, Statement, TransactionTrait};
+use sea_orm::{
+    ConnectionTrait, DatabaseConnection, DbErr, Statement, TransactionSession, TransactionTrait,
+};
 use sea_orm_inbox::prelude::*;
 use std::time::{Duration, Instant};
 use uuid::Uuid;
@@ -404,8 +406,112 @@ async fn refused_lease_completion_ends_the_transaction(backend: Backend) {
     .await;
 }
 
+/// How the database ends the transaction inside the handler's savepoints.
+#[derive(Clone, Copy, Debug)]
+enum Ending {
+    /// The overdraft trigger (`RAISE(ROLLBACK)` on SQLite; an error elsewhere).
+    Trigger,
+    /// A raw `ROLLBACK` sent through the innermost savepoint.
+    RawRollback,
+}
+
+/// How the handler leaves its savepoints after the failure.
+#[derive(Clone, Copy, Debug)]
+enum Leaving {
+    /// Drops them (SeaORM queues a rollback for each).
+    Dropped,
+    /// Rolls each back explicitly, innermost first, ignoring their errors.
+    RolledBack,
+}
+
+/// The handler opens `depth` savepoints (`txn.begin()` inside `txn.begin()`), credits,
+/// and the database ends the whole transaction in the innermost one; the handler returns
+/// the error. Whatever the depth, the connection must come back clean: on SQLite it went
+/// back to the pool still inside a transaction, and the next deliveries settled as
+/// `Processed` with nothing committed.
+async fn ended_inside_savepoints(backend: Backend, depth: usize, ending: Ending, leaving: Leaving) {
+    with_migrated_db(backend, async |db| {
+        let conn = one_connection_with_overdraft_trigger(db).await;
+        let inbox = Inbox::new(CONSUMER)
+            .expect("valid name")
+            .with_retry(RetryPolicy::no_retry());
+        let id = Uuid::new_v4();
+        let result = inbox
+            .process(&conn, id, |txn| {
+                Box::pin(async move {
+                    credit(txn, 1).await?;
+                    let mut levels: Vec<ObservedTransaction> = Vec::new();
+                    for _ in 0..depth {
+                        let next = levels.last().unwrap_or(txn).begin().await?;
+                        levels.push(next);
+                    }
+                    let innermost = levels.last().unwrap_or(txn);
+                    credit(innermost, 1).await?;
+                    let failure = match ending {
+                        Ending::Trigger => credit(innermost, -100).await.err(),
+                        Ending::RawRollback => innermost.execute_unprepared("ROLLBACK").await.err(),
+                    };
+                    if let Leaving::RolledBack = leaving {
+                        while let Some(level) = levels.pop() {
+                            level.rollback().await.ok();
+                        }
+                    }
+                    Err::<(), _>(failure.unwrap_or_else(|| DbErr::Custom("gave up".into())))
+                })
+            })
+            .await;
+        assert!(
+            matches!(&result, Err(ProcessError::Handler(_))),
+            "depth {depth}, {ending:?}, {leaving:?}: {result:?}"
+        );
+        assert_eq!(committed(&conn).await, (0, 0), "nothing committed");
+        ordinary_traffic_commits(db, conn, id).await;
+    })
+    .await;
+}
+
+async fn trigger_in_savepoints_1_deep(backend: Backend) {
+    ended_inside_savepoints(backend, 1, Ending::Trigger, Leaving::Dropped).await;
+}
+
+async fn trigger_in_savepoints_2_deep(backend: Backend) {
+    ended_inside_savepoints(backend, 2, Ending::Trigger, Leaving::Dropped).await;
+}
+
+async fn trigger_in_savepoints_3_deep(backend: Backend) {
+    ended_inside_savepoints(backend, 3, Ending::Trigger, Leaving::Dropped).await;
+}
+
+async fn trigger_in_savepoints_2_deep_rolled_back(backend: Backend) {
+    ended_inside_savepoints(backend, 2, Ending::Trigger, Leaving::RolledBack).await;
+}
+
+async fn raw_rollback_in_savepoints_1_deep(backend: Backend) {
+    ended_inside_savepoints(backend, 1, Ending::RawRollback, Leaving::Dropped).await;
+}
+
+async fn raw_rollback_in_savepoints_2_deep(backend: Backend) {
+    ended_inside_savepoints(backend, 2, Ending::RawRollback, Leaving::Dropped).await;
+}
+
+async fn raw_rollback_in_savepoints_3_deep(backend: Backend) {
+    ended_inside_savepoints(backend, 3, Ending::RawRollback, Leaving::Dropped).await;
+}
+
+async fn raw_rollback_in_savepoints_3_deep_rolled_back(backend: Backend) {
+    ended_inside_savepoints(backend, 3, Ending::RawRollback, Leaving::RolledBack).await;
+}
+
 on_every_backend!(
     handler_rolls_back_and_another_replica_takes_the_marker_id,
+    trigger_in_savepoints_1_deep,
+    trigger_in_savepoints_2_deep,
+    trigger_in_savepoints_3_deep,
+    trigger_in_savepoints_2_deep_rolled_back,
+    raw_rollback_in_savepoints_1_deep,
+    raw_rollback_in_savepoints_2_deep,
+    raw_rollback_in_savepoints_3_deep,
+    raw_rollback_in_savepoints_3_deep_rolled_back,
     claimed_message_rolled_back_and_another_replica_takes_the_marker_id,
     refused_claim_ends_the_transaction,
     refused_lease_claim_ends_the_transaction,
