@@ -190,7 +190,8 @@ impl ObservedTransaction {
     /// Never in practice: only a nested level can be ended before this.
     pub(crate) async fn into_inner(mut self) -> Result<DatabaseTransaction, DbErr> {
         let txn = self.inner.txn.take();
-        let txn = txn.ok_or_else(|| DbErr::Custom("the attempt's transaction already ended".into()))?;
+        let txn =
+            txn.ok_or_else(|| DbErr::Custom("the attempt's transaction already ended".into()))?;
         roll_back_stranded(&txn, self.watch.take_stranded()).await;
         Ok(txn)
     }

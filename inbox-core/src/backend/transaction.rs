@@ -75,7 +75,10 @@ pub(crate) async fn roll_back(txn: DatabaseTransaction) {
 /// backend's [`restore_driver_savepoint`](super::dialect::Dialect::restore_driver_savepoint)
 /// recreates each level first; [`roll_back`] then ends `txn` itself. Failures are logged:
 /// the caller already rolls back.
-pub(crate) async fn roll_back_stranded(txn: &DatabaseTransaction, levels: Vec<DatabaseTransaction>) {
+pub(crate) async fn roll_back_stranded(
+    txn: &DatabaseTransaction,
+    levels: Vec<DatabaseTransaction>,
+) {
     if levels.is_empty() {
         return;
     }

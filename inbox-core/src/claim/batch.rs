@@ -25,8 +25,10 @@ pub const MAX_CLAIM_BATCH: usize = 1000;
 /// holds the claimed markers.
 ///
 /// A `BatchClaim` is the proof of one transaction's claim, so only `claim_batch` makes one
-/// and [`commit`](Self::commit) consumes it: it is neither `Clone` nor `Default`, and a
-/// copy cannot commit a second transaction under the same markers.
+/// and [`commit`](Self::commit) consumes it: it is neither `Clone` nor `Default`, and it
+/// commits only the transaction that claimed (the claim opens a savepoint for it, whose
+/// `RELEASE` is the proof; another transaction gets
+/// [`InboxError::NotTheClaimingTransaction`], rolled back).
 ///
 /// ```compile_fail
 /// # async fn twice(batch: sea_orm_inbox::BatchClaim, a: sea_orm::DatabaseTransaction, b: sea_orm::DatabaseTransaction) {
@@ -63,10 +65,11 @@ impl BatchClaim {
         self.claimed.binary_search(&id).is_ok()
     }
 
-    /// Commits `txn`, the transaction that claimed this batch, after proving it still holds
-    /// the markers it claimed (one read of the inbox index through the transaction: a
-    /// rollback takes all of them or none). The proof rests on what the claim recorded,
-    /// not on the public lists: changing `claimed` does not turn it off.
+    /// Commits `txn`, the transaction that claimed this batch, after proving it is that
+    /// transaction and still holds the markers it claimed: the `RELEASE` of the savepoint
+    /// the claim opened, which fails in any other transaction and once the database ended
+    /// this one (then one read of the inbox index tells which). The proof rests on what
+    /// the claim recorded, not on the public lists: changing `claimed` does not turn it off.
     ///
     /// The database can end a transaction under its caller: MySQL/MariaDB roll it back on
     /// a deadlock or, on Galera, when another node's write set wins a conflict, and then
@@ -77,10 +80,7 @@ impl BatchClaim {
     /// statements that already ran outside the transaction: stop at the first failed
     /// statement, never go on after one.
     ///
-    /// A batch that claimed nothing new has no marker to read. On SQLite, whose COMMIT
-    /// fails outside a transaction and would leave the pooled connection counted as inside
-    /// one, `commit` then first asks whether the transaction is still open (a `BEGIN` that
-    /// fails inside one); elsewhere it is a plain COMMIT.
+    /// A batch that claimed nothing new is proven by its savepoint alone.
     ///
     /// Each statement waits at most
     /// [`Inbox::DEFAULT_PARTITION_TIMEOUT`](crate::Inbox::DEFAULT_PARTITION_TIMEOUT) for
@@ -91,9 +91,10 @@ impl BatchClaim {
     /// the COMMIT (operation `the batch's COMMIT, in doubt...`) the batch may have
     /// committed, its reply lost: the redelivery's claim tells, its committed ids coming
     /// back as `duplicates`.
-    /// [`InboxError::ClaimLost`] (rolled back; nothing of the batch committed) when
-    /// the marker is missing or the check itself fails, or on SQLite when the database
-    /// already ended the transaction of a batch that claimed nothing; [`InboxError::Database`] when
+    /// [`InboxError::NotTheClaimingTransaction`] (rolled back) when `txn` is not the
+    /// transaction that claimed. [`InboxError::ClaimLost`] (rolled back; nothing of the
+    /// batch committed) when the marker is missing or the check itself fails, or when the
+    /// database already ended the transaction of a batch that claimed nothing; [`InboxError::Database`] when
     /// COMMIT fails (a 1213 from a Galera certification conflict is transient: re-run the
     /// batch).
     ///

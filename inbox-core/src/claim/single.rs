@@ -27,8 +27,9 @@ use uuid::Uuid;
 /// with `innodb_rollback_on_timeout = ON`: the marker and the earlier writes stay.) A
 /// handler that swallows such an error and commits has committed nothing of the claim,
 /// and acking the message then loses it. [`commit`](Self::commit) first proves that the
-/// transaction still holds the marker (one primary-key read through the transaction), and
-/// fails with [`InboxError::ClaimLost`] (nack) instead of committing otherwise.
+/// transaction still holds the marker (the `RELEASE` of the savepoint the claim opened,
+/// one statement), and fails with [`InboxError::ClaimLost`] (nack) instead of committing
+/// otherwise.
 ///
 /// What the check cannot undo: statements that ran *outside* the transaction after the
 /// database ended it. On MySQL/MariaDB with the default `autocommit = 1`, the statements
@@ -73,9 +74,15 @@ use uuid::Uuid;
 /// ```
 ///
 /// A `ClaimedMessage` is the proof of one transaction's claim: only a claim makes one and
-/// [`commit`](Self::commit) consumes it. It is not `Clone` (nor is [`Claim`]): a committed
-/// marker is visible to every later transaction, so a copy would let a second transaction
-/// pass the check and apply its writes under the marker the first one committed.
+/// [`commit`](Self::commit) consumes it. It proves only the transaction that made it: the
+/// claim opens a savepoint named for it right after the marker INSERT (one more round
+/// trip), and the proof is that savepoint's `RELEASE`, which no other transaction can do
+/// (and which fails once the database ended the claiming transaction). Given another
+/// transaction (one begun after the claiming one committed on its own, or one that claimed
+/// something else), `commit` rolls it back and fails with
+/// [`InboxError::NotTheClaimingTransaction`]: a marker committed earlier is visible to
+/// every later transaction, so reading it proved nothing. It is not `Clone` (nor is
+/// [`Claim`]) either:
 ///
 /// ```compile_fail
 /// use sea_orm_inbox::prelude::*;
@@ -117,15 +124,15 @@ impl ClaimedMessage {
         self.marker_id
     }
 
-    /// Proves that `txn` still holds this marker: call it last before committing when you
-    /// commit yourself ([`commit`](Self::commit) calls it for you).
-    ///
-    /// On SQLite it also asks whether the transaction is still open (a `BEGIN`, which fails
-    /// inside one): SQLite gives a rolled-back marker's id to the next insert, so after the
-    /// database ended this transaction another replica's marker for the same message can
-    /// carry the same id.
+    /// Proves that `txn` is the transaction that claimed this message and still holds the
+    /// marker: call it last before committing when you commit yourself
+    /// ([`commit`](Self::commit) calls it for you). It releases the claim's savepoint and
+    /// opens it again (two round trips), so the claim can still be committed through
+    /// [`commit`](Self::commit).
     ///
     /// # Errors
+    /// [`InboxError::NotTheClaimingTransaction`] when `txn` is not the transaction that
+    /// claimed: commit nothing of it.
     /// [`InboxError::ClaimLost`] when the database ended the transaction (PostgreSQL
     /// aborted it after a failed statement; InnoDB rolled it back on a deadlock) or the
     /// check itself failed (its `source`: a lost connection is transient): roll back and

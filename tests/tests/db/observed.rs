@@ -227,7 +227,10 @@ async fn failure_after_the_handlers_savepoint_was_released(backend: Backend) {
         match backend {
             Backend::Postgres | Backend::PgBouncer => {
                 assert!(
-                    matches!(result, Err(ProcessError::Inbox(InboxError::ClaimLost { .. }))),
+                    matches!(
+                        result,
+                        Err(ProcessError::Inbox(InboxError::ClaimLost { .. }))
+                    ),
                     "{result:?}"
                 );
                 assert_eq!(committed(&conn).await, (0, 0));
