@@ -44,6 +44,7 @@ pub use backend::{
     CLAIM_TRANSACTION, DbErrorKind, classify, classify_in, is_inbox_duplicate,
     is_inbox_duplicate_in, timestamp_value,
 };
+pub use cause::{Permanent, Transient};
 pub use claim::{BatchClaim, Claim, ClaimedMessage, InboxTransactionExt, MAX_CLAIM_BATCH};
 pub use error::{ErrorKind, InboxError};
 pub use inbox::{BatchOutcome, HandlerFuture, Inbox};

@@ -1,4 +1,4 @@
-use crate::cause::db_cause;
+use crate::cause::{app_verdict, db_cause};
 use crate::{InboxError, LeaseClaim, Refusal, classify};
 use chrono::{DateTime, Utc};
 use std::fmt;
@@ -226,16 +226,18 @@ impl Settlement {
 }
 
 impl<E: 'static> ProcessError<E> {
-    /// Whether no redelivery can succeed: an [`InboxError::is_permanent`] error, or a
+    /// Whether no redelivery can succeed: an [`InboxError::is_permanent`] error; a handler
+    /// error the application marked [`Permanent`](crate::Permanent) (and not one it marked
+    /// [`Transient`](crate::Transient)), itself or in its chain of sources; otherwise a
     /// handler error that is (or wraps, see [`Inbox::process`](crate::Inbox::process)) a
     /// [`DbErr`](sea_orm::DbErr) whose [kind](crate::DbErrorKind::is_permanent) is
     /// permanent, such as a unique violation in the handler's own insert. Exhausted
     /// retries are not: the failures were transient.
     pub fn is_permanent(&self) -> bool {
         match self {
-            ProcessError::Handler(err) => {
+            ProcessError::Handler(err) => app_verdict(err).unwrap_or_else(|| {
                 db_cause(err).is_some_and(|cause| classify(cause).is_permanent())
-            }
+            }),
             ProcessError::Inbox(err) => err.is_permanent(),
             ProcessError::RetriesExhausted { .. } => false,
         }

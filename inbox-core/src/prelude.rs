@@ -3,6 +3,6 @@
 pub use crate::{
     AdmissionFloor, BatchClaim, BatchOutcome, CLAIM_TRANSACTION, Claim, ClaimToken, ClaimedMessage,
     Delivery, Inbox, InboxError, InboxTable, InboxTransactionExt, Lease, LeaseClaim, LeaseOptions,
-    MessageId, NackDelay, ObservedTransaction, Outcome, ProcessError, Refusal, RetryPolicy,
-    Settlement, claim_lease, claim_lease_with_token, is_inbox_duplicate,
+    MessageId, NackDelay, ObservedTransaction, Outcome, Permanent, ProcessError, Refusal,
+    RetryPolicy, Settlement, Transient, claim_lease, claim_lease_with_token, is_inbox_duplicate,
 };

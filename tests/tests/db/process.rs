@@ -451,7 +451,60 @@ on_every_backend!(
     exhausted_retries_name_the_last_transient_cause,
     missing_table_is_reported_not_retried,
     transient_handler_db_errors_are_retried,
+    the_applications_own_verdict_settles_handler_errors,
 );
+
+/// The application names its own errors: a `Permanent` business error is dead-lettered on
+/// its first delivery (before: nacked until the broker's limit, 10 deliveries over 31 s on
+/// a quorum queue with limit 4), also inside `anyhow` with context; a `Transient` one is
+/// nacked with the delay although it wraps what the database calls permanent; neither
+/// commits anything.
+async fn the_applications_own_verdict_settles_handler_errors(backend: Backend) {
+    with_migrated_db(backend, async |db| {
+        let conn = db.connect().await;
+        create_accounts(&conn).await;
+        let inbox = Inbox::new("billing.credit").expect("valid name");
+        let permanent = inbox
+            .process(&conn, Uuid::new_v4(), |txn| {
+                Box::pin(async move {
+                    credit(txn, 1).await?;
+                    Err::<(), _>(
+                        anyhow::Error::new(Permanent::new("no product 42")).context("order 7"),
+                    )
+                })
+            })
+            .await;
+        assert_eq!(
+            Settlement::for_delivery(&permanent, 1),
+            Settlement::DeadLetter,
+            "{permanent:?}"
+        );
+        let transient = inbox
+            .process(&conn, Uuid::new_v4(), |txn| {
+                Box::pin(async move {
+                    let missing = txn
+                        .execute_unprepared("UPDATE account SET no_such_column = 1")
+                        .await
+                        .expect_err("no such column");
+                    Err::<(), _>(Transient::new(missing))
+                })
+            })
+            .await;
+        assert!(
+            matches!(
+                Settlement::for_delivery(&transient, 1),
+                Settlement::Nack(Some(_))
+            ),
+            "{transient:?}"
+        );
+        assert_eq!(
+            scalar_i64(&conn, "SELECT COUNT(*) FROM inbox").await,
+            0,
+            "nothing committed"
+        );
+    })
+    .await;
+}
 
 #[test]
 fn invalid_consumer_names_are_refused_at_construction() {
