@@ -67,10 +67,8 @@ fn chain<E: 'static>(err: &E) -> Option<impl Iterator<Item = &(dyn Error + 'stat
             boxed.as_ref()
         } else if let Some(permanent) = any.downcast_ref::<Permanent>() {
             permanent
-        } else if let Some(transient) = any.downcast_ref::<Transient>() {
-            transient
         } else {
-            return None;
+            any.downcast_ref::<Transient>()?
         };
     Some(std::iter::successors(Some(top), |err| (*err).source()))
 }
