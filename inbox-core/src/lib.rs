@@ -60,9 +60,9 @@ pub use observed::ObservedStream;
 pub use observed::ObservedTransaction;
 pub use outbox::{
     BoxError, DeadMessage, OUTBOX_CHANNEL, OutboxBacklog, OutboxError, OutboxExt, OutboxMessage,
-    OutboxMetrics, OutboxMetricsSnapshot, OutboxWaker, OutgoingMessage, PublishError, Publisher,
-    Relay, RelayOptions, RelayReport, list_dead_messages, outbox_backlog, purge_sent_messages,
-    requeue_dead_message,
+    OutboxMetrics, OutboxMetricsSnapshot, OutboxPurger, OutboxPurgerSummary, OutboxWaker,
+    OutgoingMessage, PublishError, Publisher, Relay, RelayOptions, RelayReport, list_dead_messages,
+    outbox_backlog, purge_sent_messages, requeue_dead_message, spawn_outbox_purger,
 };
 pub use outcome::{NackDelay, Outcome, ProcessError, Settlement};
 #[cfg(feature = "postgres")]

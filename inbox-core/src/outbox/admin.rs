@@ -137,20 +137,30 @@ pub async fn purge_sent_messages(
             advice: "delete at least 1 row per batch (a few thousand is typical)",
         });
     }
-    let backend = db.get_database_backend();
     let mut deleted = 0;
     loop {
-        let statement = purge_sent_statement(backend, cutoff, i64::from(batch))?;
-        let delete = async {
-            let txn = db.begin().await?;
-            let done = txn.execute_raw(statement).await?;
-            txn.commit().await?;
-            Ok::<_, DbErr>(done.rows_affected())
-        };
-        let rows = bounded(backend, "purging sent messages", delete).await?;
+        let rows = purge_sent_batch(db, cutoff, batch).await?;
         deleted += rows;
         if rows < u64::from(batch) {
             return Ok(deleted);
         }
     }
+}
+
+/// One batch of [`purge_sent_messages`]: at most `batch` rows sent before `cutoff`, in a
+/// transaction of its own. Returns how many it deleted.
+pub(super) async fn purge_sent_batch(
+    db: &DatabaseConnection,
+    cutoff: DateTime<Utc>,
+    batch: u32,
+) -> Result<u64, OutboxError> {
+    let backend = db.get_database_backend();
+    let statement = purge_sent_statement(backend, cutoff, i64::from(batch))?;
+    let delete = async {
+        let txn = db.begin().await?;
+        let done = txn.execute_raw(statement).await?;
+        txn.commit().await?;
+        Ok::<_, DbErr>(done.rows_affected())
+    };
+    bounded(backend, "purging sent messages", delete).await
 }

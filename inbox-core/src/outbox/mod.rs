@@ -4,6 +4,7 @@
 mod admin;
 mod enqueue;
 mod message;
+mod purger;
 mod relay;
 mod wake;
 
@@ -12,6 +13,7 @@ pub use admin::{
 };
 pub use enqueue::OutboxExt;
 pub use message::{DeadMessage, OutboxMessage, OutgoingMessage};
+pub use purger::{OutboxPurger, OutboxPurgerSummary, spawn_outbox_purger};
 pub use relay::{
     BoxError, OutboxMetrics, OutboxMetricsSnapshot, PublishError, Publisher, Relay, RelayOptions,
     RelayReport,
@@ -80,6 +82,19 @@ pub enum OutboxError {
         operation: &'static str,
         /// How long it waited.
         waited: Duration,
+    },
+
+    /// [`spawn_outbox_purger`] was called outside a tokio runtime.
+    #[error(
+        "spawn_outbox_purger needs a tokio runtime: call it from within one (e.g. inside #[tokio::main])"
+    )]
+    NoTokioRuntime,
+
+    /// The outbox purger's task ended abnormally (it was aborted or panicked).
+    #[error("the outbox purger stopped abnormally: {reason}")]
+    PurgerStopped {
+        /// What the task's join said.
+        reason: String,
     },
 }
 
