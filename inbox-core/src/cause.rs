@@ -57,6 +57,32 @@ pub(crate) fn app_verdict<E: 'static>(err: &E) -> Option<bool> {
     chain(err)?.find_map(verdict)
 }
 
+/// The text of a handler error, where its type is one the crate can name (a `DbErr`, a
+/// `Box<dyn Error + Send + Sync>`, an `anyhow::Error`, an `eyre::Report`, a `String` or
+/// `&str`, [`Permanent`], [`Transient`]), with its chain of sources: for the events that
+/// report a handler's failure. `None` for an error type of the application's own.
+pub(crate) fn error_text<E: 'static>(err: &E) -> Option<String> {
+    let any = err as &dyn Any;
+    if let Some(report) = any.downcast_ref::<anyhow::Error>() {
+        return Some(format!("{report:#}"));
+    }
+    if let Some(report) = any.downcast_ref::<eyre::Report>() {
+        let texts: Vec<String> = report.chain().map(ToString::to_string).collect();
+        return Some(texts.join(": "));
+    }
+    if let Some(text) = any.downcast_ref::<String>() {
+        return Some(text.clone());
+    }
+    if let Some(text) = any.downcast_ref::<&str>() {
+        return Some((*text).to_owned());
+    }
+    if let Some(db_err) = any.downcast_ref::<DbErr>() {
+        return Some(db_err.to_string());
+    }
+    let texts: Vec<String> = chain(err)?.map(ToString::to_string).collect();
+    Some(texts.join(": "))
+}
+
 /// The chain of sources of `err` when it is a standard error the crate can name: a
 /// `Box<dyn Error + Send + Sync>`, or one of the crate's own [`Permanent`] or
 /// [`Transient`].

@@ -262,6 +262,17 @@ async fn spans_and_counters_describe_a_scripted_run(backend: Backend) {
             ],
             "{events:#?}"
         );
+        let handler_failed = events
+            .iter()
+            .find(|e| e.fields.get("message").map(String::as_str) == Some("handler failed: nack"))
+            .expect("the handler's failure is an event");
+        assert!(
+            handler_failed
+                .fields
+                .get("error")
+                .is_some_and(|error| error.contains("injected handler failure")),
+            "the event carries the handler's error text: {handler_failed:?}"
+        );
         let retry_events: Vec<&Captured> = events
             .iter()
             .filter(|e| {

@@ -1,8 +1,9 @@
 //! [`Inbox::process_batch`]: a Kafka-style batch claimed, handled and committed in one
 //! observed transaction, with the rules of [`Inbox::process`].
 
-use super::{AttemptError, Inbox, sort_inbox_error};
+use super::{AttemptError, Inbox, UNNAMED_ERROR, sort_inbox_error};
 use crate::backend::{CLAIM_TRANSACTION, begin_to_completion};
+use crate::cause::error_text;
 use crate::metrics::{Counter, facade};
 use crate::observed::ObservedTransaction;
 use crate::{
@@ -196,7 +197,7 @@ impl Inbox {
         })
     }
 
-    fn record_batch<T, E>(
+    fn record_batch<T, E: 'static>(
         &self,
         result: &Result<BatchOutcome<T>, ProcessError<E>>,
         started: Instant,
@@ -223,7 +224,18 @@ impl Inbox {
             Err(err) => {
                 self.metrics.count(Counter::Failure);
                 facade::settled(&self.consumer, "failed", started.elapsed());
-                tracing::warn!(error = ?err.inbox_error().map(ToString::to_string), "batch failed: nack");
+                let error = match err.inbox_error() {
+                    Some(cause) => cause.to_string(),
+                    None => err
+                        .handler_error()
+                        .and_then(error_text)
+                        .unwrap_or_else(|| UNNAMED_ERROR.to_owned()),
+                };
+                if err.is_permanent() {
+                    tracing::warn!(%error, "batch failed for good: dead-letter");
+                } else {
+                    tracing::warn!(%error, "batch failed: nack");
+                }
             }
         }
     }
