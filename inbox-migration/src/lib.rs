@@ -15,6 +15,8 @@ pub use sea_orm_inbox_entity::InboxTable;
 /// Re-exported so `Migrator::up(&db, None)` needs no direct `sea-orm-migration` import.
 pub use sea_orm_migration::MigratorTrait;
 use sea_orm_migration::prelude::*;
+use sea_orm_migration::sea_orm::{FromQueryResult, Iterable};
+use sea_orm_migration::seaql_migrations;
 
 /// One of the inbox migrations for the inbox in an [`InboxTable`] of the application's
 /// choice: made by [`CreateInbox::for_table`], [`AddInboxLeases::for_table`] and
@@ -121,7 +123,10 @@ pub fn inbox_migrations(table: &InboxTable) -> Vec<Box<dyn MigrationTrait>> {
 /// A ready migrator holding every inbox migration, for applications that have none.
 ///
 /// It does not hold [`CreateOutbox`]: the outbox is opt-in. Add it to your own migrator,
-/// or run [`MigratorWithOutbox`] instead of this one.
+/// or run [`MigratorWithOutbox`] instead of this one. On a database that
+/// [`MigratorWithOutbox`] migrated, this one still runs: it leaves the outbox's record to
+/// that migrator (SeaORM otherwise refuses a migrator that does not list a migration
+/// recorded as applied, with "Migration file of version '...create_outbox' is missing").
 pub struct Migrator;
 
 #[async_trait::async_trait]
@@ -133,14 +138,34 @@ impl MigratorTrait for Migrator {
             Box::new(InboxUniqueConstraint),
         ]
     }
+
+    /// The applied migrations, without [`CreateOutbox`]'s record, which belongs to
+    /// [`MigratorWithOutbox`].
+    async fn get_migration_models<C>(db: &C) -> Result<Vec<seaql_migrations::Model>, DbErr>
+    where
+        C: ConnectionTrait,
+    {
+        Self::install(db).await?;
+        let select = Query::select()
+            .from(Self::migration_table_name())
+            .columns(seaql_migrations::Column::iter().map(IntoIden::into_iden))
+            .order_by(seaql_migrations::Column::Version, Order::Asc)
+            .to_owned();
+        let outbox = CreateOutbox.name().to_owned();
+        db.query_all(&select)
+            .await?
+            .into_iter()
+            .map(|row| seaql_migrations::Model::from_query_result(&row, ""))
+            .filter(|model| !matches!(model, Ok(model) if model.version == outbox))
+            .collect()
+    }
 }
 
 /// A ready migrator holding every inbox migration and then [`CreateOutbox`], for
 /// applications without a migrator of their own that use the outbox.
 ///
 /// It lists [`Migrator`]'s migrations first, so a database [`Migrator`] already migrated
-/// upgrades in place. Use one of the two per database: SeaORM refuses to run a migrator
-/// that does not list every migration recorded as applied.
+/// upgrades in place, and [`Migrator`] still runs on a database this one migrated.
 ///
 /// ```no_run
 /// # async fn run(db: &sea_orm_migration::sea_orm::DatabaseConnection) -> Result<(), sea_orm_migration::sea_orm::DbErr> {

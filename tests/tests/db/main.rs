@@ -22,6 +22,7 @@ mod localized;
 mod lock_wait;
 mod lost_reply;
 mod migration;
+mod migrators;
 mod modes;
 mod observed;
 mod outbox;
