@@ -262,15 +262,11 @@ pub(crate) fn backlog_statement(backend: DbBackend) -> Result<Statement, InboxEr
     ))
 }
 
-/// The statement that wakes relays listening on `channel` in other processes; `None`
-/// where `backend` has no notification channel.
-pub(crate) fn notify_statement(
-    backend: DbBackend,
-    channel: &str,
-) -> Result<Option<Statement>, InboxError> {
-    Ok(dialect(backend)?
-        .outbox_notify()
-        .map(|sql| Statement::from_sql_and_values(backend, sql, [Value::from(channel)])))
+/// The SQL that wakes relays listening on `channel` in other processes, to send with
+/// `execute_unprepared` (it has no binds); `None` where `backend` has no notification
+/// channel.
+pub(crate) fn notify_sql(backend: DbBackend, channel: &str) -> Result<Option<String>, InboxError> {
+    Ok(dialect(backend)?.outbox_notify(channel))
 }
 
 #[cfg(test)]

@@ -4,7 +4,7 @@
 //! batch are marked sent once, the failing row's attempts are counted and it is parked
 //! after `max_attempts`, and nothing is published again and again.
 
-use inbox_tests::{Backend, TestDb, on_every_backend, run, with_migrated_outbox_db};
+use inbox_tests::{Backend, TestDb, on_every_backend, on_pgbouncer, run, with_migrated_outbox_db};
 use sea_orm::{DatabaseConnection, TransactionTrait};
 use sea_orm_inbox::{
     OutboxExt, OutboxMessage, OutgoingMessage, PublishError, Publisher, Relay, RelayOptions,
@@ -205,6 +205,14 @@ async fn a_row_whose_error_the_database_refuses_does_not_stop_the_others(backend
 }
 
 on_every_backend!(
+    an_overlong_publisher_error_is_stored_cut_and_the_batch_settles,
+    a_publisher_error_holding_nul_is_stored_sanitized_and_the_batch_settles,
+    a_row_whose_error_the_database_refuses_does_not_stop_the_others,
+);
+
+// Behind PgBouncer's transaction pooling the row-by-row settle must run each mark in a
+// transaction of its own too (a lone one with bound values can fail with 26000).
+on_pgbouncer!(
     an_overlong_publisher_error_is_stored_cut_and_the_batch_settles,
     a_publisher_error_holding_nul_is_stored_sanitized_and_the_batch_settles,
     a_row_whose_error_the_database_refuses_does_not_stop_the_others,
