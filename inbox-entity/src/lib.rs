@@ -86,6 +86,12 @@ pub const DESTINATION_MAX_CHARS: usize = 200;
 /// Longest ordering key the `partition_key` column holds, in characters.
 pub const PARTITION_KEY_MAX_CHARS: usize = 200;
 
+/// Longest publish error the relay stores in the `last_error` column, in characters; a
+/// longer one is cut on a character boundary and says so. The column is a `text`: on
+/// MySQL/MariaDB that holds 65,535 bytes, which this many characters of 4 bytes each stay
+/// well under; PostgreSQL and SQLite hold more.
+pub const LAST_ERROR_MAX_CHARS: usize = 4000;
+
 pub mod outbox {
     //! The `outbox` table: one row per message to publish, written in the transaction of
     //! the business change it announces, published by a relay after commit.

@@ -237,14 +237,19 @@ impl TestDb {
         connect_pool_with(&self.url, self.backend, max_connections, configure).await
     }
 
+    /// This database's URL at another address of the same server or cluster, e.g. the
+    /// server itself behind the pooler the test's pools go through.
+    pub fn url_at(&self, server_url: &str) -> String {
+        match &self.server {
+            Some((_, name)) => replace_database(server_url, name),
+            None => self.url.clone(),
+        }
+    }
+
     /// A pool to this database through another address of the same server or cluster,
     /// e.g. one node's own port instead of the proxy in front of the nodes.
     pub async fn connect_at(&self, server_url: &str, max_connections: u32) -> DatabaseConnection {
-        let url = match &self.server {
-            Some((_, name)) => replace_database(server_url, name),
-            None => self.url.clone(),
-        };
-        connect_pool(&url, self.backend, max_connections).await
+        connect_pool(&self.url_at(server_url), self.backend, max_connections).await
     }
 
     /// Applies the inbox migration.

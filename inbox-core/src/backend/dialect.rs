@@ -223,10 +223,12 @@ pub(super) trait Dialect: Sync {
     /// one statement walking `ix_outbox_pending`. Binds: cutoff, batch size.
     fn outbox_purge_batch(&self) -> &'static str;
 
-    /// The statement that tells relays listening in other processes that rows were
-    /// committed, run outside any transaction; `None` where the database has no such
-    /// channel. Binds: the channel.
-    fn outbox_notify(&self) -> Option<&'static str>;
+    /// The statement that tells relays listening on `channel` in other processes that rows
+    /// were committed, run on its own outside any transaction in the simple protocol
+    /// (`execute_unprepared`); `None` where the database has no such channel. No binds:
+    /// behind a transaction pooler a statement with bound values fails outside a
+    /// transaction.
+    fn outbox_notify(&self, channel: &str) -> Option<String>;
 
     /// The count of rows waiting to be published and the count of dead rows.
     fn outbox_backlog(&self) -> &'static str;

@@ -393,12 +393,12 @@ impl Dialect for MySql {
          WHERE message_id = ? AND dead_at IS NOT NULL AND sent_at IS NULL"
     }
 
-    /// MySQL/MariaDB cannot use LIMIT in an `IN (subquery)`; the single-table DELETE takes
-    /// ORDER BY and LIMIT itself.
-    fn outbox_notify(&self) -> Option<&'static str> {
+    fn outbox_notify(&self, _channel: &str) -> Option<String> {
         None
     }
 
+    /// MySQL/MariaDB cannot use LIMIT in an `IN (subquery)`; the single-table DELETE takes
+    /// ORDER BY and LIMIT itself.
     fn outbox_purge_batch(&self) -> &'static str {
         "DELETE FROM outbox WHERE sent_at < ? ORDER BY sent_at LIMIT ?"
     }

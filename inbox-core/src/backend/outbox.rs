@@ -6,6 +6,8 @@ use super::dialect::OutboxClaimSql;
 use crate::InboxError;
 use chrono::{DateTime, Utc};
 use sea_orm::{DbBackend, Statement, TransactionOptions, Value};
+use sea_orm_inbox_entity::LAST_ERROR_MAX_CHARS;
+use std::borrow::Cow;
 use uuid::Uuid;
 
 /// The columns of a row to enqueue, in the order of the outbox INSERT's binds.
@@ -145,6 +147,7 @@ pub(crate) fn mark_sent_statement(
 }
 
 /// What a failed publish writes into its row.
+#[derive(Clone, Copy)]
 pub(crate) struct Failure<'a> {
     pub(crate) id: i64,
     pub(crate) token: Uuid,
@@ -154,8 +157,39 @@ pub(crate) struct Failure<'a> {
     pub(crate) dead_at: Option<DateTime<Utc>>,
 }
 
-/// Records a failed publish, fenced by the claim's token: the error, the next retry time,
-/// and the parking of a row that used its last attempt. The lease ends.
+/// What the relay stores for a failed publish whose own error text the database refused
+/// even as [`storable_error`] made it (a trigger, a column changed by hand): plain ASCII,
+/// short, so that the row's attempt is still counted and the row parked in time.
+pub(crate) const UNSTORABLE_ERROR: &str = "the publish failed, but the database refused to store its error text; the relay logged it (tracing warning)";
+
+/// `error` as the `last_error` column can hold it on every backend: NUL (which
+/// PostgreSQL's text refuses) replaced by U+FFFD, and a text longer than
+/// [`LAST_ERROR_MAX_CHARS`] (MariaDB's TEXT stops at 65,535 bytes) cut on a character
+/// boundary, ending with a note of how much was cut.
+pub(crate) fn storable_error(error: &str) -> Cow<'_, str> {
+    let total = error.chars().count();
+    let cut = total > LAST_ERROR_MAX_CHARS;
+    if !cut && !error.contains('\0') {
+        return Cow::Borrowed(error);
+    }
+    let mut stored: String = if cut {
+        let note = format!(" ... (cut: {total} characters, stored up to {LAST_ERROR_MAX_CHARS})");
+        let kept = LAST_ERROR_MAX_CHARS.saturating_sub(note.chars().count());
+        let mut head: String = error.chars().take(kept).collect();
+        head.push_str(&note);
+        head
+    } else {
+        error.to_owned()
+    };
+    if stored.contains('\0') {
+        stored = stored.replace('\0', "\u{FFFD}");
+    }
+    Cow::Owned(stored)
+}
+
+/// Records a failed publish, fenced by the claim's token: the error (as
+/// [`storable_error`] makes it), the next retry time, and the parking of a row that used
+/// its last attempt. The lease ends.
 pub(crate) fn mark_failed_statement(
     backend: DbBackend,
     failure: Failure<'_>,
@@ -166,7 +200,7 @@ pub(crate) fn mark_failed_statement(
         dialect.outbox_mark_failed(),
         [
             dialect.timestamp_value(failure.retry_at),
-            Value::from(failure.error),
+            Value::from(storable_error(failure.error).into_owned()),
             failure
                 .dead_at
                 .map_or(Value::ChronoDateTimeUtc(None), |at| {
@@ -228,13 +262,36 @@ pub(crate) fn backlog_statement(backend: DbBackend) -> Result<Statement, InboxEr
     ))
 }
 
-/// The statement that wakes relays listening on `channel` in other processes; `None`
-/// where `backend` has no notification channel.
-pub(crate) fn notify_statement(
-    backend: DbBackend,
-    channel: &str,
-) -> Result<Option<Statement>, InboxError> {
-    Ok(dialect(backend)?
-        .outbox_notify()
-        .map(|sql| Statement::from_sql_and_values(backend, sql, [Value::from(channel)])))
+/// The SQL that wakes relays listening on `channel` in other processes, to send with
+/// `execute_unprepared` (it has no binds); `None` where `backend` has no notification
+/// channel.
+pub(crate) fn notify_sql(backend: DbBackend, channel: &str) -> Result<Option<String>, InboxError> {
+    Ok(dialect(backend)?.outbox_notify(channel))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{LAST_ERROR_MAX_CHARS, storable_error};
+
+    #[test]
+    fn a_storable_error_is_cut_on_a_character_boundary_and_says_so() {
+        let error = "€".repeat(LAST_ERROR_MAX_CHARS + 1);
+        let stored = storable_error(&error);
+        assert_eq!(stored.chars().count(), LAST_ERROR_MAX_CHARS);
+        assert!(stored.starts_with('€'));
+        assert!(
+            stored.ends_with(&format!(
+                " ... (cut: {} characters, stored up to {LAST_ERROR_MAX_CHARS})",
+                LAST_ERROR_MAX_CHARS + 1
+            )),
+            "{stored}"
+        );
+    }
+
+    #[test]
+    fn a_storable_error_holds_no_nul_and_is_left_alone_otherwise() {
+        assert_eq!(storable_error("a\0b"), "a\u{FFFD}b");
+        let exact = "x".repeat(LAST_ERROR_MAX_CHARS);
+        assert_eq!(storable_error(&exact), exact.as_str());
+    }
 }

@@ -346,14 +346,20 @@ impl Dialect for Postgres {
          WHERE message_id = $2 AND dead_at IS NOT NULL AND sent_at IS NULL"
     }
 
-    /// As the inbox's purge: `= ANY(ARRAY(..))` walks the index.
-    /// `pg_notify` rather than `NOTIFY`, so the channel is a bind. Sent on its own, never
-    /// in the business transaction: a transaction that notified takes a global lock at
-    /// its commit.
-    fn outbox_notify(&self) -> Option<&'static str> {
-        Some("SELECT pg_notify($1, '')")
+    /// The channel written in as a string literal (quotes doubled;
+    /// `standard_conforming_strings` has been on by default since PostgreSQL 9.1), not a
+    /// bind: behind PgBouncer's transaction pooling a bound `pg_notify($1, '')` sent
+    /// outside a transaction fails with 26000, and the wake was lost. Sent on its own,
+    /// never in the business transaction: a transaction that notified takes a global lock
+    /// at its commit.
+    fn outbox_notify(&self, channel: &str) -> Option<String> {
+        Some(format!(
+            "SELECT pg_notify('{}', '')",
+            channel.replace('\'', "''")
+        ))
     }
 
+    /// As the inbox's purge: `= ANY(ARRAY(..))` walks the index.
     fn outbox_purge_batch(&self) -> &'static str {
         "DELETE FROM outbox WHERE id = ANY(ARRAY(\
          SELECT id FROM outbox WHERE sent_at < $1 ORDER BY sent_at LIMIT $2))"
@@ -418,6 +424,20 @@ mod tests {
     use super::*;
     use crate::backend::ProcessMarker;
     use sea_orm_inbox_entity::TABLE_NAME;
+
+    /// The NOTIFY carries no bind (a transaction pooler cannot carry one outside a
+    /// transaction), so the channel is a literal whose quotes cannot end it.
+    #[test]
+    fn the_notify_writes_its_channel_as_a_quoted_literal() {
+        assert_eq!(
+            Postgres.outbox_notify("sea_orm_inbox_outbox").as_deref(),
+            Some("SELECT pg_notify('sea_orm_inbox_outbox', '')")
+        );
+        assert_eq!(
+            Postgres.outbox_notify("a'b").as_deref(),
+            Some("SELECT pg_notify('a''b', '')")
+        );
+    }
 
     /// Every statement that may meet an existing marker arbitrates on the inbox's
     /// constraint, by the name the entity crate gives it, and on nothing else.

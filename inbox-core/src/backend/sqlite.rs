@@ -270,11 +270,11 @@ impl Dialect for Sqlite {
          WHERE message_id = ? AND dead_at IS NOT NULL AND sent_at IS NULL"
     }
 
-    /// As the inbox's purge: `id IN (subquery)` by rowid.
-    fn outbox_notify(&self) -> Option<&'static str> {
+    fn outbox_notify(&self, _channel: &str) -> Option<String> {
         None
     }
 
+    /// As the inbox's purge: `id IN (subquery)` by rowid.
     fn outbox_purge_batch(&self) -> &'static str {
         "DELETE FROM outbox WHERE id IN \
          (SELECT id FROM outbox WHERE sent_at < ? ORDER BY sent_at LIMIT ?)"

@@ -3,8 +3,8 @@ use super::message::OutboxMessage;
 use super::wake::OutboxWaker;
 use crate::Inbox;
 use crate::backend::outbox::{
-    ClaimPlan, Failure, claim_plan, lease_statement, mark_failed_statement, mark_sent_statement,
-    release_statement, settle_alone,
+    ClaimPlan, Failure, UNSTORABLE_ERROR, claim_plan, lease_statement, mark_failed_statement,
+    mark_sent_statement, release_statement, settle_alone,
 };
 use crate::backend::{lost_a_conflict, to_completion};
 use crate::clock::now_micros;
@@ -751,7 +751,7 @@ impl<P: Publisher> Relay<P> {
         backend: DbBackend,
         batch: &ClaimedBatch,
         settlement: &Settlement,
-    ) -> Result<Vec<(Statement, Counted)>, OutboxError> {
+    ) -> Result<Vec<Mark>, OutboxError> {
         let now = now_micros();
         let token = batch.lease.token;
         let confirmed: Vec<i64> = settlement
@@ -760,12 +760,13 @@ impl<P: Publisher> Relay<P> {
             .filter(|(_, _, outcome)| matches!(outcome, Published::Confirmed))
             .map(|(id, _, _)| *id)
             .collect();
-        let mut statements: Vec<(Statement, Counted)> = Vec::new();
+        let mut marks: Vec<Mark> = Vec::new();
         if !confirmed.is_empty() {
-            statements.push((
-                mark_sent_statement(backend, &confirmed, now, token)?,
-                Counted::Sent(confirmed.len() as u64),
-            ));
+            marks.push(Mark {
+                statement: mark_sent_statement(backend, &confirmed, now, token)?,
+                counted: Counted::Sent(confirmed.len() as u64),
+                safe: None,
+            });
         }
         for (id, attempt, outcome) in &settlement.outcomes {
             let Published::Failed { error, permanent } = outcome else {
@@ -781,22 +782,31 @@ impl<P: Publisher> Relay<P> {
                 error,
                 dead_at: dead.then_some(now),
             };
-            statements.push((
-                mark_failed_statement(backend, failure)?,
-                if dead { Counted::Dead } else { Counted::Failed },
-            ));
+            marks.push(Mark {
+                statement: mark_failed_statement(backend, failure)?,
+                counted: if dead { Counted::Dead } else { Counted::Failed },
+                safe: Some(mark_failed_statement(
+                    backend,
+                    Failure {
+                        error: UNSTORABLE_ERROR,
+                        ..failure
+                    },
+                )?),
+            });
         }
         if !settlement.unpublished.is_empty() {
-            statements.push((
-                release_statement(backend, &settlement.unpublished, token)?,
-                Counted::Released,
-            ));
+            marks.push(Mark {
+                statement: release_statement(backend, &settlement.unpublished, token)?,
+                counted: Counted::Released,
+                safe: None,
+            });
         }
-        Ok(statements)
+        Ok(marks)
     }
 
     /// Writes the outcomes of one batch: in one short transaction, or, when they are one
-    /// statement and the backend allows it, that statement on its own.
+    /// statement and the backend allows it, that statement on its own. When that fails,
+    /// writes them again one by one (see [`settle_one_by_one`](Self::settle_one_by_one)).
     async fn settle(
         &self,
         db: &DatabaseConnection,
@@ -805,22 +815,95 @@ impl<P: Publisher> Relay<P> {
         report: &mut RelayReport,
     ) -> Result<(), OutboxError> {
         let backend = db.get_database_backend();
-        let statements = self.settle_statements(backend, batch, settlement)?;
-        let alone = statements.len() == 1 && settle_alone(backend)?;
+        let marks = self.settle_statements(backend, batch, settlement)?;
+        let alone = marks.len() == 1 && settle_alone(backend)?;
         let writer = db.clone();
+        let together = marks.clone();
         let write = async move {
             if alone {
-                return execute_counted(&writer, statements).await;
+                return execute_counted(&writer, together).await;
             }
             let txn = writer.begin().await?;
-            let counts = execute_counted(&txn, statements).await?;
+            let counts = execute_counted(&txn, together).await?;
             txn.commit().await?;
             Ok(counts)
         };
-        let counts = bounded(backend, "marking the relayed rows", to_completion(write)).await?;
-        report.count(counts);
-        Ok(())
+        match bounded(backend, "marking the relayed rows", to_completion(write)).await {
+            Ok(counts) => {
+                report.count(counts);
+                Ok(())
+            }
+            Err(OutboxError::Database { source, .. }) => {
+                tracing::warn!(error = %source, "outbox relay's marks of a batch failed together; marking its rows one by one");
+                self.settle_one_by_one(db, marks, report).await
+            }
+            Err(silent) => Err(silent),
+        }
     }
+
+    /// Writes each mark on its own, so that one the database refuses (an error text it
+    /// cannot store, a trigger) does not keep the others unwritten and the whole batch
+    /// published again at every lease. A refused failure mark is written again with
+    /// [`UNSTORABLE_ERROR`] for its text, so the attempt still counts and the row is
+    /// parked in time.
+    ///
+    /// # Errors
+    /// The first mark that failed even so (the others are written and counted), or
+    /// [`OutboxError::DatabaseSilent`] at once: a silent database fails every mark alike.
+    async fn settle_one_by_one(
+        &self,
+        db: &DatabaseConnection,
+        marks: Vec<Mark>,
+        report: &mut RelayReport,
+    ) -> Result<(), OutboxError> {
+        let backend = db.get_database_backend();
+        let alone = settle_alone(backend)?;
+        let mut first_failure = None;
+        for mark in marks {
+            let counted = mark.counted;
+            let mut written = write_mark(db, alone, mark.statement, counted).await;
+            if let (Err(OutboxError::Database { source, .. }), Some(safe)) = (&written, mark.safe) {
+                tracing::warn!(error = %source, "outbox relay could not store a publish error; storing a fixed text instead");
+                written = write_mark(db, alone, safe, counted).await;
+            }
+            match written {
+                Ok(count) => report.count(vec![count]),
+                Err(OutboxError::Database { source, operation }) => {
+                    tracing::warn!(error = %source, "outbox relay could not mark a row; it is published again when its lease ends");
+                    first_failure.get_or_insert(OutboxError::Database { source, operation });
+                }
+                Err(other) => return Err(other),
+            }
+        }
+        first_failure.map_or(Ok(()), Err)
+    }
+}
+
+/// Writes one mark of a settle: on its own when `alone`, else in a transaction of its own.
+async fn write_mark(
+    db: &DatabaseConnection,
+    alone: bool,
+    statement: Statement,
+    counted: Counted,
+) -> Result<(Counted, u64), OutboxError> {
+    let backend = db.get_database_backend();
+    let writer = db.clone();
+    let write = async move {
+        let mark = Mark {
+            statement,
+            counted,
+            safe: None,
+        };
+        if alone {
+            return execute_counted(&writer, vec![mark]).await;
+        }
+        let txn = writer.begin().await?;
+        let counts = execute_counted(&txn, vec![mark]).await?;
+        txn.commit().await?;
+        Ok(counts)
+    };
+    let counts = bounded(backend, "marking a relayed row", to_completion(write)).await?;
+    Ok(counts.into_iter().next().unwrap_or((counted, 0)))
 }
 
 /// Runs the claim `plan` on `conn` (a transaction, when the plan needs one), leasing the
@@ -864,17 +947,27 @@ async fn claim_rows<C: ConnectionTrait>(
 /// Runs a settle's statements on `conn` in order, with the rows each touched.
 async fn execute_counted<C: ConnectionTrait>(
     conn: &C,
-    statements: Vec<(Statement, Counted)>,
+    marks: Vec<Mark>,
 ) -> Result<Vec<(Counted, u64)>, DbErr> {
-    let mut counts = Vec::with_capacity(statements.len());
-    for (statement, counted) in statements {
-        let done = conn.execute_raw(statement).await?;
-        counts.push((counted, done.rows_affected()));
+    let mut counts = Vec::with_capacity(marks.len());
+    for mark in marks {
+        let done = conn.execute_raw(mark.statement).await?;
+        counts.push((mark.counted, done.rows_affected()));
     }
     Ok(counts)
 }
 
+/// One statement of a settle.
+#[derive(Clone)]
+struct Mark {
+    statement: Statement,
+    counted: Counted,
+    /// For a failed publish: the same mark with [`UNSTORABLE_ERROR`] for its error text.
+    safe: Option<Statement>,
+}
+
 /// What a settle statement's row count adds to the report.
+#[derive(Clone, Copy)]
 enum Counted {
     Sent(u64),
     Failed,

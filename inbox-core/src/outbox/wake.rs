@@ -2,7 +2,7 @@
 //! processes, on PostgreSQL, through `LISTEN`/`NOTIFY`, debounced.
 
 use super::OutboxError;
-use crate::backend::outbox::notify_statement;
+use crate::backend::outbox::notify_sql;
 use sea_orm::{ConnectionTrait, DatabaseConnection};
 use std::sync::Arc;
 use std::time::Duration;
@@ -53,9 +53,10 @@ impl OutboxWaker {
     ///
     /// The `NOTIFY` never runs in the business transaction: a transaction that notifies
     /// takes a database-wide lock at its commit, which would serialize every enqueuing
-    /// commit. `db` may be a pool behind a transaction pooler (PgBouncer): `pg_notify`
-    /// is one statement. A failed `NOTIFY` is logged (`tracing` debug); the relays still
-    /// find the rows at their next poll.
+    /// commit. `db` may be a pool behind a transaction pooler (PgBouncer, transaction
+    /// mode): the statement is one, sent as text with the channel written in, without the
+    /// bound value that fails there outside a transaction. A failed `NOTIFY` is logged
+    /// (`tracing` warning); the relays still find the rows at their next poll.
     ///
     /// ```no_run
     /// # async fn run(db: sea_orm::DatabaseConnection) -> Result<(), sea_orm_inbox::OutboxError> {
@@ -97,7 +98,7 @@ impl OutboxWaker {
         db: DatabaseConnection,
         window: Duration,
     ) -> Result<Self, OutboxError> {
-        let statement = notify_statement(db.get_database_backend(), OUTBOX_CHANNEL)
+        let sql = notify_sql(db.get_database_backend(), OUTBOX_CHANNEL)
             .map_err(OutboxError::Backend)?
             .ok_or(OutboxError::InvalidOptions {
                 what: "cross-process wake-ups need PostgreSQL's NOTIFY",
@@ -111,8 +112,8 @@ impl OutboxWaker {
         let (sender, mut wakes) = mpsc::channel(1);
         runtime.spawn(async move {
             while wakes.recv().await.is_some() {
-                if let Err(error) = db.execute_raw(statement.clone()).await {
-                    tracing::debug!(%error, "outbox NOTIFY failed; relays elsewhere will poll");
+                if let Err(error) = db.execute_unprepared(&sql).await {
+                    tracing::warn!(%error, "outbox NOTIFY failed; relays elsewhere find the rows at their next poll");
                 }
                 tokio::time::sleep(window).await;
             }

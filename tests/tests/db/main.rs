@@ -29,6 +29,7 @@ mod outbox;
 mod outbox_brokers;
 mod outbox_pooler;
 mod outbox_purger;
+mod outbox_settle;
 mod outbox_soak;
 mod outbox_wake;
 mod partition;

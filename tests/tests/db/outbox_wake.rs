@@ -4,7 +4,7 @@
 //! Each "process" has a pool of its own; the relay polls once a minute, so a publish
 //! within a second can only come from the notification.
 
-use inbox_tests::{Backend, TestDb, scalar_i64, with_migrated_outbox_db};
+use inbox_tests::{Backend, TestDb, on_pgbouncer, scalar_i64, with_migrated_outbox_db};
 use sea_orm::{DatabaseConnection, TransactionTrait};
 use sea_orm_inbox::{
     OUTBOX_CHANNEL, OutboxError, OutboxExt, OutboxMessage, OutboxWaker, OutgoingMessage,
@@ -46,6 +46,14 @@ impl Scene {
     }
 
     async fn start_debounced(db: &TestDb, listen: bool, window: Duration) -> Self {
+        let listen_url = listen.then(|| db.url().to_owned());
+        Self::start_listening_at(db, listen_url, window).await
+    }
+
+    /// The relay listens on `listen_url` (the server itself: `LISTEN` needs a session),
+    /// while its statements and the writer's go through `db`'s own URL.
+    async fn start_listening_at(db: &TestDb, listen_url: Option<String>, window: Duration) -> Self {
+        let listen = listen_url.is_some();
         let (sender, published) = mpsc::unbounded_channel();
         let mut relay = Relay::new(Timed(sender))
             .with_options(RelayOptions {
@@ -53,8 +61,8 @@ impl Scene {
                 ..RelayOptions::default()
             })
             .expect("valid options");
-        if listen {
-            relay = relay.listening(db.url()).expect("a PostgreSQL URL");
+        if let Some(url) = listen_url {
+            relay = relay.listening(url).expect("a PostgreSQL URL");
         }
         let pool = db.connect().await;
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -234,6 +242,36 @@ async fn burst_of_wakes(window: Duration) {
     })
     .await;
 }
+
+/// Behind PgBouncer in transaction mode (the guide's settings) the writer's waker still
+/// reaches a relay listening on the server: its NOTIFY holds no bound value, which a
+/// transaction pooler cannot carry outside a transaction (26000).
+async fn a_wake_through_the_transaction_pooler_reaches_the_listening_relay(backend: Backend) {
+    const WOKEN_THROUGH_POOLER: Duration = Duration::from_secs(3);
+    let server = std::env::var("INBOX_TEST_POSTGRES_URL")
+        .expect("set INBOX_TEST_POSTGRES_URL: the relay listens on the server, not the pooler");
+    with_migrated_outbox_db(backend, async |db| {
+        let listen_url = db.url_at(&server);
+        let mut scene =
+            Scene::start_listening_at(db, Some(listen_url), OutboxWaker::NOTIFY_DEBOUNCE).await;
+        for n in 0..3 {
+            let payload = format!("pooled {n}").into_bytes();
+            enqueue_one(&scene.writer, payload.clone()).await;
+            scene.waker.wake();
+            let (got, _) = tokio::time::timeout(WOKEN_THROUGH_POOLER, scene.published.recv())
+                .await
+                .unwrap_or_else(|_| {
+                    panic!("row {n} not published within {WOKEN_THROUGH_POOLER:?} (poll: {POLL:?})")
+                })
+                .expect("the relay runs");
+            assert_eq!(got, payload);
+        }
+        scene.finish().await;
+    })
+    .await;
+}
+
+on_pgbouncer!(a_wake_through_the_transaction_pooler_reaches_the_listening_relay);
 
 /// Only PostgreSQL has the channel: elsewhere both sides refuse at set-up, not later.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
