@@ -14,6 +14,7 @@ mod batch;
 mod held;
 mod single;
 
+pub(crate) use batch::sorted_batch;
 pub use batch::{BatchClaim, MAX_CLAIM_BATCH};
 pub(crate) use held::{ClaimSavepoint, Held};
 pub use single::ClaimedMessage;

@@ -4,12 +4,15 @@
 use super::{AttemptError, Inbox, UNNAMED_ERROR, sort_inbox_error};
 use crate::backend::{CLAIM_TRANSACTION, begin_to_completion};
 use crate::cause::error_text;
+use crate::claim::sorted_batch;
 use crate::metrics::{Counter, facade};
 use crate::observed::ObservedTransaction;
 use crate::{
     Delivery, HandlerFuture, InboxError, InboxTransactionExt, MessageId, ProcessError, Refusal,
 };
+use chrono::Utc;
 use sea_orm::DatabaseConnection;
+use std::collections::BTreeMap;
 use std::time::Instant;
 use tracing::Instrument;
 
@@ -40,6 +43,12 @@ impl Inbox {
     /// transaction refused (so none of the loop's writes runs on its own after a deadlock),
     /// transient failures retried in a fresh transaction, where the handler then gets the
     /// ids still new. Up to [`MAX_CLAIM_BATCH`](crate::MAX_CLAIM_BATCH) distinct ids.
+    ///
+    /// Each delivery is admitted as `process` admits one, once, before any SQL runs: by
+    /// the inbox's [admission floor](Self::with_admission_floor) and the one it carries.
+    /// A refused delivery is listed in [`BatchOutcome::refused`] (an id given twice is
+    /// refused if either delivery is), never handed to the handler and never marked; when
+    /// every delivery is refused, no transaction begins.
     ///
     /// The handler should apply each id through the transaction and return at the first
     /// error.
@@ -96,6 +105,7 @@ impl Inbox {
         E: Send + 'static,
     {
         let deliveries: Vec<Delivery> = deliveries.into_iter().map(Into::into).collect();
+        let admission = self.admit_batch(&deliveries);
         let span = tracing::info_span!(
             "inbox.process_batch",
             consumer = %self.consumer,
@@ -104,15 +114,35 @@ impl Inbox {
         );
         let started = Instant::now();
         async {
-            let mut attempt = 1;
-            let result = loop {
-                match self.batch_attempt(db, &deliveries, &mut handler).await {
-                    Ok(outcome) => break Ok(outcome),
-                    Err(err) => {
-                        if let Err(failed) = self.after_failed_attempt(err, attempt, false).await {
-                            break Err(failed);
+            let (admitted, refused) = match admission {
+                Ok(admission) => admission,
+                Err(err) => {
+                    let result = Err(ProcessError::Inbox(err));
+                    self.record_batch(&result, started);
+                    return result;
+                }
+            };
+            let mut attempt = 0;
+            let result = if admitted.is_empty() {
+                Ok(BatchOutcome {
+                    value: None,
+                    processed: Vec::new(),
+                    duplicates: Vec::new(),
+                    refused,
+                })
+            } else {
+                attempt = 1;
+                loop {
+                    match self.batch_attempt(db, &admitted, &mut handler).await {
+                        Ok(outcome) => break Ok(BatchOutcome { refused, ..outcome }),
+                        Err(err) => {
+                            if let Err(failed) =
+                                self.after_failed_attempt(err, attempt, false).await
+                            {
+                                break Err(failed);
+                            }
+                            attempt += 1;
                         }
-                        attempt += 1;
                     }
                 }
             };
@@ -122,6 +152,32 @@ impl Inbox {
         }
         .instrument(span)
         .await
+    }
+
+    /// Checks the batch's input, then splits it as `process` admits a delivery, at one
+    /// instant: the admitted deliveries (stripped of their send time, so that no attempt
+    /// judges them again at a later instant) and the refused ids, ascending, each with why.
+    fn admit_batch(
+        &self,
+        deliveries: &[Delivery],
+    ) -> Result<(Vec<Delivery>, Vec<(MessageId, Refusal)>), InboxError> {
+        sorted_batch(
+            deliveries.iter().map(Delivery::message_id).collect(),
+            &self.consumer,
+        )?;
+        let now = Utc::now();
+        let mut refused = BTreeMap::new();
+        for delivery in deliveries {
+            if let Err(refusal) = delivery.admit(self.floor, now) {
+                refused.entry(delivery.message_id()).or_insert(refusal);
+            }
+        }
+        let admitted = deliveries
+            .iter()
+            .filter(|delivery| !refused.contains_key(&delivery.message_id()))
+            .map(|delivery| Delivery::new(delivery.message_id()))
+            .collect();
+        Ok((admitted, refused.into_iter().collect()))
     }
 
     async fn batch_attempt<T, E, F>(

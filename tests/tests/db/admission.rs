@@ -227,8 +227,101 @@ async fn claim_functions_refuse_before_the_floor(backend: Backend) {
     .await;
 }
 
+/// `process_batch` applies the inbox's floor exactly as `process` does, per delivery: one
+/// sent before the floor and one stamped too far ahead are refused (their handler never
+/// sees them, no marker is written), the rest of the batch is processed; a batch with only
+/// refused deliveries runs no handler.
+async fn process_batch_applies_the_inbox_floor_per_delivery(backend: Backend) {
+    with_migrated_db(backend, async |db| {
+        let conn = db.connect().await;
+        create_accounts(&conn).await;
+        let inbox = Inbox::new(CONSUMER)
+            .expect("valid name")
+            .with_admission_floor(wide_floor());
+        let (stale, far_ahead, fresh, plain) = (
+            Uuid::new_v4(),
+            Uuid::new_v4(),
+            Uuid::new_v4(),
+            Uuid::new_v4(),
+        );
+        let batch = [
+            Delivery::new(stale).sent_at(ago(WIDE_WINDOW * 2)),
+            Delivery::new(far_ahead).sent_at(ahead(WIDE_MARGIN * 2)),
+            Delivery::new(fresh).sent_at(Utc::now()),
+            Delivery::new(plain),
+        ];
+        for delivery in batch {
+            let alone = Inbox::new("floor.reference")
+                .expect("valid name")
+                .with_admission_floor(wide_floor());
+            let verdict = deliver(&alone, &conn, delivery).await;
+            let expected_refused = [stale, far_ahead].contains(&delivery.message_id().as_uuid());
+            assert_eq!(
+                matches!(verdict, Ok(Outcome::Refused(_))),
+                expected_refused,
+                "process on {delivery:?}: {verdict:?}"
+            );
+        }
+        let (markers_before, balance_before) = (markers(&conn).await, balance(&conn).await);
+
+        let outcome = inbox
+            .process_batch(&conn, batch, |txn, claimed| {
+                Box::pin(async move {
+                    for _ in claimed {
+                        credit(txn, 1).await?;
+                    }
+                    Ok::<_, DbErr>(claimed.to_vec())
+                })
+            })
+            .await
+            .expect("the batch settles");
+        let mut admitted = vec![MessageId::from(fresh), MessageId::from(plain)];
+        admitted.sort();
+        assert_eq!(outcome.value, Some(admitted.clone()), "the handler's ids");
+        assert_eq!(outcome.processed, admitted);
+        assert!(outcome.duplicates.is_empty(), "{outcome:?}");
+        let refused: Vec<_> = outcome.refused.iter().map(|(id, _)| id.as_uuid()).collect();
+        let mut expected = vec![stale, far_ahead];
+        expected.sort_by_key(|id| MessageId::from(*id));
+        assert_eq!(refused, expected, "{outcome:?}");
+        for (id, refusal) in &outcome.refused {
+            let before = id.as_uuid() == stale;
+            assert_eq!(
+                matches!(refusal, Refusal::BeforeFloor { .. }),
+                before,
+                "{refusal:?}"
+            );
+            assert_eq!(matches!(refusal, Refusal::AheadOfClock { .. }), !before);
+        }
+        assert_eq!(
+            (
+                markers(&conn).await - markers_before,
+                balance(&conn).await - balance_before
+            ),
+            (2, 2),
+            "markers and credits of the admitted deliveries only"
+        );
+        assert_eq!(inbox.metrics().snapshot().refused, 2);
+
+        let mut calls = 0;
+        let only_refused = inbox
+            .process_batch(&conn, [batch[0], batch[1]], |_, _| {
+                calls += 1;
+                Box::pin(async move { Ok::<_, DbErr>(()) })
+            })
+            .await
+            .expect("a refused batch settles");
+        assert_eq!((only_refused.value, calls), (None, 0), "the handler ran");
+        assert!(only_refused.processed.is_empty() && only_refused.duplicates.is_empty());
+        assert_eq!(only_refused.refused.len(), 2);
+        assert_eq!(markers(&conn).await - markers_before, 2);
+    })
+    .await;
+}
+
 on_every_backend!(
     redelivery_after_the_purge_is_refused_not_applied_twice,
     deliveries_inside_the_window_are_processed,
     claim_functions_refuse_before_the_floor,
+    process_batch_applies_the_inbox_floor_per_delivery,
 );
