@@ -7,8 +7,12 @@
 //! failed and the transaction went on, or a statement the wrapper cannot see through ran
 //! (transaction control, several statements in one string): the marker is proven before
 //! COMMIT, as on the manual path.
+//!
+//! Each statement runs to completion on a task of its own, so that a handler (or the
+//! `process` around it) dropped while a statement is in flight cannot leave its connection
+//! halfway through an exchange with the server (see `ObservedTransaction::observe`).
 
-use crate::backend::{AfterFailure, after_failure, transaction_ended};
+use crate::backend::{AfterFailure, after_failure, to_completion, transaction_ended};
 use sea_orm::{
     AccessMode, ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, ExecResult, IsolationLevel,
     QueryResult, Statement, TransactionError, TransactionOptions, TransactionSession,
@@ -17,6 +21,7 @@ use sea_orm::{
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
+use tokio::sync::RwLock;
 
 /// A SeaORM transaction whose statements [`Inbox::process`](crate::Inbox::process) sees.
 ///
@@ -59,7 +64,11 @@ use std::sync::{Arc, Mutex, PoisonError};
 /// # Ok(()) }
 /// ```
 pub struct ObservedTransaction {
-    inner: DatabaseTransaction,
+    /// Shared with the task of each statement in flight.
+    inner: Arc<DatabaseTransaction>,
+    /// Read-held by each statement in flight, write-taken by [`Self::settle`] to wait for
+    /// them before the transaction ends.
+    in_flight: Arc<RwLock<()>>,
     watch: Arc<Watch>,
     savepoint_depth: u32,
 }
@@ -120,20 +129,27 @@ impl Watch {
 impl ObservedTransaction {
     pub(crate) fn new(inner: DatabaseTransaction) -> Self {
         Self {
-            inner,
+            inner: Arc::new(inner),
+            in_flight: Arc::default(),
             watch: Arc::default(),
             savepoint_depth: 0,
         }
     }
 
-    /// What the statements showed so far.
-    pub(crate) fn verdict(&self) -> Verdict {
-        self.watch.verdict()
-    }
-
-    /// The transaction itself, for the commit or the rollback of the attempt.
-    pub(crate) fn into_inner(self) -> DatabaseTransaction {
-        self.inner
+    /// The transaction itself, for the commit or the rollback of the attempt, with what
+    /// its statements showed, once no statement is in flight (one the handler stopped
+    /// awaiting still runs to its end, and its failure counts).
+    pub(crate) async fn settle(self) -> Result<(DatabaseTransaction, Verdict), DbErr> {
+        let idle = self.in_flight.write().await;
+        let inner = Arc::try_unwrap(self.inner).map_err(|_| {
+            DbErr::Custom(
+                "a statement of the handler still holds the inbox's transaction; it is \
+                 rolled back when that statement ends, and the delivery is retried"
+                    .to_string(),
+            )
+        })?;
+        drop(idle);
+        Ok((inner, self.watch.verdict()))
     }
 
     /// The error every statement gets once the database ended the transaction.
@@ -145,38 +161,56 @@ impl ObservedTransaction {
         ))
     }
 
-    /// Runs one statement unless the transaction already ended, and records what its
-    /// result shows. `plain`: see [`is_plain_statement`] (SeaORM's own savepoint
-    /// statements count as plain: their ends are observed apart).
-    async fn observe<T>(
-        &self,
-        plain: bool,
-        statement: impl Future<Output = Result<T, DbErr>>,
-    ) -> Result<T, DbErr> {
+    /// Whether a statement may run: not once the transaction ended. `plain`: see
+    /// [`is_plain_statement`] (SeaORM's own savepoint statements count as plain: their
+    /// ends are observed apart).
+    fn admit(&self, plain: bool) -> Result<(), DbErr> {
         if let Some(ending) = self.watch.ended() {
             return Err(Self::refusal(&ending));
         }
         if !plain {
             self.watch.record(Verdict::ProofNeeded);
         }
-        let result = statement.await;
-        if let Err(err) = &result {
-            self.failed(err).await;
-        }
-        result
+        Ok(())
     }
 
-    async fn failed(&self, err: &DbErr) {
-        let verdict =
-            match after_failure(self.inner.get_database_backend(), err, self.savepoint_depth) {
-                AfterFailure::Ended => Verdict::Ended(err.clone()),
-                AfterFailure::WentOn => Verdict::ProofNeeded,
-                AfterFailure::Ask => match transaction_ended(&self.inner).await {
-                    Ok(false) => Verdict::ProofNeeded,
-                    Ok(true) | Err(_) => Verdict::Ended(err.clone()),
-                },
-            };
-        self.watch.record(verdict);
+    /// Runs one statement (`statement` makes it on the shared transaction) unless the
+    /// transaction already ended, and records what its result shows.
+    ///
+    /// The statement runs on a task of its own ([`to_completion`]): sqlx's MySQL connection
+    /// counts the replies it owes only for the request it is sending, not for the
+    /// PREPARE a statement with bound values sends first, so a statement dropped between
+    /// PREPARE and its reply leaves the connection waiting, when the pool tests it on its
+    /// way back, for a reply the server never sends: the pool's connection is lost, and a
+    /// one-connection pool hangs. On its task the statement always finishes, and the
+    /// connection goes back whole once nobody holds the transaction.
+    async fn observe<T, F>(
+        &self,
+        plain: bool,
+        statement: impl FnOnce(Arc<DatabaseTransaction>) -> F,
+    ) -> Result<T, DbErr>
+    where
+        F: Future<Output = Result<T, DbErr>> + Send + 'static,
+        T: Send + 'static,
+    {
+        self.admit(plain)?;
+        let running = Arc::clone(&self.in_flight).read_owned().await;
+        let txn = Arc::clone(&self.inner);
+        let watch = Arc::clone(&self.watch);
+        let depth = self.savepoint_depth;
+        let statement = statement(Arc::clone(&txn));
+        to_completion(async move {
+            let result = statement.await;
+            if let Err(err) = &result {
+                record_failure(&txn, &watch, depth, err).await;
+            }
+            // The transaction before the read guard: `settle` unwraps it once it takes
+            // the write lock.
+            drop(txn);
+            drop(running);
+            result
+        })
+        .await
     }
 
     /// A savepoint's end: a failure there leaves the enclosing transaction in a state
@@ -185,12 +219,19 @@ impl ObservedTransaction {
         self,
         end: impl FnOnce(DatabaseTransaction) -> Pin<Box<dyn Future<Output = Result<(), DbErr>> + Send>>,
     ) -> Result<(), DbErr> {
-        if let Some(ending) = self.watch.ended() {
-            drop(self.inner);
+        let watch = Arc::clone(&self.watch);
+        let inner = match self.settle().await {
+            Ok((inner, _)) => inner,
+            Err(err) => {
+                watch.record(Verdict::Ended(err.clone()));
+                return Err(err);
+            }
+        };
+        if let Some(ending) = watch.ended() {
+            drop(inner);
             return Err(Self::refusal(&ending));
         }
-        let watch = Arc::clone(&self.watch);
-        let result = end(self.inner).await;
+        let result = end(inner).await;
         if let Err(err) = &result {
             watch.record(Verdict::Ended(err.clone()));
         }
@@ -199,11 +240,30 @@ impl ObservedTransaction {
 
     fn nested(&self, inner: DatabaseTransaction) -> Self {
         Self {
-            inner,
+            inner: Arc::new(inner),
+            in_flight: Arc::default(),
             watch: Arc::clone(&self.watch),
             savepoint_depth: self.savepoint_depth + 1,
         }
     }
+}
+
+/// Records in `watch` what the failure `err` of a statement on `txn` did to it.
+async fn record_failure(
+    txn: &DatabaseTransaction,
+    watch: &Watch,
+    savepoint_depth: u32,
+    err: &DbErr,
+) {
+    let verdict = match after_failure(txn.get_database_backend(), err, savepoint_depth) {
+        AfterFailure::Ended => Verdict::Ended(err.clone()),
+        AfterFailure::WentOn => Verdict::ProofNeeded,
+        AfterFailure::Ask => match transaction_ended(txn).await {
+            Ok(false) => Verdict::ProofNeeded,
+            Ok(true) | Err(_) => Verdict::Ended(err.clone()),
+        },
+    };
+    watch.record(verdict);
 }
 
 /// Whether `sql` is one statement that reads or writes rows and cannot end the
@@ -239,22 +299,28 @@ impl ConnectionTrait for ObservedTransaction {
 
     async fn execute_raw(&self, stmt: Statement) -> Result<ExecResult, DbErr> {
         let plain = is_plain_statement(&stmt.sql);
-        self.observe(plain, self.inner.execute_raw(stmt)).await
+        self.observe(plain, |txn| async move { txn.execute_raw(stmt).await })
+            .await
     }
 
     async fn execute_unprepared(&self, sql: &str) -> Result<ExecResult, DbErr> {
-        self.observe(is_plain_statement(sql), self.inner.execute_unprepared(sql))
-            .await
+        let sql = sql.to_owned();
+        self.observe(is_plain_statement(&sql), |txn| async move {
+            txn.execute_unprepared(&sql).await
+        })
+        .await
     }
 
     async fn query_one_raw(&self, stmt: Statement) -> Result<Option<QueryResult>, DbErr> {
         let plain = is_plain_statement(&stmt.sql);
-        self.observe(plain, self.inner.query_one_raw(stmt)).await
+        self.observe(plain, |txn| async move { txn.query_one_raw(stmt).await })
+            .await
     }
 
     async fn query_all_raw(&self, stmt: Statement) -> Result<Vec<QueryResult>, DbErr> {
         let plain = is_plain_statement(&stmt.sql);
-        self.observe(plain, self.inner.query_all_raw(stmt)).await
+        self.observe(plain, |txn| async move { txn.query_all_raw(stmt).await })
+            .await
     }
 
     fn support_returning(&self) -> bool {
@@ -267,7 +333,9 @@ impl TransactionTrait for ObservedTransaction {
     type Transaction = ObservedTransaction;
 
     async fn begin(&self) -> Result<ObservedTransaction, DbErr> {
-        let inner = self.observe(true, self.inner.begin()).await?;
+        let inner = self
+            .observe(true, |txn| async move { txn.begin().await })
+            .await?;
         Ok(self.nested(inner))
     }
 
@@ -277,10 +345,9 @@ impl TransactionTrait for ObservedTransaction {
         access_mode: Option<AccessMode>,
     ) -> Result<ObservedTransaction, DbErr> {
         let inner = self
-            .observe(
-                true,
-                self.inner.begin_with_config(isolation_level, access_mode),
-            )
+            .observe(true, move |txn| async move {
+                txn.begin_with_config(isolation_level, access_mode).await
+            })
             .await?;
         Ok(self.nested(inner))
     }
@@ -290,7 +357,9 @@ impl TransactionTrait for ObservedTransaction {
         options: TransactionOptions,
     ) -> Result<ObservedTransaction, DbErr> {
         let inner = self
-            .observe(true, self.inner.begin_with_options(options))
+            .observe(true, move |txn| async move {
+                txn.begin_with_options(options).await
+            })
             .await?;
         Ok(self.nested(inner))
     }
@@ -377,7 +446,7 @@ impl TransactionSession for ObservedTransaction {
 
 #[cfg(feature = "stream")]
 mod stream {
-    use super::{ObservedTransaction, Verdict, Watch, is_plain_statement};
+    use super::{ObservedTransaction, Verdict, Watch, is_plain_statement, record_failure};
     use crate::backend::{AfterFailure, after_failure};
     use futures_util::Stream;
     use sea_orm::{DbBackend, DbErr, QueryResult, Statement, StreamTrait, TransactionStream};
@@ -430,8 +499,15 @@ mod stream {
             stmt: Statement,
         ) -> Pin<Box<dyn Future<Output = Result<ObservedStream<'a>, DbErr>> + 'a + Send>> {
             Box::pin(async move {
-                let plain = is_plain_statement(&stmt.sql);
-                let rows = self.observe(plain, self.inner.stream_raw(stmt)).await?;
+                // Not on a task of its own: the rows borrow the transaction.
+                self.admit(is_plain_statement(&stmt.sql))?;
+                let rows = match self.inner.stream_raw(stmt).await {
+                    Ok(rows) => rows,
+                    Err(err) => {
+                        record_failure(&self.inner, &self.watch, self.savepoint_depth, &err).await;
+                        return Err(err);
+                    }
+                };
                 Ok(ObservedStream {
                     rows: Box::pin(rows),
                     watch: Arc::clone(&self.watch),
