@@ -7,8 +7,14 @@
 //! failed and the transaction went on, or a statement the wrapper cannot see through ran
 //! (transaction control, several statements in one string): the marker is proven before
 //! COMMIT, as on the manual path.
+//!
+//! Each statement runs to completion on a task of its own, so that a handler (or the
+//! `process` around it) dropped while a statement is in flight cannot leave its connection
+//! halfway through an exchange with the server (see `ObservedTransaction::observe`).
 
-use crate::backend::{AfterFailure, after_failure, roll_back_stranded, transaction_ended};
+use crate::backend::{
+    AfterFailure, after_failure, roll_back_stranded, to_completion, transaction_ended,
+};
 use sea_orm::{
     AccessMode, ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, ExecResult, IsolationLevel,
     QueryResult, Statement, TransactionError, TransactionOptions, TransactionSession,
@@ -18,6 +24,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
+use tokio::sync::RwLock;
 
 /// A SeaORM transaction whose statements [`Inbox::process`](crate::Inbox::process) sees.
 ///
@@ -66,22 +73,61 @@ pub struct ObservedTransaction {
     backend: DbBackend,
 }
 
-/// One level of the observed transaction, SeaORM's transaction or savepoint. Dropped
-/// after the database ended the transaction, it is kept in the [`Watch`] instead of being
-/// dropped: SeaORM's rollback on drop would fail with the transaction gone and leave the
-/// driver counting the level (see [`roll_back_stranded`]), so `process` rolls it back
-/// itself, after recreating what it rolls back to.
+/// One level of the observed transaction, SeaORM's transaction or savepoint, with the
+/// statements in flight on it.
+///
+/// Dropped after the database ended the transaction, it is kept in the [`Watch`] instead:
+/// SeaORM's rollback on drop would fail with the transaction gone and leave the driver
+/// counting the level (see [`roll_back_stranded`]), so `process` rolls it back itself,
+/// after recreating what it rolls back to.
 struct Level {
-    txn: Option<DatabaseTransaction>,
+    /// Shared with the task of each statement in flight; `None` once ended.
+    txn: Option<Arc<DatabaseTransaction>>,
+    /// Read-held by each statement in flight, write-taken by [`Level::when_idle`] to wait
+    /// for them before the level ends.
+    in_flight: Arc<RwLock<()>>,
     watch: Arc<Watch>,
 }
 
 impl Level {
-    fn get(&self) -> Result<&DatabaseTransaction, DbErr> {
+    fn new(txn: DatabaseTransaction, watch: &Arc<Watch>) -> Self {
+        Self {
+            txn: Some(Arc::new(txn)),
+            in_flight: Arc::default(),
+            watch: Arc::clone(watch),
+        }
+    }
+
+    fn get(&self) -> Result<&Arc<DatabaseTransaction>, DbErr> {
         self.txn
             .as_ref()
             .ok_or_else(|| DbErr::Custom("this transaction has already ended".into()))
     }
+
+    /// The level's transaction, once no statement is in flight on it (one the handler
+    /// stopped awaiting still runs to its end, and its failure counts).
+    async fn when_idle(&mut self) -> Result<DatabaseTransaction, DbErr> {
+        let txn = self.txn.take();
+        let txn = txn.ok_or_else(|| DbErr::Custom("this transaction has already ended".into()))?;
+        idle(txn, &self.in_flight).await
+    }
+}
+
+/// `txn`, once no statement holds `in_flight`.
+async fn idle(
+    txn: Arc<DatabaseTransaction>,
+    in_flight: &RwLock<()>,
+) -> Result<DatabaseTransaction, DbErr> {
+    let idle = in_flight.write().await;
+    let txn = Arc::try_unwrap(txn).map_err(|_| {
+        DbErr::Custom(
+            "a statement of the handler still holds the inbox's transaction; it is \
+             rolled back when that statement ends, and the delivery is retried"
+                .to_string(),
+        )
+    })?;
+    drop(idle);
+    Ok(txn)
 }
 
 impl Drop for Level {
@@ -89,7 +135,7 @@ impl Drop for Level {
         if let Some(txn) = self.txn.take()
             && self.watch.ended().is_some()
         {
-            self.watch.strand(txn);
+            self.watch.strand(txn, Arc::clone(&self.in_flight));
         }
     }
 }
@@ -104,12 +150,12 @@ impl std::fmt::Debug for ObservedTransaction {
 }
 
 /// What the statements of one observed transaction showed, shared by its savepoints.
-#[derive(Default)]
+#[derive(Debug, Default)]
 struct Watch {
     state: Mutex<Verdict>,
     /// The savepoints dropped or ended after the database ended the transaction, outermost
-    /// first: see [`Level`].
-    stranded: Mutex<Vec<DatabaseTransaction>>,
+    /// first, with their statements in flight: see [`Level`].
+    stranded: Mutex<Vec<(Arc<DatabaseTransaction>, Arc<RwLock<()>>)>>,
     /// Whether the handler sent a `SAVEPOINT` of its own as SQL: a failure may then be
     /// undone by its `ROLLBACK TO SAVEPOINT`, which the wrapper cannot follow.
     handler_savepoint: AtomicBool,
@@ -143,14 +189,14 @@ impl Watch {
         }
     }
 
-    fn strand(&self, txn: DatabaseTransaction) {
+    fn strand(&self, txn: Arc<DatabaseTransaction>, in_flight: Arc<RwLock<()>>) {
         self.stranded
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .push(txn);
+            .push((txn, in_flight));
     }
 
-    fn take_stranded(&self) -> Vec<DatabaseTransaction> {
+    fn take_stranded(&self) -> Vec<(Arc<DatabaseTransaction>, Arc<RwLock<()>>)> {
         std::mem::take(&mut *self.stranded.lock().unwrap_or_else(PoisonError::into_inner))
     }
 
@@ -169,31 +215,29 @@ impl ObservedTransaction {
         let watch = Arc::<Watch>::default();
         Self {
             backend: inner.get_database_backend(),
-            inner: Level {
-                txn: Some(inner),
-                watch: Arc::clone(&watch),
-            },
+            inner: Level::new(inner, &watch),
             watch,
             savepoint_depth: 0,
         }
     }
 
-    /// What the statements showed so far.
-    pub(crate) fn verdict(&self) -> Verdict {
-        self.watch.verdict()
-    }
-
-    /// The transaction itself, for the commit or the rollback of the attempt, once the
-    /// savepoints the handler left in a transaction the database ended are rolled back.
-    ///
-    /// # Errors
-    /// Never in practice: only a nested level can be ended before this.
-    pub(crate) async fn into_inner(mut self) -> Result<DatabaseTransaction, DbErr> {
-        let txn = self.inner.txn.take();
-        let txn =
-            txn.ok_or_else(|| DbErr::Custom("the attempt's transaction already ended".into()))?;
-        roll_back_stranded(&txn, self.watch.take_stranded()).await;
-        Ok(txn)
+    /// The transaction itself, for the commit or the rollback of the attempt, with what
+    /// its statements showed, once no statement is in flight (one the handler stopped
+    /// awaiting still runs to its end, and its failure counts) and the savepoints the
+    /// handler left in a transaction the database ended are rolled back.
+    pub(crate) async fn settle(mut self) -> Result<(DatabaseTransaction, Verdict), DbErr> {
+        let inner = self.inner.when_idle().await?;
+        let mut stranded = Vec::new();
+        for (txn, in_flight) in self.watch.take_stranded() {
+            match idle(txn, &in_flight).await {
+                Ok(level) => stranded.push(level),
+                Err(error) => {
+                    tracing::warn!(%error, "a savepoint of an ended transaction stays open")
+                }
+            }
+        }
+        roll_back_stranded(&inner, stranded).await;
+        Ok((inner, self.watch.verdict()))
     }
 
     /// The error every statement gets once the database ended the transaction.
@@ -205,65 +249,58 @@ impl ObservedTransaction {
         ))
     }
 
-    /// Runs one statement unless the transaction already ended, and records what its
-    /// result shows. `plain`: see [`is_plain_statement`] (SeaORM's own savepoint
-    /// statements count as plain: their ends are observed apart).
-    async fn observe<T>(
-        &self,
-        sql: Option<&str>,
-        statement: impl Future<Output = Result<T, DbErr>>,
-    ) -> Result<T, DbErr> {
-        let plain = sql.is_none_or(is_plain_statement);
+    /// Whether a statement may run: not once the transaction ended. `plain`: see
+    /// [`is_plain_statement`] (SeaORM's own savepoint statements count as plain: their
+    /// ends are observed apart).
+    fn admit(&self, plain: bool) -> Result<(), DbErr> {
         if let Some(ending) = self.watch.ended() {
             return Err(Self::refusal(&ending));
         }
         if !plain {
             self.watch.record(Verdict::ProofNeeded);
         }
-        let result = statement.await;
-        match &result {
-            Err(err) => self.failed(err).await,
-            Ok(_) if !plain => self.opaque_ran(sql.unwrap_or_default()).await,
-            Ok(_) => {}
-        }
-        result
+        Ok(())
     }
 
-    /// After a statement the wrapper cannot see through: a `SAVEPOINT` of the handler's
-    /// own is remembered; and where the database can tell at no network cost (SQLite),
-    /// whether the statement ended the transaction (a raw `ROLLBACK` or `COMMIT`) is
-    /// asked at once, before the handler drops a savepoint of the ended transaction.
-    async fn opaque_ran(&self, sql: &str) {
-        if first_word(sql).eq_ignore_ascii_case("SAVEPOINT") {
-            self.watch.handler_savepoint.store(true, Ordering::Release);
-        }
-        let Ok(txn) = self.inner.get() else {
-            return;
-        };
-        if let Ok(true) = transaction_ended(txn).await {
-            self.watch.record(Verdict::Ended(DbErr::Custom(format!(
-                "the handler's statement `{}` ended the transaction",
-                first_word(sql)
-            ))));
-        }
-    }
-
-    async fn failed(&self, err: &DbErr) {
-        // A savepoint the handler named in SQL may be rolled back to: count it as a level.
-        let handler_savepoint = u32::from(self.watch.handler_savepoint.load(Ordering::Acquire));
-        let depth = self.savepoint_depth + handler_savepoint;
-        let verdict = match after_failure(self.backend, err, depth) {
-            AfterFailure::Ended => Verdict::Ended(err.clone()),
-            AfterFailure::WentOn => Verdict::ProofNeeded,
-            AfterFailure::Ask => match self.inner.get() {
-                Ok(txn) => match transaction_ended(txn).await {
-                    Ok(false) => Verdict::ProofNeeded,
-                    Ok(true) | Err(_) => Verdict::Ended(err.clone()),
-                },
-                Err(_) => Verdict::Ended(err.clone()),
-            },
-        };
-        self.watch.record(verdict);
+    /// Runs one statement (`statement` makes it on the shared transaction) unless the
+    /// transaction already ended, and records what its result shows.
+    ///
+    /// The statement runs on a task of its own ([`to_completion`]): sqlx's MySQL connection
+    /// counts the replies it owes only for the request it is sending, not for the
+    /// PREPARE a statement with bound values sends first, so a statement dropped between
+    /// PREPARE and its reply leaves the connection waiting, when the pool tests it on its
+    /// way back, for a reply the server never sends: the pool's connection is lost, and a
+    /// one-connection pool hangs. On its task the statement always finishes, and the
+    /// connection goes back whole once nobody holds the transaction.
+    async fn observe<T, F>(
+        &self,
+        kind: StatementKind,
+        statement: impl FnOnce(Arc<DatabaseTransaction>) -> F,
+    ) -> Result<T, DbErr>
+    where
+        F: Future<Output = Result<T, DbErr>> + Send + 'static,
+        T: Send + 'static,
+    {
+        self.admit(kind == StatementKind::Plain)?;
+        let running = Arc::clone(&self.inner.in_flight).read_owned().await;
+        let txn = Arc::clone(self.inner.get()?);
+        let watch = Arc::clone(&self.watch);
+        let depth = self.savepoint_depth;
+        let statement = statement(Arc::clone(&txn));
+        to_completion(async move {
+            let result = statement.await;
+            match &result {
+                Err(err) => record_failure(&txn, &watch, depth, err).await,
+                Ok(_) if kind != StatementKind::Plain => record_opaque(&txn, &watch, kind).await,
+                Ok(_) => {}
+            }
+            // The transaction before the read guard: `settle` unwraps it once it takes
+            // the write lock.
+            drop(txn);
+            drop(running);
+            result
+        })
+        .await
     }
 
     /// A savepoint's end: a failure there leaves the enclosing transaction in a state
@@ -272,15 +309,24 @@ impl ObservedTransaction {
         mut self,
         end: impl FnOnce(DatabaseTransaction) -> Pin<Box<dyn Future<Output = Result<(), DbErr>> + Send>>,
     ) -> Result<(), DbErr> {
-        if let Some(ending) = self.watch.ended() {
+        let watch = Arc::clone(&self.watch);
+        if let Some(ending) = watch.ended() {
             // Dropping the level strands it for `process` to roll back.
             return Err(Self::refusal(&ending));
         }
-        let watch = Arc::clone(&self.watch);
-        let Some(txn) = self.inner.txn.take() else {
-            return Err(DbErr::Custom("this transaction has already ended".into()));
+        let inner = match self.inner.when_idle().await {
+            Ok(inner) => inner,
+            Err(err) => {
+                watch.record(Verdict::Ended(err.clone()));
+                return Err(err);
+            }
         };
-        let result = end(txn).await;
+        if let Some(ending) = watch.ended() {
+            // A statement in flight ended the transaction meanwhile.
+            watch.strand(Arc::new(inner), Arc::default());
+            return Err(Self::refusal(&ending));
+        }
+        let result = end(inner).await;
         if let Err(err) = &result {
             watch.record(Verdict::Ended(err.clone()));
         }
@@ -289,15 +335,72 @@ impl ObservedTransaction {
 
     fn nested(&self, inner: DatabaseTransaction) -> Self {
         Self {
-            inner: Level {
-                txn: Some(inner),
-                watch: Arc::clone(&self.watch),
-            },
+            inner: Level::new(inner, &self.watch),
             watch: Arc::clone(&self.watch),
             savepoint_depth: self.savepoint_depth + 1,
             backend: self.backend,
         }
     }
+}
+
+/// What the wrapper knows of a statement before it runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum StatementKind {
+    /// One statement that reads or writes rows: see [`is_plain_statement`] (SeaORM's own
+    /// savepoint statements count as plain: their ends are observed apart).
+    Plain,
+    /// Anything else; `savepoint` when its first word is `SAVEPOINT`.
+    Opaque { savepoint: bool },
+}
+
+impl StatementKind {
+    fn of(sql: &str) -> Self {
+        if is_plain_statement(sql) {
+            Self::Plain
+        } else {
+            Self::Opaque {
+                savepoint: first_word(sql).eq_ignore_ascii_case("SAVEPOINT"),
+            }
+        }
+    }
+}
+
+/// After a statement the wrapper cannot see through succeeded: a `SAVEPOINT` of the
+/// handler's own is remembered; and where the database can tell at no network cost
+/// (SQLite), whether the statement ended the transaction (a raw `ROLLBACK` or `COMMIT`)
+/// is asked at once, before the handler drops a savepoint of the ended transaction.
+async fn record_opaque(txn: &DatabaseTransaction, watch: &Watch, kind: StatementKind) {
+    if kind == (StatementKind::Opaque { savepoint: true }) {
+        watch.handler_savepoint.store(true, Ordering::Release);
+    }
+    if let Ok(true) = transaction_ended(txn).await {
+        watch.record(Verdict::Ended(DbErr::Custom(
+            "a statement of the handler that the inbox cannot see through (transaction \
+             control such as ROLLBACK or COMMIT) ended the transaction"
+                .into(),
+        )));
+    }
+}
+
+/// Records in `watch` what the failure `err` of a statement on `txn` did to it.
+async fn record_failure(
+    txn: &DatabaseTransaction,
+    watch: &Watch,
+    savepoint_depth: u32,
+    err: &DbErr,
+) {
+    // A savepoint the handler named in SQL may be rolled back to: count it as a level.
+    let handler_savepoint = u32::from(watch.handler_savepoint.load(Ordering::Acquire));
+    let depth = savepoint_depth + handler_savepoint;
+    let verdict = match after_failure(txn.get_database_backend(), err, depth) {
+        AfterFailure::Ended => Verdict::Ended(err.clone()),
+        AfterFailure::WentOn => Verdict::ProofNeeded,
+        AfterFailure::Ask => match transaction_ended(txn).await {
+            Ok(false) => Verdict::ProofNeeded,
+            Ok(true) | Err(_) => Verdict::Ended(err.clone()),
+        },
+    };
+    watch.record(verdict);
 }
 
 /// Whether `sql` is one statement that reads or writes rows and cannot end the
@@ -338,26 +441,29 @@ impl ConnectionTrait for ObservedTransaction {
     }
 
     async fn execute_raw(&self, stmt: Statement) -> Result<ExecResult, DbErr> {
-        let sql = stmt.sql.clone();
-        let txn = self.inner.get()?;
-        self.observe(Some(&sql), txn.execute_raw(stmt)).await
+        let kind = StatementKind::of(&stmt.sql);
+        self.observe(kind, |txn| async move { txn.execute_raw(stmt).await })
+            .await
     }
 
     async fn execute_unprepared(&self, sql: &str) -> Result<ExecResult, DbErr> {
-        let txn = self.inner.get()?;
-        self.observe(Some(sql), txn.execute_unprepared(sql)).await
+        let sql = sql.to_owned();
+        self.observe(StatementKind::of(&sql), |txn| async move {
+            txn.execute_unprepared(&sql).await
+        })
+        .await
     }
 
     async fn query_one_raw(&self, stmt: Statement) -> Result<Option<QueryResult>, DbErr> {
-        let sql = stmt.sql.clone();
-        let txn = self.inner.get()?;
-        self.observe(Some(&sql), txn.query_one_raw(stmt)).await
+        let kind = StatementKind::of(&stmt.sql);
+        self.observe(kind, |txn| async move { txn.query_one_raw(stmt).await })
+            .await
     }
 
     async fn query_all_raw(&self, stmt: Statement) -> Result<Vec<QueryResult>, DbErr> {
-        let sql = stmt.sql.clone();
-        let txn = self.inner.get()?;
-        self.observe(Some(&sql), txn.query_all_raw(stmt)).await
+        let kind = StatementKind::of(&stmt.sql);
+        self.observe(kind, |txn| async move { txn.query_all_raw(stmt).await })
+            .await
     }
 
     fn support_returning(&self) -> bool {
@@ -370,7 +476,9 @@ impl TransactionTrait for ObservedTransaction {
     type Transaction = ObservedTransaction;
 
     async fn begin(&self) -> Result<ObservedTransaction, DbErr> {
-        let inner = self.observe(None, self.inner.get()?.begin()).await?;
+        let inner = self
+            .observe(StatementKind::Plain, |txn| async move { txn.begin().await })
+            .await?;
         Ok(self.nested(inner))
     }
 
@@ -380,12 +488,9 @@ impl TransactionTrait for ObservedTransaction {
         access_mode: Option<AccessMode>,
     ) -> Result<ObservedTransaction, DbErr> {
         let inner = self
-            .observe(
-                None,
-                self.inner
-                    .get()?
-                    .begin_with_config(isolation_level, access_mode),
-            )
+            .observe(StatementKind::Plain, move |txn| async move {
+                txn.begin_with_config(isolation_level, access_mode).await
+            })
             .await?;
         Ok(self.nested(inner))
     }
@@ -395,7 +500,9 @@ impl TransactionTrait for ObservedTransaction {
         options: TransactionOptions,
     ) -> Result<ObservedTransaction, DbErr> {
         let inner = self
-            .observe(None, self.inner.get()?.begin_with_options(options))
+            .observe(StatementKind::Plain, move |txn| async move {
+                txn.begin_with_options(options).await
+            })
             .await?;
         Ok(self.nested(inner))
     }
@@ -482,7 +589,7 @@ impl TransactionSession for ObservedTransaction {
 
 #[cfg(feature = "stream")]
 mod stream {
-    use super::{ObservedTransaction, Verdict, Watch};
+    use super::{ObservedTransaction, Verdict, Watch, is_plain_statement, record_failure};
     use crate::backend::{AfterFailure, after_failure};
     use futures_util::Stream;
     use sea_orm::{DbBackend, DbErr, QueryResult, Statement, StreamTrait, TransactionStream};
@@ -535,9 +642,16 @@ mod stream {
             stmt: Statement,
         ) -> Pin<Box<dyn Future<Output = Result<ObservedStream<'a>, DbErr>> + 'a + Send>> {
             Box::pin(async move {
-                let sql = stmt.sql.clone();
+                // Not on a task of its own: the rows borrow the transaction.
+                self.admit(is_plain_statement(&stmt.sql))?;
                 let txn = self.inner.get()?;
-                let rows = self.observe(Some(&sql), txn.stream_raw(stmt)).await?;
+                let rows = match txn.stream_raw(stmt).await {
+                    Ok(rows) => rows,
+                    Err(err) => {
+                        record_failure(txn, &self.watch, self.savepoint_depth, &err).await;
+                        return Err(err);
+                    }
+                };
                 Ok(ObservedStream {
                     rows: Box::pin(rows),
                     watch: Arc::clone(&self.watch),

@@ -607,10 +607,9 @@ impl Inbox {
         held: &Held<'_>,
         silent_end: bool,
     ) -> Result<(T, DatabaseTransaction), AttemptError<E>> {
-        let verdict = observed.verdict();
-        let txn = observed
-            .into_inner()
-            .await
+        let (txn, verdict) = self
+            .bounded(bound, named, "the handler's statements", observed.settle())
+            .await?
             .map_err(|err| self.database_failure(named, err))?;
         let value = match returned {
             Ok(value) => value,
