@@ -26,6 +26,7 @@ mod modes;
 mod observed;
 mod outbox;
 mod outbox_brokers;
+mod outbox_partition;
 mod outbox_pooler;
 mod outbox_soak;
 mod outbox_wake;
