@@ -26,7 +26,9 @@
 //! nothing, and new connections are accepted but never reach the server);
 //! [`partition_at_commit`](LostReplyProxy::partition_at_commit) lets the next COMMIT reach
 //! the server and starts the partition right behind it, so its reply is lost in the black
-//! hole rather than with a closed connection. [`heal`](LostReplyProxy::heal) ends it the
+//! hole rather than with a closed connection;
+//! [`partition_before_commit`](LostReplyProxy::partition_before_commit) swallows the COMMIT
+//! itself, leaving the transaction open on the server with its locks. [`heal`](LostReplyProxy::heal) ends it the
 //! way such a device does once it has forgotten the flows: every connection that lived
 //! through the partition is cut, later ones are forwarded again.
 //!
@@ -67,6 +69,8 @@ enum Trigger {
     PartitionAtCommit,
     /// A prepared statement's execution, whose reply the partition it starts swallows.
     PartitionAtExecute,
+    /// A COMMIT, which the partition it starts swallows before the server sees it.
+    PartitionBeforeCommit,
 }
 
 /// What a chunk of client bytes completed.
@@ -87,7 +91,9 @@ impl Seen {
 
     fn fires(self, trigger: Trigger) -> bool {
         match trigger {
-            Trigger::Commit | Trigger::PartitionAtCommit => self.commit,
+            Trigger::Commit | Trigger::PartitionAtCommit | Trigger::PartitionBeforeCommit => {
+                self.commit
+            }
             Trigger::NextExecute | Trigger::PartitionAtExecute => self.execute,
         }
     }
@@ -180,6 +186,13 @@ impl LostReplyProxy {
     /// client's connection stays open, silent (once).
     pub fn partition_at_commit(&self) {
         self.arm_for(Trigger::PartitionAtCommit);
+    }
+
+    /// Starts a partition at the next COMMIT any connection sends, which it swallows: the
+    /// server never sees it, and the transaction stays open there with every lock it took,
+    /// its client silent (once).
+    pub fn partition_before_commit(&self) {
+        self.arm_for(Trigger::PartitionBeforeCommit);
     }
 
     /// Lets the next prepared statement any connection executes reach the server, and
@@ -349,7 +362,7 @@ async fn requests(
         }
         // Read before the framer's verdict: the chunk that starts a partition still goes
         // through.
-        let partitioned = faults.partitioned.load(Ordering::SeqCst);
+        let mut partitioned = faults.partitioned.load(Ordering::SeqCst);
         let seen = framer.push(&chunk[..read]);
         faults
             .round_trips
@@ -363,6 +376,12 @@ async fn requests(
                     *armed = None;
                     faults.partitioned.store(true, Ordering::SeqCst);
                     faults.dropped.fetch_add(1, Ordering::SeqCst);
+                }
+                Some(Trigger::PartitionBeforeCommit) if seen.commit => {
+                    *armed = None;
+                    faults.partitioned.store(true, Ordering::SeqCst);
+                    faults.dropped.fetch_add(1, Ordering::SeqCst);
+                    partitioned = true;
                 }
                 Some(trigger) if seen.fires(trigger) => {
                     *armed = None;
@@ -622,6 +641,8 @@ fn is_commit_sql(sql: &[u8]) -> bool {
 /// Account 1 (balance 0) exists for handlers to credit.
 pub struct ProxiedDb {
     pub direct: DatabaseConnection,
+    /// The database's own URL, for more direct pools ([`connect_url`](crate::connect_url)).
+    pub direct_url: String,
     pub proxy: Arc<LostReplyProxy>,
     pub through_proxy: DatabaseConnection,
 }
@@ -658,6 +679,7 @@ pub async fn with_proxied_db<T>(backend: Backend, body: impl AsyncFnOnce(&Proxie
         create_accounts(&direct).await;
         let fixture = ProxiedDb {
             direct,
+            direct_url: db.url().to_owned(),
             proxy,
             through_proxy,
         };

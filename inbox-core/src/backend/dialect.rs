@@ -242,14 +242,23 @@ pub(super) enum OutboxClaimSql {
     // Each variant is one backend's; a build without that backend never makes it.
     #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
     Alone(&'static str),
-    /// The same UPDATE, in a transaction of its own begun with these options.
+    /// The same UPDATE, in a transaction of its own begun with these options; it also
+    /// bounds how long the server keeps that transaction once its client is silent, from a
+    /// sixth bind: the partition timeout as text in milliseconds.
     #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     InTransaction(&'static str, TransactionOptions),
-    /// A locking read of the due rows (binds: now, now again, limit), then
-    /// [`Dialect::outbox_lease`] of the ids it found, in a transaction begun with these
-    /// options: for a database without `UPDATE ... RETURNING`.
+    /// For a database without `UPDATE ... RETURNING`, in a transaction begun with
+    /// `options` after [`Dialect::silence_bound`]: a plain read of the ids of the due rows
+    /// (`candidates`; binds: now, now again, limit), then `lock(n)` over `n` of those ids,
+    /// a locking read by primary key that checks again that each is due and returns at
+    /// most `limit` rows (binds: the ids, now, now again, limit), then
+    /// [`Dialect::outbox_lease`] of the ids it returned.
     #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
-    LockThenLease(&'static str, TransactionOptions),
+    ReadLockThenLease {
+        candidates: &'static str,
+        lock: fn(usize) -> String,
+        options: TransactionOptions,
+    },
 }
 
 /// The marker row of one claim, for [`Dialect::claim_marker`].

@@ -327,30 +327,46 @@ impl Dialect for MySql {
         "INSERT INTO `outbox` (`message_id`, `destination`, `partition_key`, `payload`, `headers`, `created_at`, `available_at`) VALUES (?, ?, ?, ?, ?, ?, ?) ON DUPLICATE KEY UPDATE `destination` = `destination`"
     }
 
-    /// MySQL and MariaDB have no `UPDATE ... RETURNING`: a locking read, then the lease,
-    /// in a transaction. `SKIP LOCKED` passes over the rows another relay's open claim
-    /// holds. `FORCE INDEX (ix_outbox_pending)`: with the relay's conditions MariaDB 10.11
-    /// walks the primary key from the oldest sent row and locks every row it reads
-    /// (measured with 1,500 of 2,000 rows sent: 1,600 rows read, 0.8 ms); on the index it
-    /// starts at the first unsent row, in `id` order (100 rows read, 0.23 ms).
+    /// MySQL and MariaDB have no `UPDATE ... RETURNING`: a read, a locking read, then the
+    /// lease, in a transaction. A locking read keeps the lock of every row it read, also of
+    /// a row its WHERE rejected (measured on MariaDB 10.11 under READ COMMITTED: a claim of
+    /// row 4 behind three rows leased elsewhere held all four), and a claim cut off from
+    /// the database kept them all. So the candidates are read without locks, walking
+    /// `ix_outbox_pending` from the first unsent row (`FORCE INDEX`: with the relay's
+    /// conditions MariaDB would walk the primary key from the oldest sent row, 1,600 rows
+    /// read instead of 100 with 1,500 of 2,000 rows sent), and the locking read takes them
+    /// by primary key, checking again that each is still due: it reads only rows that were
+    /// due an instant before, and locks more than it claims only when one of them was
+    /// leased or sent in that instant. `SKIP LOCKED` passes over the rows another relay's
+    /// open claim holds; twice the batch in candidates lets a claim pass a batch that
+    /// another relay holds (a claim in flight, or one cut off until the server ends it)
+    /// and still fill its own.
     ///
-    /// READ COMMITTED: under InnoDB's default REPEATABLE READ the locking read would take
-    /// next-key locks on the gaps it walks, and every enqueue INSERT into them would wait
-    /// for the claim to commit; READ COMMITTED also releases the rows the claim's WHERE
-    /// rejects at once.
+    /// READ COMMITTED: under InnoDB's default REPEATABLE READ the candidate read would see
+    /// the transaction's snapshot rather than the latest commits, and a locking read would
+    /// take next-key locks on gaps, which every enqueue INSERT into them would wait for.
     fn outbox_claim(&self) -> OutboxClaimSql {
-        OutboxClaimSql::LockThenLease(
-            "SELECT o.* FROM outbox o FORCE INDEX (ix_outbox_pending) \
+        OutboxClaimSql::ReadLockThenLease {
+            candidates: "SELECT o.id FROM outbox o FORCE INDEX (ix_outbox_pending) \
              WHERE o.sent_at IS NULL AND o.dead_at IS NULL AND o.available_at <= ? \
              AND (o.leased_until IS NULL OR o.leased_until <= ?) \
              AND (o.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM outbox e \
              WHERE e.partition_key = o.partition_key AND e.id < o.id AND e.sent_at IS NULL)) \
-             ORDER BY o.id LIMIT ? FOR UPDATE SKIP LOCKED",
-            TransactionOptions {
+             ORDER BY o.id LIMIT ?",
+            lock: |ids| {
+                format!(
+                    "SELECT o.* FROM outbox o WHERE o.id IN ({}) \
+                     AND o.sent_at IS NULL AND o.dead_at IS NULL AND o.available_at <= ? \
+                     AND (o.leased_until IS NULL OR o.leased_until <= ?) \
+                     ORDER BY o.id LIMIT ? FOR UPDATE SKIP LOCKED",
+                    repeat_list("?", ids)
+                )
+            },
+            options: TransactionOptions {
                 isolation_level: Some(IsolationLevel::ReadCommitted),
                 ..TransactionOptions::default()
             },
-        )
+        }
     }
 
     /// No transaction pooler of PgBouncer's kind splits a MySQL statement from its

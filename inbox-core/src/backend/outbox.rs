@@ -8,6 +8,7 @@ use chrono::{DateTime, Utc};
 use sea_orm::{DbBackend, Statement, TransactionOptions, Value};
 use sea_orm_inbox_entity::LAST_ERROR_MAX_CHARS;
 use std::borrow::Cow;
+use std::time::Duration;
 use uuid::Uuid;
 
 /// The columns of a row to enqueue, in the order of the outbox INSERT's binds.
@@ -47,11 +48,34 @@ pub(crate) fn insert_statement(
 pub(crate) enum ClaimPlan {
     /// One statement that leases the due rows and returns them as leased, sent on its own.
     Alone(Statement),
-    /// That statement in a transaction of its own, begun with these options.
+    /// That statement in a transaction of its own, begun with these options; the
+    /// statement bounds how long the server keeps the transaction for a silent client.
     InTransaction(Statement, TransactionOptions),
-    /// A locking read of the due rows (returned as they were before the lease), then
-    /// [`lease_statement`] of their ids, in a transaction begun with these options.
-    LockThenLease(Statement, TransactionOptions),
+    /// A read of the due rows' ids, a locking read of some of them by primary key
+    /// (returned as they were before the lease), then [`lease_statement`] of the ids it
+    /// returned, in a transaction begun with `options` whose first statement is `silence`.
+    ReadLockThenLease(ReadLockThenLease),
+}
+
+/// The statements of [`ClaimPlan::ReadLockThenLease`].
+pub(crate) struct ReadLockThenLease {
+    pub(crate) candidates: Statement,
+    silence: Option<String>,
+    options: TransactionOptions,
+    lock: fn(usize) -> String,
+    due: [Value; 2],
+    limit: i64,
+}
+
+impl ReadLockThenLease {
+    /// The locking read of the candidate rows `ids`: at most the claim's limit of them,
+    /// each checked again to be due.
+    pub(crate) fn lock(&self, ids: &[i64]) -> Statement {
+        let mut values: Vec<Value> = ids.iter().map(|id| Value::from(*id)).collect();
+        values.extend(self.due.iter().cloned());
+        values.push(Value::from(self.limit));
+        Statement::from_sql_and_values(self.candidates.db_backend, (self.lock)(ids.len()), values)
+    }
 }
 
 impl ClaimPlan {
@@ -59,14 +83,30 @@ impl ClaimPlan {
     pub(crate) fn transaction_options(&self) -> Option<TransactionOptions> {
         match self {
             Self::Alone(_) => None,
-            Self::InTransaction(_, options) | Self::LockThenLease(_, options) => Some(*options),
+            Self::InTransaction(_, options) => Some(*options),
+            Self::ReadLockThenLease(plan) => Some(plan.options),
+        }
+    }
+
+    /// A statement that makes the server end the claim's transaction once its client has
+    /// been silent for the partition timeout, to run first in it; `None` where the claim
+    /// statement carries that bound itself, or there is no server.
+    pub(crate) fn silence(&self) -> Option<&str> {
+        match self {
+            Self::ReadLockThenLease(plan) => plan.silence.as_deref(),
+            Self::Alone(_) | Self::InTransaction(..) => None,
         }
     }
 }
 
+/// How many candidates a claim of `limit` rows reads before locking: twice the batch, so
+/// that a claim passes over a batch another relay holds and still fills its own.
+const CANDIDATES_PER_ROW: i64 = 2;
+
 /// The relay's claim of at most `limit` due rows at `now`, oldest first, leased to `token`
 /// until `leased_until`, counting the attempt; rows another relay's claim holds are
-/// skipped.
+/// skipped. The server ends the claim's transaction when its client has been silent for
+/// `silence` (a relay cut off from the database), releasing what it holds.
 ///
 /// A row is due when it is unsent, not dead, available, and not leased (or its lease has
 /// ended). A row with a key is due only when no earlier row of its key is unsent, whatever
@@ -79,27 +119,39 @@ pub(crate) fn claim_plan(
     leased_until: DateTime<Utc>,
     token: Uuid,
     limit: i64,
+    silence: Duration,
 ) -> Result<ClaimPlan, InboxError> {
     let dialect = dialect(backend)?;
-    let due = [
-        dialect.timestamp_value(now),
-        dialect.timestamp_value(now),
-        Value::from(limit),
-    ];
-    let leasing = |sql: &str| {
+    let due = [dialect.timestamp_value(now), dialect.timestamp_value(now)];
+    let leasing = |sql: &str, bound: Option<Value>| {
         let mut values = vec![dialect.timestamp_value(leased_until), Value::from(token)];
         values.extend(due.iter().cloned());
+        values.push(Value::from(limit));
+        values.extend(bound);
         Statement::from_sql_and_values(backend, sql, values)
     };
     Ok(match dialect.outbox_claim() {
-        OutboxClaimSql::Alone(sql) => ClaimPlan::Alone(leasing(sql)),
+        OutboxClaimSql::Alone(sql) => ClaimPlan::Alone(leasing(sql, None)),
         OutboxClaimSql::InTransaction(sql, options) => {
-            ClaimPlan::InTransaction(leasing(sql), options)
+            let bound = Value::from(format!("{}ms", silence.as_millis()));
+            ClaimPlan::InTransaction(leasing(sql, Some(bound)), options)
         }
-        OutboxClaimSql::LockThenLease(sql, options) => ClaimPlan::LockThenLease(
-            Statement::from_sql_and_values(backend, sql, due.clone()),
+        OutboxClaimSql::ReadLockThenLease {
+            candidates,
+            lock,
             options,
-        ),
+        } => {
+            let mut values = due.to_vec();
+            values.push(Value::from(limit.saturating_mul(CANDIDATES_PER_ROW)));
+            ClaimPlan::ReadLockThenLease(ReadLockThenLease {
+                candidates: Statement::from_sql_and_values(backend, candidates, values),
+                silence: dialect.silence_bound(silence),
+                options,
+                lock,
+                due,
+                limit,
+            })
+        }
     })
 }
 

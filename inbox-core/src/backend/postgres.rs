@@ -292,6 +292,11 @@ impl Dialect for Postgres {
     /// restart, with the same message id, as after any crash between publish and mark.
     /// The settle that follows commits synchronously, and its flush makes the claim's WAL
     /// records durable too. READ COMMITTED, the server's default isolation.
+    ///
+    /// The same way, for the transaction only, the partition bound of
+    /// [`silence_bound`](Dialect::silence_bound): a relay cut off before its COMMIT reaches
+    /// the server would otherwise keep the rows it leased locked until TCP keepalive gives
+    /// up (hours), and no other relay could take them.
     fn outbox_claim(&self) -> OutboxClaimSql {
         OutboxClaimSql::InTransaction(
             "UPDATE outbox SET attempts = attempts + 1, leased_until = $1, lease_token = $2 \
@@ -301,6 +306,8 @@ impl Dialect for Postgres {
              AND (o.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM outbox e \
              WHERE e.partition_key = o.partition_key AND e.id < o.id AND e.sent_at IS NULL)) \
              AND set_config('synchronous_commit', 'off', true) IS NOT NULL \
+             AND set_config('idle_in_transaction_session_timeout', $6, true) IS NOT NULL \
+             AND set_config('tcp_user_timeout', $6, true) IS NOT NULL \
              ORDER BY o.sent_at, o.id LIMIT $5 FOR UPDATE OF o SKIP LOCKED)) \
              RETURNING *",
             TransactionOptions::default(),

@@ -71,8 +71,9 @@ pub enum OutboxError {
         source: DbErr,
     },
 
-    /// The database did not answer within
-    /// [`Inbox::DEFAULT_PARTITION_TIMEOUT`](crate::Inbox::DEFAULT_PARTITION_TIMEOUT): a
+    /// The database did not answer within the partition timeout (a relay's
+    /// [`with_partition_timeout`](crate::Relay::with_partition_timeout), otherwise
+    /// [`Inbox::DEFAULT_PARTITION_TIMEOUT`](crate::Inbox::DEFAULT_PARTITION_TIMEOUT)): a
     /// network partition or a hung server. Retry later.
     #[error(
         "{operation} got no answer from the database within {waited:?} (a network partition or a hung database): retry later"

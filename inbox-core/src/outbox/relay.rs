@@ -6,13 +6,14 @@ use crate::backend::outbox::{
     ClaimPlan, Failure, UNSTORABLE_ERROR, claim_plan, lease_statement, mark_failed_statement,
     mark_sent_statement, release_statement, settle_alone,
 };
-use crate::backend::{lost_a_conflict, to_completion};
+use crate::backend::{lost_a_conflict, silence_statement, to_completion};
 use crate::clock::now_micros;
 use crate::metrics::facade;
 use crate::silence::within;
 use chrono::{DateTime, Utc};
 use sea_orm::{
-    ConnectionTrait, DatabaseConnection, DbBackend, DbErr, EntityTrait, Statement, TransactionTrait,
+    ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend, DbErr, EntityTrait,
+    Statement, TransactionTrait,
 };
 use sea_orm_inbox_entity::outbox;
 use std::future::Future;
@@ -329,6 +330,8 @@ pub struct Relay<P> {
     options: RelayOptions,
     waker: OutboxWaker,
     metrics: Arc<OutboxMetrics>,
+    /// See [`Relay::with_partition_timeout`].
+    partition_timeout: Duration,
     /// The server [`run`](Relay::run) listens on for other processes' wake-ups.
     #[cfg(feature = "postgres")]
     listen_url: Option<String>,
@@ -397,6 +400,7 @@ impl<P: Publisher> Relay<P> {
             options: RelayOptions::default(),
             waker: OutboxWaker::default(),
             metrics: Arc::default(),
+            partition_timeout: Inbox::DEFAULT_PARTITION_TIMEOUT,
             #[cfg(feature = "postgres")]
             listen_url: None,
         }
@@ -453,6 +457,51 @@ impl<P: Publisher> Relay<P> {
         options.validate()?;
         self.options = options;
         Ok(self)
+    }
+
+    /// Bounds how long the relay waits for a database that stops answering, and how long
+    /// the server keeps a relay transaction whose client went silent (default
+    /// [`Inbox::DEFAULT_PARTITION_TIMEOUT`], between [`Inbox::MIN_PARTITION_TIMEOUT`] and
+    /// [`Inbox::MAX_PARTITION_TIMEOUT`]), as [`Inbox::with_partition_timeout`] does for a
+    /// claim.
+    ///
+    /// A relay cut off from the database in the middle of a claim (a NAT or load balancer
+    /// drops its flow: no reset, the packets just stop) would otherwise leave an open
+    /// transaction on the server holding the rows it claimed, for hours: no other relay
+    /// publishes them meanwhile. With this bound the relay's call returns
+    /// [`OutboxError::DatabaseSilent`] after it, and the server ends the abandoned
+    /// transaction after it (PostgreSQL: `idle_in_transaction_session_timeout` and
+    /// `tcp_user_timeout`; MariaDB: `idle_transaction_timeout` and `net_write_timeout`,
+    /// whole seconds, rounded up; MySQL 8 has only the latter, so there an idle
+    /// transaction lasts until `wait_timeout`), releasing the rows. SQLite is embedded:
+    /// nothing to bound.
+    ///
+    /// ```
+    /// use sea_orm_inbox::{Publisher, Relay};
+    /// use std::time::Duration;
+    ///
+    /// # fn build<P: Publisher>(publisher: P) -> Result<(), sea_orm_inbox::OutboxError> {
+    /// let relay = Relay::new(publisher).with_partition_timeout(Duration::from_secs(5))?;
+    /// assert_eq!(relay.partition_timeout(), Duration::from_secs(5));
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// [`OutboxError::InvalidOptions`] outside the accepted range.
+    pub fn with_partition_timeout(mut self, timeout: Duration) -> Result<Self, OutboxError> {
+        if !(Inbox::MIN_PARTITION_TIMEOUT..=Inbox::MAX_PARTITION_TIMEOUT).contains(&timeout) {
+            return Err(OutboxError::InvalidOptions {
+                what: "the partition timeout is outside 1 s ..= 30 min",
+                advice: "choose one well below the lease and above the database's slowest claim",
+            });
+        }
+        self.partition_timeout = timeout;
+        Ok(self)
+    }
+
+    /// See [`with_partition_timeout`](Self::with_partition_timeout).
+    pub fn partition_timeout(&self) -> Duration {
+        self.partition_timeout
     }
 
     /// The handle that wakes this relay's [`run`](Self::run) loop.
@@ -691,6 +740,7 @@ impl<P: Publisher> Relay<P> {
             lease.until,
             lease.token,
             i64::from(self.options.batch_size),
+            self.partition_timeout,
         )?;
         Ok((lease, plan))
     }
@@ -706,11 +756,18 @@ impl<P: Publisher> Relay<P> {
                 return claim_rows(&claimer, plan, lease).await;
             };
             let txn = claimer.begin_with_options(options).await?;
+            bound_silence(&txn, plan.silence()).await?;
             let rows = claim_rows(&txn, plan, lease).await?;
             txn.commit().await?;
             Ok(rows)
         };
-        let rows = bounded(backend, "the relay's claim", to_completion(claim)).await?;
+        let rows = bounded_by(
+            backend,
+            self.partition_timeout,
+            "the relay's claim",
+            to_completion(claim),
+        )
+        .await?;
         Ok(ClaimedBatch::new(lease, rows))
     }
 
@@ -729,13 +786,15 @@ impl<P: Publisher> Relay<P> {
         let writer = db.clone();
         let work = async move {
             let txn = writer.begin_with_options(options).await?;
+            bound_silence(&txn, plan.silence()).await?;
             let counts = execute_counted(&txn, statements).await?;
             let rows = claim_rows(&txn, plan, lease).await?;
             txn.commit().await?;
             Ok((counts, rows))
         };
-        let (counts, rows) = bounded(
+        let (counts, rows) = bounded_by(
             backend,
+            self.partition_timeout,
             "marking the relayed rows and claiming the next",
             to_completion(work),
         )
@@ -817,6 +876,7 @@ impl<P: Publisher> Relay<P> {
         let backend = db.get_database_backend();
         let marks = self.settle_statements(backend, batch, settlement)?;
         let alone = marks.len() == 1 && settle_alone(backend)?;
+        let silence = silence_statement(backend, self.partition_timeout)?;
         let writer = db.clone();
         let together = marks.clone();
         let write = async move {
@@ -824,11 +884,19 @@ impl<P: Publisher> Relay<P> {
                 return execute_counted(&writer, together).await;
             }
             let txn = writer.begin().await?;
+            bound_silence(&txn, silence.as_deref()).await?;
             let counts = execute_counted(&txn, together).await?;
             txn.commit().await?;
             Ok(counts)
         };
-        match bounded(backend, "marking the relayed rows", to_completion(write)).await {
+        let written = bounded_by(
+            backend,
+            self.partition_timeout,
+            "marking the relayed rows",
+            to_completion(write),
+        )
+        .await;
+        match written {
             Ok(counts) => {
                 report.count(counts);
                 Ok(())
@@ -861,10 +929,11 @@ impl<P: Publisher> Relay<P> {
         let mut first_failure = None;
         for mark in marks {
             let counted = mark.counted;
-            let mut written = write_mark(db, alone, mark.statement, counted).await;
+            let mut written =
+                write_mark(db, alone, mark.statement, counted, self.partition_timeout).await;
             if let (Err(OutboxError::Database { source, .. }), Some(safe)) = (&written, mark.safe) {
                 tracing::warn!(error = %source, "outbox relay could not store a publish error; storing a fixed text instead");
-                written = write_mark(db, alone, safe, counted).await;
+                written = write_mark(db, alone, safe, counted, self.partition_timeout).await;
             }
             match written {
                 Ok(count) => report.count(vec![count]),
@@ -879,12 +948,14 @@ impl<P: Publisher> Relay<P> {
     }
 }
 
-/// Writes one mark of a settle: on its own when `alone`, else in a transaction of its own.
+/// Writes one mark of a settle: on its own when `alone`, else in a transaction of its own,
+/// waiting at most `partition_timeout` for the database.
 async fn write_mark(
     db: &DatabaseConnection,
     alone: bool,
     statement: Statement,
     counted: Counted,
+    partition_timeout: Duration,
 ) -> Result<(Counted, u64), OutboxError> {
     let backend = db.get_database_backend();
     let writer = db.clone();
@@ -902,7 +973,13 @@ async fn write_mark(
         txn.commit().await?;
         Ok(counts)
     };
-    let counts = bounded(backend, "marking a relayed row", to_completion(write)).await?;
+    let counts = bounded_by(
+        backend,
+        partition_timeout,
+        "marking a relayed row",
+        to_completion(write),
+    )
+    .await?;
     Ok(counts.into_iter().next().unwrap_or((counted, 0)))
 }
 
@@ -921,9 +998,18 @@ async fn claim_rows<C: ConnectionTrait>(
                 .all(conn)
                 .await?
         }
-        ClaimPlan::LockThenLease(select, _) => {
+        ClaimPlan::ReadLockThenLease(plan) => {
+            let candidates: Vec<i64> = conn
+                .query_all_raw(plan.candidates.clone())
+                .await?
+                .iter()
+                .map(|row| row.try_get_by_index::<i64>(0))
+                .collect::<Result<_, _>>()?;
+            if candidates.is_empty() {
+                return Ok(Vec::new());
+            }
             let mut rows = outbox::Entity::find()
-                .from_raw_sql(select)
+                .from_raw_sql(plan.lock(&candidates))
                 .all(conn)
                 .await?;
             if !rows.is_empty() {
@@ -942,6 +1028,15 @@ async fn claim_rows<C: ConnectionTrait>(
     // `UPDATE ... RETURNING` returns its rows in no promised order.
     rows.sort_unstable_by_key(|row| row.id);
     Ok(rows)
+}
+
+/// Runs `silence` (see [`ClaimPlan::silence`]) in `txn` before the transaction takes a row
+/// lock, which a relay cut off by a partition would otherwise keep for hours.
+async fn bound_silence(txn: &DatabaseTransaction, silence: Option<&str>) -> Result<(), DbErr> {
+    if let Some(sql) = silence {
+        txn.execute_unprepared(sql).await?;
+    }
+    Ok(())
 }
 
 /// Runs a settle's statements on `conn` in order, with the rows each touched.
@@ -975,13 +1070,23 @@ enum Counted {
     Released,
 }
 
-/// Awaits a database call of the relay within [`Inbox::DEFAULT_PARTITION_TIMEOUT`].
+/// Awaits a database call of the outbox within [`Inbox::DEFAULT_PARTITION_TIMEOUT`].
 pub(crate) async fn bounded<T, F: Future<Output = Result<T, DbErr>>>(
     backend: sea_orm::DbBackend,
     operation: &'static str,
     future: F,
 ) -> Result<T, OutboxError> {
-    within(backend, Inbox::DEFAULT_PARTITION_TIMEOUT, future)
+    bounded_by(backend, Inbox::DEFAULT_PARTITION_TIMEOUT, operation, future).await
+}
+
+/// Awaits a database call of the relay within `timeout` (its partition timeout).
+async fn bounded_by<T, F: Future<Output = Result<T, DbErr>>>(
+    backend: sea_orm::DbBackend,
+    timeout: Duration,
+    operation: &'static str,
+    future: F,
+) -> Result<T, OutboxError> {
+    within(backend, timeout, future)
         .await
         .map_err(|waited| OutboxError::DatabaseSilent { operation, waited })?
         .map_err(|source| OutboxError::Database { operation, source })

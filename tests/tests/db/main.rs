@@ -27,6 +27,7 @@ mod modes;
 mod observed;
 mod outbox;
 mod outbox_brokers;
+mod outbox_partition;
 mod outbox_pooler;
 mod outbox_purger;
 mod outbox_settle;
