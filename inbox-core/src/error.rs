@@ -1,5 +1,5 @@
-use crate::backend::{DbErrorKind, classify, missing_migration};
-use crate::{InboxMigration, MessageId};
+use crate::backend::{DbErrorKind, classify, classify_in, missing_migration};
+use crate::{InboxMigration, InboxTable, MessageId};
 use sea_orm::DbErr;
 use std::fmt;
 use std::ops::RangeInclusive;
@@ -355,15 +355,20 @@ pub enum InboxError {
 }
 
 impl InboxError {
-    /// The error for a database failure while claiming `message_id` for `consumer`:
-    /// [`MissingTable`](Self::MissingTable) or [`MissingMigration`](Self::MissingMigration)
-    /// when the database says so, else
-    /// [`Database`](Self::Database).
-    pub(crate) fn from_claim(source: DbErr, message_id: MessageId, consumer: &str) -> Self {
-        if let Some(migration) = missing_migration(&source) {
+    /// The error for a database failure while claiming `message_id` for `consumer` in the
+    /// inbox in `table`: [`MissingTable`](Self::MissingTable) or
+    /// [`MissingMigration`](Self::MissingMigration) when the database says so of that
+    /// table, else [`Database`](Self::Database).
+    pub(crate) fn from_claim(
+        source: DbErr,
+        table: &InboxTable,
+        message_id: MessageId,
+        consumer: &str,
+    ) -> Self {
+        if let Some(migration) = missing_migration(&source, table) {
             return Self::MissingMigration { migration, source };
         }
-        match crate::classify(&source) {
+        match classify_in(&source, table) {
             crate::DbErrorKind::MissingInboxTable => Self::MissingTable { source },
             _ => Self::Database {
                 message_id,
@@ -514,7 +519,7 @@ fn advice(err: &DbErr) -> &'static str {
         DbErrorKind::MissingColumn => {
             "A column is missing: run every migration of your Migrator (sea_orm_inbox_migration's included), and dead-letter the message meanwhile"
         }
-        DbErrorKind::InboxDuplicate => {
+        DbErrorKind::InboxDuplicate | DbErrorKind::PossibleInboxDuplicate => {
             "This unique violation names the inbox's index, yet no marker of this message exists: the index is a namesake on another table (MariaDB names the key, not its table; CREATE TABLE ... LIKE inbox copies the name), written by a trigger or the handler. This is not a duplicate delivery: rename that index or fix the write, and dead-letter the message meanwhile"
         }
         _ => {

@@ -135,10 +135,14 @@ pub(super) trait Dialect: Sync {
 
     // Errors and the transaction's state.
 
-    /// The inbox migration a failed statement on the inbox table shows missing: a column
-    /// it adds, or the constraint. `None` for any other error of this driver, or one of
-    /// another driver.
-    fn missing_migration(&self, db: &dyn DatabaseError) -> Option<InboxMigration>;
+    /// The inbox migration a failed statement on the inbox in `table` shows missing: a
+    /// column it adds, or `table`'s constraint. `None` for any other error of this driver,
+    /// or one of another driver.
+    fn missing_migration(
+        &self,
+        db: &dyn DatabaseError,
+        table: &InboxTable,
+    ) -> Option<InboxMigration>;
 
     /// What a failed statement (`err`, a database's error) did to its transaction, seen
     /// `savepoint_depth` savepoints deep.

@@ -199,9 +199,9 @@ impl SchemaCatalog {
     }
 }
 
-/// The inbox migration whose absence made a statement on the inbox table fail (a column it
-/// adds, or PostgreSQL's constraint), if that is why it failed.
-pub(crate) fn missing_migration(err: &DbErr) -> Option<InboxMigration> {
+/// The inbox migration whose absence made a statement on the inbox in `table` fail (a
+/// column it adds, or PostgreSQL's constraint of that table), if that is why it failed.
+pub(crate) fn missing_migration(err: &DbErr, table: &InboxTable) -> Option<InboxMigration> {
     let (DbErr::Exec(RuntimeErr::SqlxError(sqlx_err))
     | DbErr::Query(RuntimeErr::SqlxError(sqlx_err))) = err
     else {
@@ -220,7 +220,7 @@ pub(crate) fn missing_migration(err: &DbErr) -> Option<InboxMigration> {
     ];
     dialects
         .iter()
-        .find_map(|dialect| dialect.missing_migration(db.as_ref()))
+        .find_map(|dialect| dialect.missing_migration(db.as_ref(), table))
 }
 
 /// What `Inbox::process` adds to its marker: the call's token and the transaction's
@@ -568,22 +568,33 @@ pub(crate) fn consumer_is(backend: DbBackend, consumer: &str) -> Result<Expr, In
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum DbErrorKind {
-    /// A unique violation of the inbox index `ix_inbox_message_id_consumer`: this consumer
-    /// already claimed this message in a committed transaction.
+    /// A unique violation of the inbox index `ix_inbox_message_id_consumer` on the inbox
+    /// table itself, as the error proves: this consumer already claimed this message in a
+    /// committed transaction.
     ///
-    /// On MariaDB the error names the violated index but not its table, so an index of the
-    /// same name on another table (`CREATE TABLE inbox_archive LIKE inbox` copies it) is
-    /// classified the same. The library's claims confirm it by reading the marker before
-    /// they answer [`Claim::Duplicate`](crate::Claim::Duplicate); if you insert markers
-    /// yourself on MariaDB, read yours back too, or rename such an index.
+    /// Answered only where the error names the table (PostgreSQL, SQLite, MySQL 8.0.19+'s
+    /// `'inbox.ix_...'`). MariaDB names the violated index but not its table, so an index
+    /// of the same name on another table (`CREATE TABLE inbox_archive LIKE inbox` copies
+    /// it) reads the same: that is [`PossibleInboxDuplicate`](Self::PossibleInboxDuplicate),
+    /// never this.
     InboxDuplicate,
+    /// A unique violation of an index named like the inbox's whose table the error does not
+    /// name (MariaDB's 1062 names the key only): the inbox's duplicate, or a namesake index
+    /// on another table (`CREATE TABLE inbox_archive LIKE inbox` copies the name, and a
+    /// trigger or the handler writes there). Never called a duplicate unproven: read the
+    /// marker of `(message_id, consumer)` back through the same transaction (a locking
+    /// read) and acknowledge only if it is there; the library's claims do.
+    PossibleInboxDuplicate,
     /// A unique violation of any other index or table. A real bug in the handler's data,
     /// never a duplicate delivery.
     OtherUniqueViolation,
     /// A failure that a fresh transaction may not meet again: serialization failure,
     /// deadlock (on Galera also a certification conflict), lock wait timeout, SQLite
-    /// busy/locked, a lost connection, an error during COMMIT (MySQL's 1180), or a Galera
-    /// node outside the primary component.
+    /// busy/locked, a lost connection, an error during COMMIT (MySQL's 1180), a Galera
+    /// node outside the primary component, or a server that takes no writes (PostgreSQL's
+    /// 25006 from a standby, met through a proxy while a standby is promoted; MySQL/MariaDB
+    /// `--read-only` 1290, read-only mode 1836, a READ ONLY transaction 1792): after a
+    /// failover a fresh connection reaches the new primary.
     /// Roll the failed transaction back before the retry: after MariaDB's lock wait timeout
     /// (1205) it is still open, with its locks and its earlier writes.
     Transient,
@@ -606,6 +617,7 @@ impl DbErrorKind {
         match self {
             Self::OtherUniqueViolation
             | Self::InboxDuplicate
+            | Self::PossibleInboxDuplicate
             | Self::MissingInboxTable
             | Self::MissingColumn => true,
             Self::Transient | Self::Other => false,
@@ -616,7 +628,11 @@ impl DbErrorKind {
 /// Classifies a SeaORM error by what it means for a message handler.
 ///
 /// This is the classifier [`crate::InboxTransactionExt::claim_message`] uses; call it when
-/// you write markers yourself or decide whether to retry.
+/// you write markers yourself or decide whether to retry. It answers
+/// [`DbErrorKind::InboxDuplicate`] only for a violation the error proves is on the inbox
+/// table; on MariaDB, whose error names the index but not its table, a violation of an
+/// index named like the inbox's is [`DbErrorKind::PossibleInboxDuplicate`]: read your
+/// marker back (in the same transaction, with a locking read) before you acknowledge.
 pub fn classify(err: &DbErr) -> DbErrorKind {
     classify_in(err, &InboxTable::default())
 }
@@ -645,14 +661,15 @@ pub fn classify_in(err: &DbErr, table: &InboxTable) -> DbErrorKind {
     }
 }
 
-/// Whether `err` is a unique violation of the inbox index `ix_inbox_message_id_consumer`
-/// and nothing else.
+/// Whether `err` is, provably, a unique violation of the inbox index
+/// `ix_inbox_message_id_consumer` on the inbox table, and nothing else.
 ///
 /// For callers who insert the marker themselves. A violation of any other unique index
 /// (an order number, an e-mail address) returns `false`: it is a bug to surface, not a
-/// duplicate to acknowledge. On MariaDB an index of the same name on another table also
-/// returns `true` (see [`DbErrorKind::InboxDuplicate`]): read the marker back before you
-/// acknowledge.
+/// duplicate to acknowledge. So does one the error cannot tie to the inbox table: on
+/// MariaDB every violation of an index of that name, since the error names no table and
+/// another table may carry a namesake ([`DbErrorKind::PossibleInboxDuplicate`]); there,
+/// read the marker back before you acknowledge.
 ///
 /// ```
 /// use sea_orm_inbox::is_inbox_duplicate;
@@ -664,9 +681,10 @@ pub fn is_inbox_duplicate(err: &DbErr) -> bool {
     classify(err) == DbErrorKind::InboxDuplicate
 }
 
-/// Whether `err` is a unique violation of the UNIQUE index of the inbox in `table`
-/// ([`InboxTable::unique_index`]) and nothing else: [`is_inbox_duplicate`] for an inbox in
-/// a table of the application's choice.
+/// Whether `err` is, provably, a unique violation of the UNIQUE index of the inbox in
+/// `table` ([`InboxTable::unique_index`]) on that table, and nothing else:
+/// [`is_inbox_duplicate`] for an inbox in a table of the application's choice (on
+/// MariaDB `false` for every violation, as there).
 ///
 /// ```
 /// use sea_orm_inbox::{InboxTable, is_inbox_duplicate_in};

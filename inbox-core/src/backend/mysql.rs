@@ -250,7 +250,11 @@ impl Dialect for MySql {
 
     /// 1054 quotes the unknown column first (`Unknown column 'claim_token' in 'field
     /// list'`), in every language.
-    fn missing_migration(&self, db: &dyn DatabaseError) -> Option<InboxMigration> {
+    fn missing_migration(
+        &self,
+        db: &dyn DatabaseError,
+        _table: &InboxTable,
+    ) -> Option<InboxMigration> {
         const ER_BAD_FIELD_ERROR: u16 = 1054;
         let err = db.try_downcast_ref::<MySqlDatabaseError>()?;
         if err.number() != ER_BAD_FIELD_ERROR {
@@ -431,6 +435,13 @@ impl Dialect for MySql {
 /// follow the server's `lc_messages` (German: `Doppelter Eintrag '...' für Schlüssel
 /// '...'`; Japanese puts the key mid-sentence).
 pub(super) fn classify(db: &dyn DatabaseError, table: &InboxTable) -> Option<DbErrorKind> {
+    let err = db.try_downcast_ref::<MySqlDatabaseError>()?;
+    Some(kind_of(err.number(), err.code(), err.message(), table))
+}
+
+/// What the error `number` (SQLSTATE `sqlstate`, text `message`) means for the inbox in
+/// `table`.
+fn kind_of(number: u16, sqlstate: Option<&str>, message: &str, table: &InboxTable) -> DbErrorKind {
     const ER_DUP_ENTRY: u16 = 1062;
     const ER_LOCK_WAIT_TIMEOUT: u16 = 1205;
     const ER_LOCK_DEADLOCK: u16 = 1213;
@@ -448,36 +459,61 @@ pub(super) fn classify(db: &dyn DatabaseError, table: &InboxTable) -> Option<DbE
     // Primary Component"), seen in the Galera soak when node 3 was killed; a fresh
     // transaction on a node of the primary component succeeds.
     const ER_ERROR_DURING_COMMIT: u16 = 1180;
-    let err = db.try_downcast_ref::<MySqlDatabaseError>()?;
-    Some(match err.number() {
-        ER_UNKNOWN_COM_ERROR if err.code() == Some("08S01") => DbErrorKind::Transient,
-        ER_DUP_ENTRY if names_inbox_key(err.message(), table) => DbErrorKind::InboxDuplicate,
-        ER_DUP_ENTRY => DbErrorKind::OtherUniqueViolation,
+    // A server that no longer takes writes, met while a node is demoted during a
+    // failover: `--read-only` (1290, whose option name is in the text in every language;
+    // the same number names other options too), read-only mode (1836), or a READ ONLY
+    // transaction (1792, SQLSTATE 25006, PostgreSQL's code for a standby). A fresh
+    // transaction on a fresh connection reaches the new primary.
+    const ER_OPTION_PREVENTS_STATEMENT: u16 = 1290;
+    const ER_CANT_EXECUTE_IN_READ_ONLY_TRANSACTION: u16 = 1792;
+    const ER_READ_ONLY_MODE: u16 = 1836;
+    match number {
+        ER_UNKNOWN_COM_ERROR if sqlstate == Some("08S01") => DbErrorKind::Transient,
+        ER_DUP_ENTRY => match inbox_key(message, table) {
+            Some(InboxKey::OnTable) => DbErrorKind::InboxDuplicate,
+            Some(InboxKey::TableUnknown) => DbErrorKind::PossibleInboxDuplicate,
+            None => DbErrorKind::OtherUniqueViolation,
+        },
         ER_LOCK_WAIT_TIMEOUT | ER_LOCK_DEADLOCK => DbErrorKind::Transient,
         ER_SERVER_SHUTDOWN | ER_CONNECTION_KILLED | ER_QUERY_INTERRUPTED => DbErrorKind::Transient,
         ER_ERROR_DURING_COMMIT => DbErrorKind::Transient,
-        ER_NO_SUCH_TABLE if names_inbox_table(err.message(), table) => {
-            DbErrorKind::MissingInboxTable
-        }
+        ER_OPTION_PREVENTS_STATEMENT if names_read_only_option(message) => DbErrorKind::Transient,
+        ER_CANT_EXECUTE_IN_READ_ONLY_TRANSACTION | ER_READ_ONLY_MODE => DbErrorKind::Transient,
+        ER_NO_SUCH_TABLE if names_inbox_table(message, table) => DbErrorKind::MissingInboxTable,
         ER_BAD_FIELD_ERROR => DbErrorKind::MissingColumn,
         _ => DbErrorKind::Other,
-    })
+    }
 }
 
-/// Whether a 1062 message names the inbox index. In every language of the server's
-/// message catalogue the key name is the last quoted text of the message (MariaDB:
-/// `'ix_inbox_message_id_consumer'`; MySQL 8.0.19+: `'inbox.ix_inbox_message_id_consumer'`),
-/// after the duplicate entry, whose raw UUID bytes may hold quotes themselves.
-fn names_inbox_key(message: &str, table: &InboxTable) -> bool {
-    let Some(key) = last_quoted(message) else {
-        return false;
-    };
+/// What a 1062 message proves about the violated key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum InboxKey {
+    /// The table's name qualifies the key (MySQL 8.0.19+: `'inbox.ix_...'`).
+    OnTable,
+    /// The key alone (MariaDB: `'ix_...'`): any table's index of that name.
+    TableUnknown,
+}
+
+/// Whether a 1062 message names the inbox index, and whether it names its table too. In
+/// every language of the server's message catalogue the key name is the last quoted text
+/// of the message (MariaDB: `'ix_inbox_message_id_consumer'`; MySQL 8.0.19+:
+/// `'inbox.ix_inbox_message_id_consumer'`), after the duplicate entry, whose raw UUID
+/// bytes may hold quotes themselves.
+fn inbox_key(message: &str, table: &InboxTable) -> Option<InboxKey> {
+    let key = last_quoted(message)?;
     let index = table.unique_index();
-    key == index
-        || key
-            .strip_prefix(table.name())
-            .and_then(|key| key.strip_prefix('.'))
-            == Some(index)
+    if key == index {
+        return Some(InboxKey::TableUnknown);
+    }
+    let qualified = key
+        .strip_prefix(table.name())
+        .and_then(|key| key.strip_prefix('.'));
+    (qualified == Some(index)).then_some(InboxKey::OnTable)
+}
+
+/// Whether a 1290 message names the option that makes the server refuse writes.
+fn names_read_only_option(message: &str) -> bool {
+    message.contains("--read-only") || message.contains("--super-read-only")
 }
 
 /// The text between the last two single quotes of `message`.
@@ -554,32 +590,31 @@ mod tests {
 
     #[test]
     fn key_matches_mariadb_and_mysql8_forms_only() {
-        assert!(names_inbox_key(
-            "Duplicate entry '\u{1}\u{2}-billing' for key 'ix_inbox_message_id_consumer'",
-            &InboxTable::default()
-        ));
-        assert!(names_inbox_key(
-            "Duplicate entry 'x-billing' for key 'inbox.ix_inbox_message_id_consumer'",
-            &InboxTable::default()
-        ));
-        assert!(!names_inbox_key(
+        let ours = InboxTable::default();
+        assert_eq!(
+            inbox_key(
+                "Duplicate entry '\u{1}\u{2}-billing' for key 'ix_inbox_message_id_consumer'",
+                &ours
+            ),
+            Some(InboxKey::TableUnknown)
+        );
+        assert_eq!(
+            inbox_key(
+                "Duplicate entry 'x-billing' for key 'inbox.ix_inbox_message_id_consumer'",
+                &ours
+            ),
+            Some(InboxKey::OnTable)
+        );
+        for other in [
             "Duplicate entry 'x-billing' for key 'orders.ix_inbox_message_id_consumer'",
-            &InboxTable::default()
-        ));
-        assert!(!names_inbox_key(
             "Duplicate entry 'x' for key 'ix_inbox_message_id_consumer_2'",
-            &InboxTable::default()
-        ));
-        assert!(!names_inbox_key(
             "Duplicate entry ' for key 'ix_inbox_message_id_consumer'' for key 'uq_order_no'",
-            &InboxTable::default()
-        ));
-        assert!(!names_inbox_key(
             "Duplicate entry 'x' for key 'PRIMARY'",
-            &InboxTable::default()
-        ));
-        assert!(!names_inbox_key("Duplicate entry", &InboxTable::default()));
-        assert!(!names_inbox_key("'", &InboxTable::default()));
+            "Duplicate entry",
+            "'",
+        ] {
+            assert_eq!(inbox_key(other, &ours), None, "{other}");
+        }
     }
 
     /// The 1062 texts of MariaDB's message catalogue (errmsg-utf8.txt,
@@ -600,9 +635,13 @@ mod tests {
         ];
         for template in languages {
             let message = |key: &str| template.replace("{entry}", entry).replace("{key}", key);
-            for ours in [INDEX_NAME, "inbox.ix_inbox_message_id_consumer"] {
-                assert!(
-                    names_inbox_key(&message(ours), &InboxTable::default()),
+            for (ours, proof) in [
+                (INDEX_NAME, InboxKey::TableUnknown),
+                ("inbox.ix_inbox_message_id_consumer", InboxKey::OnTable),
+            ] {
+                assert_eq!(
+                    inbox_key(&message(ours), &InboxTable::default()),
+                    Some(proof),
                     "{}",
                     message(ours)
                 );
@@ -612,8 +651,9 @@ mod tests {
                 "orders.ix_inbox_message_id_consumer",
                 "PRIMARY",
             ] {
-                assert!(
-                    !names_inbox_key(&message(other), &InboxTable::default()),
+                assert_eq!(
+                    inbox_key(&message(other), &InboxTable::default()),
+                    None,
                     "{}",
                     message(other)
                 );
@@ -625,23 +665,94 @@ mod tests {
     #[test]
     fn key_of_a_custom_table_names_that_table() {
         let app = InboxTable::named("app_inbox").expect("a valid name");
-        for key in [
-            "ix_app_inbox_message_id_consumer",
-            "app_inbox.ix_app_inbox_message_id_consumer",
+        for (key, proof) in [
+            ("ix_app_inbox_message_id_consumer", InboxKey::TableUnknown),
+            (
+                "app_inbox.ix_app_inbox_message_id_consumer",
+                InboxKey::OnTable,
+            ),
         ] {
             let message = format!("Duplicate entry 'x-billing' for key '{key}'");
-            assert!(names_inbox_key(&message, &app), "{message}");
-            assert!(
-                !names_inbox_key(&message, &InboxTable::default()),
+            assert_eq!(inbox_key(&message, &app), Some(proof), "{message}");
+            assert_eq!(
+                inbox_key(&message, &InboxTable::default()),
+                None,
                 "{message}"
             );
         }
         let ours = "Duplicate entry 'x' for key 'inbox.ix_inbox_message_id_consumer'";
-        assert!(!names_inbox_key(ours, &app));
+        assert_eq!(inbox_key(ours, &app), None);
         assert!(names_inbox_table(
             "Table 'test.app_inbox' doesn't exist",
             &app
         ));
+    }
+
+    /// The public classifier answers `InboxDuplicate` only when the key names its table;
+    /// MariaDB's bare key is `PossibleInboxDuplicate` (a namesake on another table gives
+    /// the same text).
+    #[test]
+    fn only_a_key_naming_its_table_is_an_inbox_duplicate() {
+        let ours = InboxTable::default();
+        let dup = |key: &str| {
+            kind_of(
+                1062,
+                Some("23000"),
+                &format!("Duplicate entry 'x' for key '{key}'"),
+                &ours,
+            )
+        };
+        assert_eq!(
+            dup("inbox.ix_inbox_message_id_consumer"),
+            DbErrorKind::InboxDuplicate
+        );
+        assert_eq!(dup(INDEX_NAME), DbErrorKind::PossibleInboxDuplicate);
+        assert_eq!(dup("uq_order_no"), DbErrorKind::OtherUniqueViolation);
+    }
+
+    /// A demoted or read-only server (the texts of MariaDB 10.11's catalogue; 1290's option
+    /// name is never translated) is transient; 1290 for another option is not.
+    #[test]
+    fn read_only_servers_are_transient() {
+        let table = InboxTable::default();
+        for (number, sqlstate, message) in [
+            (
+                1290,
+                "HY000",
+                "The MariaDB server is running with the --read-only option so it cannot execute this statement",
+            ),
+            (
+                1290,
+                "HY000",
+                "Der MariaDB-Server läuft mit der Option --read-only und kann diese Anweisung deswegen nicht ausführen",
+            ),
+            (
+                1290,
+                "HY000",
+                "The MySQL server is running with the --super-read-only option so it cannot execute this statement",
+            ),
+            (1836, "HY000", "Running in read-only mode"),
+            (
+                1792,
+                "25006",
+                "Cannot execute statement in a READ ONLY transaction",
+            ),
+        ] {
+            assert_eq!(
+                kind_of(number, Some(sqlstate), message, &table),
+                DbErrorKind::Transient,
+                "{number}: {message}"
+            );
+        }
+        assert_eq!(
+            kind_of(
+                1290,
+                Some("HY000"),
+                "The MariaDB server is running with the --secure-file-priv option so it cannot execute this statement",
+                &table
+            ),
+            DbErrorKind::Other
+        );
     }
 
     #[test]

@@ -11,7 +11,7 @@ use sea_orm::sea_query::Expr;
 use sea_orm::sqlx::error::DatabaseError;
 use sea_orm::sqlx::postgres::PgDatabaseError;
 use sea_orm::{ColumnTrait, DbErr, TransactionOptions, Value};
-use sea_orm_inbox_entity::{INDEX_NAME, InboxTable, inbox};
+use sea_orm_inbox_entity::{InboxTable, inbox};
 use std::time::Duration;
 
 pub(super) struct Postgres;
@@ -207,12 +207,17 @@ impl Dialect for Postgres {
 
     /// 42703 names the missing column (`column "claim_token" of relation "inbox" does not
     /// exist`); 42704 names the missing constraint of `ON CONFLICT ON CONSTRAINT`. The
-    /// quotes follow `lc_messages`, so both are found as whole identifiers.
-    fn missing_migration(&self, db: &dyn DatabaseError) -> Option<InboxMigration> {
+    /// quotes follow `lc_messages`, so both are found as whole identifiers; the constraint
+    /// is `table`'s own, whose name follows the table's.
+    fn missing_migration(
+        &self,
+        db: &dyn DatabaseError,
+        table: &InboxTable,
+    ) -> Option<InboxMigration> {
         let err = db.try_downcast_ref::<PgDatabaseError>()?;
         match err.code() {
             "42703" => migration_of_column_named_in(err.message()),
-            "42704" if names_identifier(err.message(), INDEX_NAME) => {
+            "42704" if names_identifier(err.message(), table.unique_index()) => {
                 Some(InboxMigration::InboxUniqueConstraint)
             }
             _ => None,
@@ -408,6 +413,10 @@ pub(super) fn classify(db: &dyn DatabaseError, table: &InboxTable) -> Option<DbE
         "23505" => DbErrorKind::OtherUniqueViolation,
         // serialization_failure, deadlock_detected, lock_not_available
         "40001" | "40P01" | "55P03" => DbErrorKind::Transient,
+        // read_only_sql_transaction: the connection reached a server that is not (or no
+        // longer) the primary, as through HAProxy while a standby is promoted; a fresh
+        // transaction on a fresh connection reaches the new one.
+        "25006" => DbErrorKind::Transient,
         // admin_shutdown (pg_terminate_backend), crash_shutdown, cannot_connect_now
         "57P01" | "57P02" | "57P03" => DbErrorKind::Transient,
         code if code.starts_with("08") => DbErrorKind::Transient,
@@ -430,7 +439,7 @@ fn names_inbox_table(message: &str, name: &str) -> bool {
 mod tests {
     use super::*;
     use crate::backend::ProcessMarker;
-    use sea_orm_inbox_entity::TABLE_NAME;
+    use sea_orm_inbox_entity::{INDEX_NAME, TABLE_NAME};
 
     /// The NOTIFY carries no bind (a transaction pooler cannot carry one outside a
     /// transaction), so the channel is a literal whose quotes cannot end it.

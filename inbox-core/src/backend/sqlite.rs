@@ -153,7 +153,11 @@ impl Dialect for Sqlite {
         true
     }
 
-    fn missing_migration(&self, db: &dyn DatabaseError) -> Option<InboxMigration> {
+    fn missing_migration(
+        &self,
+        db: &dyn DatabaseError,
+        _table: &InboxTable,
+    ) -> Option<InboxMigration> {
         let err = db.try_downcast_ref::<SqliteError>()?;
         migration_of_column_named_in(missing_column(err.message())?)
     }

@@ -123,7 +123,7 @@ impl BatchClaim {
             .or(self.duplicates.first())
             .copied()
             .unwrap_or_else(|| MessageId::from_uuid(Uuid::nil()));
-        let failed = |err| InboxError::from_claim(err, named, &self.consumer);
+        let failed = |err| InboxError::from_claim(err, &self.table, named, &self.consumer);
         self.held().commit(txn, silent, failed).await
     }
 
@@ -238,7 +238,7 @@ pub(crate) async fn insert_batch<C: ConnectionTrait>(
         });
     };
     let backend = conn.get_database_backend();
-    let fail = |err: DbErr| InboxError::from_claim(err, first, consumer);
+    let fail = |err: DbErr| InboxError::from_claim(err, table, first, consumer);
     let received_at = timestamp_value(backend, now_micros());
     let mut values = Vec::with_capacity(ids.len() * 4);
     for id in &ids {

@@ -402,9 +402,9 @@ fn claim_one(
                 let claim = async {
                     match insert_marker(txn, &table, message_id, consumer, None).await? {
                         Claim::Claimed(claimed) => {
-                            let savepoint = ClaimSavepoint::open(txn)
-                                .await
-                                .map_err(|err| InboxError::from_claim(err, message_id, consumer))?;
+                            let savepoint = ClaimSavepoint::open(txn).await.map_err(|err| {
+                                InboxError::from_claim(err, &table, message_id, consumer)
+                            })?;
                             Ok(Claim::Claimed(claimed.bound_to(savepoint)))
                         }
                         other => Ok(other),

@@ -316,8 +316,11 @@ async fn claim_failure<C: ConnectionTrait>(
     message_id: MessageId,
     consumer: &str,
 ) -> Result<Claim, InboxError> {
-    if classify_in(&err, table) != DbErrorKind::InboxDuplicate {
-        return Err(InboxError::from_claim(err, message_id, consumer));
+    if !matches!(
+        classify_in(&err, table),
+        DbErrorKind::InboxDuplicate | DbErrorKind::PossibleInboxDuplicate
+    ) {
+        return Err(InboxError::from_claim(err, table, message_id, consumer));
     }
     let backend = conn.get_database_backend();
     let Some(confirmation) = inbox_duplicate_confirmation(backend, table, message_id, consumer)?
@@ -327,7 +330,7 @@ async fn claim_failure<C: ConnectionTrait>(
     match conn.query_one_raw(confirmation).await {
         Ok(Some(_)) => Ok(Claim::Duplicate),
         // No marker: the index was a namesake on another table (the error's advice says so).
-        Ok(None) => Err(InboxError::from_claim(err, message_id, consumer)),
-        Err(read) => Err(InboxError::from_claim(read, message_id, consumer)),
+        Ok(None) => Err(InboxError::from_claim(err, table, message_id, consumer)),
+        Err(read) => Err(InboxError::from_claim(read, table, message_id, consumer)),
     }
 }

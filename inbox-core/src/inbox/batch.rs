@@ -34,6 +34,10 @@ pub struct BatchOutcome<T> {
     pub refused: Vec<(MessageId, Refusal)>,
 }
 
+/// A batch split by the admission floor: the admitted deliveries, and the refused ids with
+/// why.
+type Admission = (Vec<Delivery>, Vec<(MessageId, Refusal)>);
+
 impl Inbox {
     /// Claims every new id of `deliveries` in one transaction, runs `handler` with the
     /// [`ObservedTransaction`] and exactly the ids claimed (sorted; never the duplicates),
@@ -157,10 +161,7 @@ impl Inbox {
     /// Checks the batch's input, then splits it as `process` admits a delivery, at one
     /// instant: the admitted deliveries (stripped of their send time, so that no attempt
     /// judges them again at a later instant) and the refused ids, ascending, each with why.
-    fn admit_batch(
-        &self,
-        deliveries: &[Delivery],
-    ) -> Result<(Vec<Delivery>, Vec<(MessageId, Refusal)>), InboxError> {
+    fn admit_batch(&self, deliveries: &[Delivery]) -> Result<Admission, InboxError> {
         sorted_batch(
             deliveries.iter().map(Delivery::message_id).collect(),
             &self.consumer,

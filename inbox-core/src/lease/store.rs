@@ -33,6 +33,7 @@ enum TryFailure {
 /// abandoned transaction may hold the row until the server ends it.
 async fn retried<T, F, Fut>(
     policy: &RetryPolicy,
+    table: &InboxTable,
     message_id: MessageId,
     consumer: &str,
     (bound, step): (Option<Duration>, &'static str),
@@ -68,7 +69,7 @@ where
             // The bound covers the whole short transaction, COMMIT included.
             commit_in_doubt: true,
         },
-        TryFailure::Database(err) => InboxError::from_claim(err, message_id, consumer),
+        TryFailure::Database(err) => InboxError::from_claim(err, table, message_id, consumer),
     })
 }
 
@@ -103,7 +104,7 @@ pub(super) async fn claim(
         bound_for(backend, options.partition_timeout),
         "the lease claim",
     );
-    retried(&options.retry, message_id, consumer, bound, || {
+    retried(&options.retry, table, message_id, consumer, bound, || {
         claim_once(db, message_id, consumer, options, &sql, token)
     })
     .await
@@ -249,6 +250,7 @@ pub(super) async fn compare_and_set(
     );
     let updated = retried(
         &lease.retry,
+        &lease.table,
         lease.message_id,
         &lease.consumer,
         bound,

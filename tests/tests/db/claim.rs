@@ -526,6 +526,69 @@ async fn mysql_namesake_of_the_inbox_index_on_another_table_is_not_a_duplicate()
     .await;
 }
 
+/// The public classifier on the same fixture: MariaDB's 1062 names the key, not its table,
+/// so `classify` / `is_inbox_duplicate` cannot prove a violation of
+/// `ix_inbox_message_id_consumer` is the inbox's. They never answer `InboxDuplicate` for
+/// it, neither for the archive's namesake (the trigger's copy) nor, unproven, for the
+/// inbox's own: `PossibleInboxDuplicate`, still permanent, for the caller to confirm.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[cfg_attr(not(inbox_mysql), ignore = "set INBOX_TEST_MYSQL_URL")]
+async fn mysql_classifier_never_calls_a_namesake_violation_an_inbox_duplicate() {
+    with_migrated_db(Backend::MySql, async |db| {
+        let conn = db.connect().await;
+        run(&conn, "CREATE TABLE inbox_archive LIKE inbox").await;
+        run(
+            &conn,
+            "CREATE TRIGGER inbox_archived AFTER INSERT ON inbox FOR EACH ROW \
+         INSERT INTO inbox_archive (message_id, consumer, received_at) \
+         VALUES (NEW.message_id, NEW.consumer, NEW.received_at)",
+        )
+        .await;
+        let insert = |table: &str, id: Uuid| {
+            stmt(
+                sea_orm::DbBackend::MySql,
+                &format!(
+                    "INSERT INTO {table} (message_id, consumer, received_at) VALUES (?, ?, NOW(6))"
+                ),
+                vec![id.into(), CONSUMER.into()],
+            )
+        };
+        let archived = Uuid::new_v4();
+        conn.execute_raw(insert("inbox_archive", archived))
+            .await
+            .expect("archive the pair");
+        let namesake = conn
+            .execute_raw(insert("inbox", archived))
+            .await
+            .expect_err("the trigger's copy violates the archive's index");
+        assert!(!is_inbox_duplicate(&namesake), "{namesake}");
+        assert_eq!(
+            classify(&namesake),
+            DbErrorKind::PossibleInboxDuplicate,
+            "{namesake}"
+        );
+        assert!(classify(&namesake).is_permanent());
+        assert_eq!(scalar_i64(&conn, "SELECT COUNT(*) FROM inbox").await, 0);
+
+        run(&conn, "DROP TRIGGER inbox_archived").await;
+        let marked = Uuid::new_v4();
+        conn.execute_raw(insert("inbox", marked))
+            .await
+            .expect("the marker");
+        let duplicate = conn
+            .execute_raw(insert("inbox", marked))
+            .await
+            .expect_err("the inbox's own violation");
+        assert!(!is_inbox_duplicate(&duplicate), "unproven: {duplicate}");
+        assert_eq!(
+            classify(&duplicate),
+            DbErrorKind::PossibleInboxDuplicate,
+            "{duplicate}"
+        );
+    })
+    .await;
+}
+
 /// The read that confirms a MariaDB duplicate must see a marker committed after the
 /// claiming transaction took its snapshot (here by an earlier read in it): a plain SELECT
 /// under REPEATABLE READ would not, and would turn a real duplicate into an error.

@@ -346,3 +346,119 @@ mod server_kills {
         killed_in_an_eyre_handler_is_retried_by_process,
     );
 }
+
+/// A connection that reaches a read-only server (a demoted primary behind HAProxy during a
+/// failover, a MariaDB node set read-only) fails writes with 25006 (PostgreSQL; MariaDB
+/// 1792 in a READ ONLY transaction). Made here on a pool of one connection whose session
+/// is read-only: the failure is transient, and `process` retries it in a fresh
+/// transaction until its attempts run out, then nacks.
+async fn read_only_session_is_transient_and_retried(backend: Backend) {
+    with_migrated_db(backend, async |db| {
+        let conn = db.connect_with(1).await;
+        create_accounts(&conn).await;
+        let read_only = match backend {
+            Backend::MySql => "SET SESSION TRANSACTION READ ONLY",
+            _ => "SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY",
+        };
+        conn.execute_unprepared(read_only)
+            .await
+            .expect("a read-only session");
+        let inbox = Inbox::new(CONSUMER)
+            .expect("valid name")
+            .with_retry(RetryPolicy::default().max_attempts(3));
+        let calls = AtomicU32::new(0);
+        let id = Uuid::new_v4();
+        let result = inbox
+            .process(&conn, id, |txn| {
+                calls.fetch_add(1, Ordering::SeqCst);
+                Box::pin(async move { credit(txn, 1).await })
+            })
+            .await;
+        match &result {
+            Err(ProcessError::RetriesExhausted { attempts, source }) => {
+                assert_eq!(*attempts, 3, "{result:?}");
+                let cause = source.db_err().expect("a database error");
+                assert_eq!(
+                    inbox_tests::sql_state(cause).as_deref(),
+                    Some("25006"),
+                    "{cause}"
+                );
+                assert_eq!(classify(cause), DbErrorKind::Transient, "{cause}");
+            }
+            other => panic!("a read-only server is transient, retried: {other:?}"),
+        }
+        assert_eq!(calls.load(Ordering::SeqCst), 0, "the claim failed first");
+        assert!(
+            matches!(Settlement::of(&result), Settlement::Nack(_)),
+            "{result:?}"
+        );
+
+        let read_write = match backend {
+            Backend::MySql => "SET SESSION TRANSACTION READ WRITE",
+            _ => "SET SESSION CHARACTERISTICS AS TRANSACTION READ WRITE",
+        };
+        conn.execute_unprepared(read_write)
+            .await
+            .expect("a read-write session");
+        let again = inbox
+            .process(&conn, id, |txn| {
+                Box::pin(async move { credit(txn, 1).await })
+            })
+            .await;
+        assert!(matches!(again, Ok(Outcome::Processed(()))), "{again:?}");
+        assert_eq!(
+            scalar_i64(&conn, "SELECT balance FROM account WHERE id = 1").await,
+            1
+        );
+    })
+    .await;
+}
+
+/// PostgreSQL: the handler's own transaction turns read-only (`SET TRANSACTION READ ONLY`
+/// is allowed after queries) and its UPDATE fails with 25006 on the first attempt only:
+/// `process` retries in a fresh transaction and the second attempt commits.
+async fn postgres_read_only_failure_in_the_handler_is_retried(backend: Backend) {
+    with_migrated_db(backend, async |db| {
+        let conn = db.connect().await;
+        create_accounts(&conn).await;
+        let inbox = Inbox::new(CONSUMER).expect("valid name");
+        let calls = AtomicU32::new(0);
+        let result = inbox
+            .process(&conn, Uuid::new_v4(), |txn| {
+                let first = calls.fetch_add(1, Ordering::SeqCst) == 0;
+                Box::pin(async move {
+                    if first {
+                        txn.execute_unprepared("SET TRANSACTION READ ONLY").await?;
+                    }
+                    credit(txn, 1).await
+                })
+            })
+            .await;
+        assert!(matches!(result, Ok(Outcome::Processed(()))), "{result:?}");
+        assert_eq!(calls.load(Ordering::SeqCst), 2, "retried once");
+        assert_eq!(
+            scalar_i64(&conn, "SELECT balance FROM account WHERE id = 1").await,
+            1
+        );
+        assert_eq!(inbox.metrics().snapshot().transient_retries, 1);
+    })
+    .await;
+}
+
+/// Server backends: SQLite has no read-only server to meet.
+mod read_only {
+    use super::*;
+
+    inbox_tests::on_server_backends!(read_only_session_is_transient_and_retried);
+
+    mod handler {
+        use super::super::*;
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+        #[cfg_attr(not(inbox_postgres), ignore = "set INBOX_TEST_POSTGRES_URL")]
+        async fn postgres_read_only_failure_in_the_handler_is_retried() {
+            super::super::postgres_read_only_failure_in_the_handler_is_retried(Backend::Postgres)
+                .await
+        }
+    }
+}
