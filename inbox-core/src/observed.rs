@@ -149,13 +149,16 @@ impl std::fmt::Debug for ObservedTransaction {
     }
 }
 
+/// A level kept after the database ended its transaction, with its statements in flight.
+type Stranded = (Arc<DatabaseTransaction>, Arc<RwLock<()>>);
+
 /// What the statements of one observed transaction showed, shared by its savepoints.
 #[derive(Debug, Default)]
 struct Watch {
     state: Mutex<Verdict>,
     /// The savepoints dropped or ended after the database ended the transaction, outermost
     /// first, with their statements in flight: see [`Level`].
-    stranded: Mutex<Vec<(Arc<DatabaseTransaction>, Arc<RwLock<()>>)>>,
+    stranded: Mutex<Vec<Stranded>>,
     /// Whether the handler sent a `SAVEPOINT` of its own as SQL: a failure may then be
     /// undone by its `ROLLBACK TO SAVEPOINT`, which the wrapper cannot follow.
     handler_savepoint: AtomicBool,
@@ -196,7 +199,7 @@ impl Watch {
             .push((txn, in_flight));
     }
 
-    fn take_stranded(&self) -> Vec<(Arc<DatabaseTransaction>, Arc<RwLock<()>>)> {
+    fn take_stranded(&self) -> Vec<Stranded> {
         std::mem::take(&mut *self.stranded.lock().unwrap_or_else(PoisonError::into_inner))
     }
 
