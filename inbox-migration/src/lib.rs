@@ -5,11 +5,13 @@ mod m20261130_000001_create_inbox;
 mod m20261130_000002_add_inbox_leases;
 mod m20261201_000003_inbox_unique_constraint;
 mod m20261201_000004_create_outbox;
+mod m20261204_000005_add_outbox_first_published;
 
 pub use m20261130_000001_create_inbox::CreateInbox;
 pub use m20261130_000002_add_inbox_leases::AddInboxLeases;
 pub use m20261201_000003_inbox_unique_constraint::InboxUniqueConstraint;
 pub use m20261201_000004_create_outbox::CreateOutbox;
+pub use m20261204_000005_add_outbox_first_published::AddOutboxFirstPublished;
 /// Re-exported for [`CreateInbox::for_table`] and its siblings.
 pub use sea_orm_inbox_entity::InboxTable;
 /// Re-exported so `Migrator::up(&db, None)` needs no direct `sea-orm-migration` import.
@@ -120,8 +122,9 @@ pub fn inbox_migrations(table: &InboxTable) -> Vec<Box<dyn MigrationTrait>> {
 
 /// A ready migrator holding every inbox migration, for applications that have none.
 ///
-/// It does not hold [`CreateOutbox`]: the outbox is opt-in. Add it to your own migrator,
-/// or run [`MigratorWithOutbox`] instead of this one.
+/// It does not hold [`CreateOutbox`] and [`AddOutboxFirstPublished`]: the outbox is
+/// opt-in. Add them to your own migrator, or run [`MigratorWithOutbox`] instead of this
+/// one.
 pub struct Migrator;
 
 #[async_trait::async_trait]
@@ -135,8 +138,9 @@ impl MigratorTrait for Migrator {
     }
 }
 
-/// A ready migrator holding every inbox migration and then [`CreateOutbox`], for
-/// applications without a migrator of their own that use the outbox.
+/// A ready migrator holding every inbox migration and then [`CreateOutbox`] and
+/// [`AddOutboxFirstPublished`], for applications without a migrator of their own that use
+/// the outbox.
 ///
 /// It lists [`Migrator`]'s migrations first, so a database [`Migrator`] already migrated
 /// upgrades in place. Use one of the two per database: SeaORM refuses to run a migrator
@@ -155,6 +159,7 @@ impl MigratorTrait for MigratorWithOutbox {
     fn migrations() -> Vec<Box<dyn MigrationTrait>> {
         let mut migrations = Migrator::migrations();
         migrations.push(Box::new(CreateOutbox));
+        migrations.push(Box::new(AddOutboxFirstPublished));
         migrations
     }
 }

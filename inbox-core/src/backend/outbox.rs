@@ -65,8 +65,8 @@ impl ClaimPlan {
 }
 
 /// The relay's claim of at most `limit` due rows at `now`, oldest first, leased to `token`
-/// until `leased_until`, counting the attempt; rows another relay's claim holds are
-/// skipped.
+/// until `leased_until`, counting the attempt and stamping `now` as the first publish time
+/// of rows that have none; rows another relay's claim holds are skipped.
 ///
 /// A row is due when it is unsent, not dead, available, and not leased (or its lease has
 /// ended). A row with a key is due only when no earlier row of its key is unsent, whatever
@@ -87,7 +87,11 @@ pub(crate) fn claim_plan(
         Value::from(limit),
     ];
     let leasing = |sql: &str| {
-        let mut values = vec![dialect.timestamp_value(leased_until), Value::from(token)];
+        let mut values = vec![
+            dialect.timestamp_value(leased_until),
+            Value::from(token),
+            dialect.timestamp_value(now),
+        ];
         values.extend(due.iter().cloned());
         Statement::from_sql_and_values(backend, sql, values)
     };
@@ -110,15 +114,20 @@ pub(crate) fn settle_alone(backend: DbBackend) -> Result<bool, InboxError> {
 }
 
 /// Leases the claimed rows `ids` to the claim `token` until `leased_until`, counting the
-/// attempt.
+/// attempt and stamping `claimed_at` as the first publish time of rows that have none.
 pub(crate) fn lease_statement(
     backend: DbBackend,
     ids: &[i64],
     leased_until: DateTime<Utc>,
     token: Uuid,
+    claimed_at: DateTime<Utc>,
 ) -> Result<Statement, InboxError> {
     let dialect = dialect(backend)?;
-    let mut values = vec![dialect.timestamp_value(leased_until), Value::from(token)];
+    let mut values = vec![
+        dialect.timestamp_value(leased_until),
+        Value::from(token),
+        dialect.timestamp_value(claimed_at),
+    ];
     values.extend(ids.iter().map(|id| Value::from(*id)));
     Ok(Statement::from_sql_and_values(
         backend,
@@ -226,7 +235,9 @@ pub(crate) fn release_statement(
 }
 
 /// Puts the dead row of `message_id` back in line: not dead, attempts from zero, due at
-/// `now`. Its last error stays for the record until the next publish.
+/// `now`, its first publish time cleared (sending it again is the operator's decision, so
+/// its next publish carries a fresh send time). Its last error stays for the record until
+/// the next publish.
 pub(crate) fn requeue_statement(
     backend: DbBackend,
     message_id: Uuid,

@@ -339,6 +339,8 @@ pub struct Relay<P> {
 struct Lease {
     token: Uuid,
     until: DateTime<Utc>,
+    /// When the claim was made: the first publish time it stamps.
+    claimed_at: DateTime<Utc>,
 }
 
 /// The rows of one claim, in `id` order, and the lease that fences them.
@@ -684,6 +686,7 @@ impl<P: Publisher> Relay<P> {
         let lease = Lease {
             token: Uuid::new_v4(),
             until: now + length,
+            claimed_at: now,
         };
         let plan = claim_plan(
             backend,
@@ -928,12 +931,14 @@ async fn claim_rows<C: ConnectionTrait>(
                 .await?;
             if !rows.is_empty() {
                 let ids: Vec<i64> = rows.iter().map(|row| row.id).collect();
-                let leasing = lease_statement(backend, &ids, lease.until, lease.token)
-                    .map_err(|err| DbErr::Custom(err.to_string()))?;
+                let leasing =
+                    lease_statement(backend, &ids, lease.until, lease.token, lease.claimed_at)
+                        .map_err(|err| DbErr::Custom(err.to_string()))?;
                 conn.execute_raw(leasing).await?;
                 // The read saw the rows before the lease; make them read as leased.
                 for row in &mut rows {
                     row.attempts = row.attempts.saturating_add(1);
+                    row.first_published_at.get_or_insert(lease.claimed_at);
                 }
             }
             rows

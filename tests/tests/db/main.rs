@@ -27,6 +27,7 @@ mod observed;
 mod outbox;
 mod outbox_brokers;
 mod outbox_pooler;
+mod outbox_send_time;
 mod outbox_settle;
 mod outbox_soak;
 mod outbox_wake;
