@@ -52,7 +52,9 @@ pub enum PublishError {
 /// The relay calls it at least once per message: again after a failure, and again when a
 /// relay died between the broker's confirmation and marking the row sent. Send
 /// [`OutboxMessage::message_id`] as the broker's message id every time, so the broker
-/// (JetStream's `Nats-Msg-Id` window) or the consumer's inbox drops the repeat.
+/// (JetStream's `Nats-Msg-Id` window) or the consumer's inbox drops the repeat, and
+/// [`OutboxMessage::first_published_at`] as its send time (a Kafka record's timestamp), so
+/// a consumer's admission floor sees every copy as sent when the first one was.
 ///
 /// Ready implementations: `rabbitmq::RabbitMqPublisher` (feature `lapin`) and
 /// `jetstream::JetStreamPublisher` (feature `async-nats`). A Kafka producer fits the same shape: `destination` is the
