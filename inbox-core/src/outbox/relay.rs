@@ -6,7 +6,7 @@ use crate::backend::outbox::{
     ClaimPlan, Failure, UNSTORABLE_ERROR, claim_plan, lease_statement, mark_failed_statement,
     mark_sent_statement, release_statement, settle_alone,
 };
-use crate::backend::{lost_a_conflict, to_completion};
+use crate::backend::{lost_a_conflict, refused_by_the_database, to_completion};
 use crate::clock::now_micros;
 use crate::metrics::facade;
 use crate::silence::within;
@@ -810,8 +810,9 @@ impl<P: Publisher> Relay<P> {
     }
 
     /// Writes the outcomes of one batch: in one short transaction, or, when they are one
-    /// statement and the backend allows it, that statement on its own. When that fails,
-    /// writes them again one by one (see [`settle_one_by_one`](Self::settle_one_by_one)).
+    /// statement and the backend allows it, that statement on its own. When the database
+    /// refuses one of its statements, writes them again one by one (see
+    /// [`settle_one_by_one`](Self::settle_one_by_one)).
     async fn settle(
         &self,
         db: &DatabaseConnection,
@@ -822,27 +823,15 @@ impl<P: Publisher> Relay<P> {
         let backend = db.get_database_backend();
         let marks = self.settle_statements(backend, batch, settlement)?;
         let alone = marks.len() == 1 && settle_alone(backend)?;
-        let writer = db.clone();
-        let together = marks.clone();
-        let write = async move {
-            if alone {
-                return execute_counted(&writer, together).await;
-            }
-            let txn = writer.begin().await?;
-            let counts = execute_counted(&txn, together).await?;
-            txn.commit().await?;
-            Ok(counts)
-        };
-        match bounded(backend, "marking the relayed rows", to_completion(write)).await {
+        match write_marks(db, alone, marks.clone(), "marking the relayed rows").await? {
             Ok(counts) => {
                 report.count(counts);
                 Ok(())
             }
-            Err(OutboxError::Database { source, .. }) => {
-                tracing::warn!(error = %source, "outbox relay's marks of a batch failed together; marking its rows one by one");
+            Err(refused) => {
+                tracing::warn!(error = %refused, "outbox relay's marks of a batch were refused together; marking its rows one by one");
                 self.settle_one_by_one(db, marks, report).await
             }
-            Err(silent) => Err(silent),
         }
     }
 
@@ -853,62 +842,77 @@ impl<P: Publisher> Relay<P> {
     /// parked in time.
     ///
     /// # Errors
-    /// The first mark that failed even so (the others are written and counted), or
-    /// [`OutboxError::DatabaseSilent`] at once: a silent database fails every mark alike.
+    /// The first mark refused even so (the others are written and counted); or, at once,
+    /// a failure that is not a refused statement (a lost connection, a failed COMMIT, a
+    /// silent database), which every further mark would meet too.
     async fn settle_one_by_one(
         &self,
         db: &DatabaseConnection,
         marks: Vec<Mark>,
         report: &mut RelayReport,
     ) -> Result<(), OutboxError> {
-        let backend = db.get_database_backend();
-        let alone = settle_alone(backend)?;
-        let mut first_failure = None;
+        let operation = "marking a relayed row";
+        let alone = settle_alone(db.get_database_backend())?;
+        let mut first_refusal = None;
         for mark in marks {
-            let counted = mark.counted;
-            let mut written = write_mark(db, alone, mark.statement, counted).await;
-            if let (Err(OutboxError::Database { source, .. }), Some(safe)) = (&written, mark.safe) {
-                tracing::warn!(error = %source, "outbox relay could not store a publish error; storing a fixed text instead");
-                written = write_mark(db, alone, safe, counted).await;
+            let Mark {
+                statement,
+                counted,
+                safe,
+            } = mark;
+            let mut written =
+                write_marks(db, alone, vec![Mark::plain(statement, counted)], operation).await?;
+            if let (Err(refused), Some(safe)) = (&written, safe) {
+                tracing::warn!(error = %refused, "outbox relay could not store a publish error; storing a fixed text instead");
+                written =
+                    write_marks(db, alone, vec![Mark::plain(safe, counted)], operation).await?;
             }
             match written {
-                Ok(count) => report.count(vec![count]),
-                Err(OutboxError::Database { source, operation }) => {
+                Ok(counts) => report.count(counts),
+                Err(source) => {
                     tracing::warn!(error = %source, "outbox relay could not mark a row; it is published again when its lease ends");
-                    first_failure.get_or_insert(OutboxError::Database { source, operation });
+                    first_refusal.get_or_insert(OutboxError::Database { operation, source });
                 }
-                Err(other) => return Err(other),
             }
         }
-        first_failure.map_or(Ok(()), Err)
+        first_refusal.map_or(Ok(()), Err)
     }
 }
 
-/// Writes one mark of a settle: on its own when `alone`, else in a transaction of its own.
-async fn write_mark(
+/// Writes `marks` on their own when `alone`, else in a transaction of their own. The inner
+/// error is a mark the database refused, after which nothing of them is written; the outer
+/// one any other failure (a lost connection, BEGIN, COMMIT, whose reply may be lost after
+/// the marks committed, or a silent database), which writing them again would not mend.
+async fn write_marks(
     db: &DatabaseConnection,
     alone: bool,
-    statement: Statement,
-    counted: Counted,
-) -> Result<(Counted, u64), OutboxError> {
-    let backend = db.get_database_backend();
+    marks: Vec<Mark>,
+    operation: &'static str,
+) -> Result<Result<Vec<(Counted, u64)>, DbErr>, OutboxError> {
+    let refused_or_failed = |err: DbErr| {
+        if refused_by_the_database(&err) {
+            Ok(Err(err))
+        } else {
+            Err(err)
+        }
+    };
     let writer = db.clone();
     let write = async move {
-        let mark = Mark {
-            statement,
-            counted,
-            safe: None,
-        };
         if alone {
-            return execute_counted(&writer, vec![mark]).await;
+            return execute_counted(&writer, marks)
+                .await
+                .map_or_else(refused_or_failed, |counts| Ok(Ok(counts)));
         }
         let txn = writer.begin().await?;
-        let counts = execute_counted(&txn, vec![mark]).await?;
+        let counts = match execute_counted(&txn, marks).await {
+            Ok(counts) => counts,
+            // Dropping `txn` rolls back whatever of the marks ran.
+            Err(err) => return refused_or_failed(err),
+        };
         txn.commit().await?;
-        Ok(counts)
+        Ok(Ok(counts))
     };
-    let counts = bounded(backend, "marking a relayed row", to_completion(write)).await?;
-    Ok(counts.into_iter().next().unwrap_or((counted, 0)))
+    bounded(db.get_database_backend(), operation, to_completion(write)).await
 }
 
 /// Runs the claim `plan` on `conn` (a transaction, when the plan needs one), leasing the
@@ -971,6 +975,16 @@ struct Mark {
     counted: Counted,
     /// For a failed publish: the same mark with [`UNSTORABLE_ERROR`] for its error text.
     safe: Option<Statement>,
+}
+
+impl Mark {
+    fn plain(statement: Statement, counted: Counted) -> Self {
+        Self {
+            statement,
+            counted,
+            safe: None,
+        }
+    }
 }
 
 /// What a settle statement's row count adds to the report.
