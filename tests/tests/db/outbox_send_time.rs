@@ -405,3 +405,80 @@ mod jetstream_suite {
     inbox_tests::on_every_backend!(needs(inbox_nats, "set INBOX_TEST_NATS_URL");
         jetstream_held_back_message_is_processed_with_its_first_publish_time);
 }
+
+/// A send-time header no date can be read from is refused as permanent (terminated), not
+/// guessed; a message without it keeps the stream's stored time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[cfg_attr(not(inbox_nats), ignore = "set INBOX_TEST_NATS_URL")]
+async fn jetstream_delivery_reads_the_send_time_header_or_refuses_it() {
+    use async_nats::jetstream::consumer::{AckPolicy, pull};
+    use async_nats::jetstream::message::PublishMessage;
+    use async_nats::jetstream::stream;
+    let client = async_nats::connect(env("INBOX_TEST_NATS_URL"))
+        .await
+        .expect("connect to NATS");
+    let js = async_nats::jetstream::new(client);
+    let run = uuid::Uuid::new_v4().simple().to_string();
+    let (name, subject) = (
+        format!("OUTBOX_SENT_AT_HDR_{run}"),
+        format!("outbox-sent-at-hdr.{run}"),
+    );
+    let created = js
+        .create_stream(stream::Config {
+            name: name.clone(),
+            subjects: vec![subject.clone()],
+            max_age: Duration::from_secs(600),
+            ..stream::Config::default()
+        })
+        .await
+        .expect("create the stream");
+    for (id, sent_at) in [
+        ("bad-time", Some("yesterday")),
+        ("set-time", Some("2026-01-02T03:04:05.000006Z")),
+        ("no-time", None),
+    ] {
+        let mut publish = PublishMessage::build().payload("x".into()).message_id(id);
+        if let Some(sent_at) = sent_at {
+            publish = publish.header(jetstream::SENT_AT_HEADER, sent_at);
+        }
+        js.send_publish(subject.clone(), publish)
+            .await
+            .expect("publish")
+            .await
+            .expect("ack");
+    }
+    let consumer = created
+        .create_consumer(pull::Config {
+            durable_name: Some("hdr".into()),
+            ack_policy: AckPolicy::Explicit,
+            ..pull::Config::default()
+        })
+        .await
+        .expect("consumer");
+    let mut messages = consumer.messages().await.expect("messages");
+    let mut next = async || {
+        tokio::time::timeout(DEADLINE, messages.next())
+            .await
+            .expect("a delivery in time")
+            .expect("a delivery")
+            .expect("delivered")
+    };
+    let bad = jetstream::delivery(&next().await);
+    assert!(
+        matches!(&bad, Err(err @ InboxError::OutOfRange { .. }) if err.is_permanent()),
+        "{bad:?}"
+    );
+    let set = jetstream::delivery(&next().await).expect("a delivery");
+    assert_eq!(
+        set.sent_time(),
+        Some("2026-01-02T03:04:05.000006Z".parse().expect("a time"))
+    );
+    let before = Utc::now() - chrono::Duration::seconds(60);
+    let stored = jetstream::delivery(&next().await).expect("a delivery");
+    assert!(
+        stored.sent_time().is_some_and(|at| at > before),
+        "the stream's stored time: {:?}",
+        stored.sent_time()
+    );
+    js.delete_stream(&name).await.ok();
+}
