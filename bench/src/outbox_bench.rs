@@ -283,6 +283,7 @@ async fn hand_written_run(db: &DatabaseConnection, rows: usize) -> Result<f64, B
                 payload: row.try_get_by_index(3)?,
                 headers: headers(&row.try_get_by_index::<String>(4)?)?,
                 created_at: chrono::DateTime::UNIX_EPOCH,
+                first_published_at: chrono::DateTime::UNIX_EPOCH,
                 attempt: 1,
             };
             Instant0.publish(&message).await?;

@@ -37,26 +37,40 @@ use crate::{Delivery, InboxError, MessageId, OutboxMessage, PublishError, Publis
 use async_nats::header::NATS_MESSAGE_ID;
 use async_nats::jetstream::message::PublishMessage;
 use async_nats::jetstream::{AckKind, Message};
-use chrono::DateTime;
+use chrono::{DateTime, SecondsFormat, Utc};
 
 /// The [`Delivery`] of a JetStream message: its key from the `Nats-Msg-Id` header
 /// ([`MessageId::from_broker_id`]; the header JetStream itself deduplicates publishes by),
-/// its send time from the message metadata (the time the stream stored it, the same on
-/// every redelivery). A message without JetStream metadata (not from a consumer with
-/// acks) gets no send time.
+/// its send time from the [`SENT_AT_HEADER`] when the producer set one (as
+/// [`JetStreamPublisher`] does: the same on every publish of an outbox row, also one the
+/// stream stored again after its duplicate window), else from the message metadata (the
+/// time the stream stored it, the same on every redelivery). A message with neither (not
+/// from a consumer with acks) gets no send time.
 ///
 /// # Errors
 /// [`InboxError::EmptyKeyField`] when the message has no `Nats-Msg-Id` (or an empty one),
-/// [`InboxError::NilMessageId`] when it is the nil UUID. Both are
+/// [`InboxError::NilMessageId`] when it is the nil UUID, [`InboxError::OutOfRange`] for a
+/// [`SENT_AT_HEADER`] that is not an RFC 3339 time. All of them are
 /// [permanent](InboxError::is_permanent): terminate the message
 /// (`Err(ProcessError::Inbox(err))` settles as [`Settlement::DeadLetter`]).
 pub fn delivery(message: &Message) -> Result<Delivery, InboxError> {
-    let id = message
-        .headers
-        .as_ref()
+    let headers = message.headers.as_ref();
+    let id = headers
         .and_then(|headers| headers.get(NATS_MESSAGE_ID))
         .map_or("", |id| id.as_str());
     let delivery = Delivery::new(MessageId::from_broker_id(id)?);
+    if let Some(sent) = headers
+        .and_then(|headers| headers.get(SENT_AT_HEADER))
+        .map(|sent| sent.as_str())
+    {
+        let sent_at = DateTime::parse_from_rfc3339(sent).map_err(|_| InboxError::OutOfRange {
+            what: "the Outbox-Sent-At header",
+            value: sent.to_owned(),
+            accepted: "an RFC 3339 time, e.g. 2026-12-04T12:00:00.000000Z".to_owned(),
+            advice: "set it to the time the message was first sent, or leave it out",
+        })?;
+        return Ok(delivery.sent_at(sent_at.with_timezone(&Utc)));
+    }
     let published = message.info().ok().and_then(|info| {
         let nanos = i64::try_from(info.published.unix_timestamp_nanos()).ok()?;
         Some(DateTime::from_timestamp_nanos(nanos))
@@ -105,7 +119,8 @@ pub async fn settle(message: &Message, settlement: Settlement) -> Result<(), asy
 /// The destination is the subject; the outbox message id goes out as `Nats-Msg-Id`, so
 /// JetStream itself drops a republish (after a relay died before marking its row sent)
 /// within the stream's duplicate window, and the ack of such a repeat counts as success.
-/// The headers go as headers, the ordering key as the header [`KEY_HEADER`].
+/// The headers go as headers, the ordering key as the header [`KEY_HEADER`], the send time
+/// as the header [`SENT_AT_HEADER`].
 ///
 /// ```no_run
 /// use sea_orm_inbox::{Relay, jetstream::JetStreamPublisher};
@@ -121,6 +136,12 @@ pub struct JetStreamPublisher {
 
 /// The header carrying an outbox message's ordering key to NATS consumers.
 pub const KEY_HEADER: &str = "Outbox-Key";
+
+/// The header carrying an outbox message's send time, its
+/// [first publish time](OutboxMessage::first_published_at) in RFC 3339 with microseconds,
+/// which [`delivery`] reads back. JetStream's own stored time would not do: a republish
+/// the stream stores again (after its duplicate window) gets a later one.
+pub const SENT_AT_HEADER: &str = "Outbox-Sent-At";
 
 impl JetStreamPublisher {
     /// A publisher through `context`.
@@ -140,6 +161,13 @@ impl Publisher for JetStreamPublisher {
         if let Some(key) = &message.key {
             publish = publish.header(KEY_HEADER, key.as_str());
         }
+        publish = publish.header(
+            SENT_AT_HEADER,
+            message
+                .first_published_at
+                .to_rfc3339_opts(SecondsFormat::Micros, true)
+                .as_str(),
+        );
         let transient = |err: async_nats::jetstream::context::PublishError| {
             PublishError::Transient(Box::new(err))
         };

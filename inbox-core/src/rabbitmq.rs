@@ -161,8 +161,10 @@ pub async fn settle(message: &AmqpDelivery, settlement: Settlement) -> Result<()
 /// default exchange, routes by queue name) with the message's destination as the routing
 /// key, `mandatory` set (an unroutable message is a failed publish, not a silent drop),
 /// and persistent. Its properties: `message_id` the outbox message id (which [`delivery`]
-/// reads back on the consumer side), `timestamp` the enqueue time (the send time an
-/// [admission floor](crate::AdmissionFloor) compares), the headers as string headers, and
+/// reads back on the consumer side), `timestamp` the row's
+/// [first publish time](OutboxMessage::first_published_at) in whole seconds (the send time
+/// an [admission floor](crate::AdmissionFloor) compares: the same on every republish, and
+/// never the enqueue time of a message held back), the headers as string headers, and
 /// the ordering key in the header [`KEY_HEADER`].
 ///
 /// The publisher owns its connection and one channel in confirm mode, and outlives a
@@ -305,7 +307,7 @@ impl Publisher for RabbitMqPublisher {
                 AMQPValue::LongString(key.as_str().into()),
             );
         }
-        let timestamp = u64::try_from(message.created_at.timestamp()).unwrap_or(0);
+        let timestamp = u64::try_from(message.first_published_at.timestamp()).unwrap_or(0);
         let properties = BasicProperties::default()
             .with_message_id(message.message_id.to_string().into())
             .with_timestamp(timestamp)

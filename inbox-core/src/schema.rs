@@ -149,10 +149,11 @@ pub enum SchemaError {
     )]
     MissingOutboxTable,
 
-    /// The outbox table lacks columns `CreateOutbox` creates: it was made some other way
+    /// The outbox table lacks columns the outbox migrations create: a later one
+    /// (`AddOutboxFirstPublished`) has not run, or the table was made some other way
     /// ([`verify_outbox_schema`]).
     #[error(
-        "the outbox table lacks the column(s) {missing}, which sea_orm_inbox_migration::CreateOutbox creates: drop the table if it is not the outbox's and run that migration"
+        "the outbox table lacks the column(s) {missing}, which the outbox migrations create: add sea_orm_inbox_migration::CreateOutbox and AddOutboxFirstPublished (m20261204_000005_add_outbox_first_published) to your Migrator and run them (or run MigratorWithOutbox::up); drop the table first if it is not the outbox's"
     )]
     OutboxColumns {
         /// The missing columns.
@@ -284,7 +285,7 @@ pub async fn verify_schema_in(
 
 /// Verifies, once at startup, that the outbox is what [`OutboxExt::enqueue`](crate::OutboxExt::enqueue)
 /// and the [`Relay`](crate::Relay) need: this build supports the database, the `outbox`
-/// table exists with every column of `CreateOutbox`, and `ix_outbox_message_id` is a
+/// table exists with every column of `CreateOutbox` and `AddOutboxFirstPublished`, and `ix_outbox_message_id` is a
 /// UNIQUE index on exactly `(message_id)`. Like [`verify_schema`], it reads the catalog
 /// only, in a transaction of its own, within [`Inbox::DEFAULT_PARTITION_TIMEOUT`].
 ///

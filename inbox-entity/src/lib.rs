@@ -139,6 +139,11 @@ pub mod outbox {
         /// broker refused for good). A dead row holds back the later rows of its key until
         /// an operator requeues or deletes it.
         pub dead_at: Option<DateTimeUtc>,
+        /// When a relay first claimed the row to publish it: the send time publishers give
+        /// the broker, the same on every publish of the row. NULL until the first claim,
+        /// and again after a dead row is requeued (an operator's decision to send it anew).
+        /// Added by `AddOutboxFirstPublished`.
+        pub first_published_at: Option<DateTimeUtc>,
     }
 
     /// The outbox has no relations.

@@ -5,11 +5,13 @@ mod m20261130_000001_create_inbox;
 mod m20261130_000002_add_inbox_leases;
 mod m20261201_000003_inbox_unique_constraint;
 mod m20261201_000004_create_outbox;
+mod m20261204_000005_add_outbox_first_published;
 
 pub use m20261130_000001_create_inbox::CreateInbox;
 pub use m20261130_000002_add_inbox_leases::AddInboxLeases;
 pub use m20261201_000003_inbox_unique_constraint::InboxUniqueConstraint;
 pub use m20261201_000004_create_outbox::CreateOutbox;
+pub use m20261204_000005_add_outbox_first_published::AddOutboxFirstPublished;
 /// Re-exported for [`CreateInbox::for_table`] and its siblings.
 pub use sea_orm_inbox_entity::InboxTable;
 /// Re-exported so `Migrator::up(&db, None)` needs no direct `sea-orm-migration` import.
@@ -122,11 +124,12 @@ pub fn inbox_migrations(table: &InboxTable) -> Vec<Box<dyn MigrationTrait>> {
 
 /// A ready migrator holding every inbox migration, for applications that have none.
 ///
-/// It does not hold [`CreateOutbox`]: the outbox is opt-in. Add it to your own migrator,
-/// or run [`MigratorWithOutbox`] instead of this one. On a database that
-/// [`MigratorWithOutbox`] migrated, this one still runs: it leaves the outbox's record to
-/// that migrator (SeaORM otherwise refuses a migrator that does not list a migration
-/// recorded as applied, with "Migration file of version '...create_outbox' is missing").
+/// It does not hold [`CreateOutbox`] and [`AddOutboxFirstPublished`]: the outbox is
+/// opt-in. Add them to your own migrator, or run [`MigratorWithOutbox`] instead of this
+/// one. On a database that [`MigratorWithOutbox`] migrated, this one still runs: it leaves
+/// the outbox's records to that migrator (SeaORM otherwise refuses a migrator that does
+/// not list a migration recorded as applied, with "Migration file of version
+/// '...create_outbox' is missing").
 pub struct Migrator;
 
 #[async_trait::async_trait]
@@ -161,8 +164,9 @@ impl MigratorTrait for Migrator {
     }
 }
 
-/// A ready migrator holding every inbox migration and then [`CreateOutbox`], for
-/// applications without a migrator of their own that use the outbox.
+/// A ready migrator holding every inbox migration and then [`CreateOutbox`] and
+/// [`AddOutboxFirstPublished`], for applications without a migrator of their own that use
+/// the outbox.
 ///
 /// It lists [`Migrator`]'s migrations first, so a database [`Migrator`] already migrated
 /// upgrades in place, and [`Migrator`] still runs on a database this one migrated.
@@ -180,6 +184,7 @@ impl MigratorTrait for MigratorWithOutbox {
     fn migrations() -> Vec<Box<dyn MigrationTrait>> {
         let mut migrations = Migrator::migrations();
         migrations.push(Box::new(CreateOutbox));
+        migrations.push(Box::new(AddOutboxFirstPublished));
         migrations
     }
 }

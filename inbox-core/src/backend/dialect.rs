@@ -206,7 +206,8 @@ pub(super) trait Dialect: Sync {
     /// confirmed) on its own, in autocommit, rather than in a transaction of its own.
     fn outbox_settle_alone(&self) -> bool;
 
-    /// Leases `ids` rows to a claim. Binds: leased_until, token, then the ids.
+    /// Leases `ids` rows to a claim, stamping `first_published_at` where it is NULL.
+    /// Binds: leased_until, token, the claim's time, then the ids.
     fn outbox_lease(&self, ids: usize) -> String;
 
     /// Marks `ids` rows sent, fenced by the claim's token. Binds: sent_at, token, then the
@@ -220,7 +221,8 @@ pub(super) trait Dialect: Sync {
     /// Gives `ids` unpublished rows of a claim back. Binds: token, then the ids.
     fn outbox_release(&self, ids: usize) -> String;
 
-    /// Puts a dead row back in line. Binds: available_at, message_id.
+    /// Puts a dead row back in line, its `first_published_at` cleared (its next claim
+    /// stamps a new one). Binds: available_at, message_id.
     fn outbox_requeue(&self) -> &'static str;
 
     /// One purge batch of the outbox: at most `?` rows sent before `?`, oldest first, in
@@ -241,8 +243,9 @@ pub(super) trait Dialect: Sync {
 /// How a backend claims a batch of due outbox rows for the relay.
 pub(super) enum OutboxClaimSql {
     /// One UPDATE that leases the due rows and returns them as leased (`attempts` already
-    /// counting this attempt), sent on its own in autocommit. Binds: leased_until, token,
-    /// now, now again, limit.
+    /// counting this attempt, `first_published_at` stamped with the claim's time where it
+    /// was NULL), sent on its own in autocommit. Binds: leased_until, token, now (the
+    /// stamp), now, now again, limit.
     // Each variant is one backend's; a build without that backend never makes it.
     #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
     Alone(&'static str),

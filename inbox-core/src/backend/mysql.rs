@@ -381,7 +381,8 @@ impl Dialect for MySql {
 
     fn outbox_lease(&self, ids: usize) -> String {
         format!(
-            "UPDATE outbox SET attempts = attempts + 1, leased_until = ?, lease_token = ? WHERE id IN ({})",
+            "UPDATE outbox SET attempts = attempts + 1, leased_until = ?, lease_token = ?, \
+             first_published_at = COALESCE(first_published_at, ?) WHERE id IN ({})",
             repeat_list("?", ids)
         )
     }
@@ -409,7 +410,7 @@ impl Dialect for MySql {
 
     fn outbox_requeue(&self) -> &'static str {
         "UPDATE outbox SET dead_at = NULL, attempts = 0, available_at = ?, \
-         leased_until = NULL, lease_token = NULL \
+         leased_until = NULL, lease_token = NULL, first_published_at = NULL \
          WHERE message_id = ? AND dead_at IS NOT NULL AND sent_at IS NULL"
     }
 

@@ -104,9 +104,10 @@ impl ClaimPlan {
 const CANDIDATES_PER_ROW: i64 = 2;
 
 /// The relay's claim of at most `limit` due rows at `now`, oldest first, leased to `token`
-/// until `leased_until`, counting the attempt; rows another relay's claim holds are
-/// skipped. The server ends the claim's transaction when its client has been silent for
-/// `silence` (a relay cut off from the database), releasing what it holds.
+/// until `leased_until`, counting the attempt and stamping `now` as the first publish time
+/// of rows that have none; rows another relay's claim holds are skipped. The server ends
+/// the claim's transaction when its client has been silent for `silence` (a relay cut off
+/// from the database), releasing what it holds.
 ///
 /// A row is due when it is unsent, not dead, available, and not leased (or its lease has
 /// ended). A row with a key is due only when no earlier row of its key is unsent, whatever
@@ -124,7 +125,11 @@ pub(crate) fn claim_plan(
     let dialect = dialect(backend)?;
     let due = [dialect.timestamp_value(now), dialect.timestamp_value(now)];
     let leasing = |sql: &str, bound: Option<Value>| {
-        let mut values = vec![dialect.timestamp_value(leased_until), Value::from(token)];
+        let mut values = vec![
+            dialect.timestamp_value(leased_until),
+            Value::from(token),
+            dialect.timestamp_value(now),
+        ];
         values.extend(due.iter().cloned());
         values.push(Value::from(limit));
         values.extend(bound);
@@ -162,15 +167,20 @@ pub(crate) fn settle_alone(backend: DbBackend) -> Result<bool, InboxError> {
 }
 
 /// Leases the claimed rows `ids` to the claim `token` until `leased_until`, counting the
-/// attempt.
+/// attempt and stamping `claimed_at` as the first publish time of rows that have none.
 pub(crate) fn lease_statement(
     backend: DbBackend,
     ids: &[i64],
     leased_until: DateTime<Utc>,
     token: Uuid,
+    claimed_at: DateTime<Utc>,
 ) -> Result<Statement, InboxError> {
     let dialect = dialect(backend)?;
-    let mut values = vec![dialect.timestamp_value(leased_until), Value::from(token)];
+    let mut values = vec![
+        dialect.timestamp_value(leased_until),
+        Value::from(token),
+        dialect.timestamp_value(claimed_at),
+    ];
     values.extend(ids.iter().map(|id| Value::from(*id)));
     Ok(Statement::from_sql_and_values(
         backend,
@@ -278,7 +288,9 @@ pub(crate) fn release_statement(
 }
 
 /// Puts the dead row of `message_id` back in line: not dead, attempts from zero, due at
-/// `now`. Its last error stays for the record until the next publish.
+/// `now`, its first publish time cleared (sending it again is the operator's decision, so
+/// its next publish carries a fresh send time). Its last error stays for the record until
+/// the next publish.
 pub(crate) fn requeue_statement(
     backend: DbBackend,
     message_id: Uuid,

@@ -304,16 +304,17 @@ impl Dialect for Postgres {
     /// up (hours), and no other relay could take them.
     fn outbox_claim(&self) -> OutboxClaimSql {
         OutboxClaimSql::InTransaction(
-            "UPDATE outbox SET attempts = attempts + 1, leased_until = $1, lease_token = $2 \
+            "UPDATE outbox SET attempts = attempts + 1, leased_until = $1, lease_token = $2, \
+             first_published_at = COALESCE(first_published_at, $3) \
              WHERE id = ANY(ARRAY(SELECT o.id FROM outbox o \
-             WHERE o.sent_at IS NULL AND o.dead_at IS NULL AND o.available_at <= $3 \
-             AND (o.leased_until IS NULL OR o.leased_until <= $4) \
+             WHERE o.sent_at IS NULL AND o.dead_at IS NULL AND o.available_at <= $4 \
+             AND (o.leased_until IS NULL OR o.leased_until <= $5) \
              AND (o.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM outbox e \
              WHERE e.partition_key = o.partition_key AND e.id < o.id AND e.sent_at IS NULL)) \
              AND set_config('synchronous_commit', 'off', true) IS NOT NULL \
-             AND set_config('idle_in_transaction_session_timeout', $6, true) IS NOT NULL \
-             AND set_config('tcp_user_timeout', $6, true) IS NOT NULL \
-             ORDER BY o.sent_at, o.id LIMIT $5 FOR UPDATE OF o SKIP LOCKED)) \
+             AND set_config('idle_in_transaction_session_timeout', $7, true) IS NOT NULL \
+             AND set_config('tcp_user_timeout', $7, true) IS NOT NULL \
+             ORDER BY o.sent_at, o.id LIMIT $6 FOR UPDATE OF o SKIP LOCKED)) \
              RETURNING *",
             TransactionOptions::default(),
         )
@@ -326,8 +327,9 @@ impl Dialect for Postgres {
 
     fn outbox_lease(&self, ids: usize) -> String {
         format!(
-            "UPDATE outbox SET attempts = attempts + 1, leased_until = $1, lease_token = $2 WHERE id IN ({})",
-            numbered(3, ids)
+            "UPDATE outbox SET attempts = attempts + 1, leased_until = $1, lease_token = $2, \
+             first_published_at = COALESCE(first_published_at, $3) WHERE id IN ({})",
+            numbered(4, ids)
         )
     }
 
@@ -354,7 +356,7 @@ impl Dialect for Postgres {
 
     fn outbox_requeue(&self) -> &'static str {
         "UPDATE outbox SET dead_at = NULL, attempts = 0, available_at = $1, \
-         leased_until = NULL, lease_token = NULL \
+         leased_until = NULL, lease_token = NULL, first_published_at = NULL \
          WHERE message_id = $2 AND dead_at IS NOT NULL AND sent_at IS NULL"
     }
 

@@ -224,7 +224,8 @@ impl Dialect for Sqlite {
     /// the write lock is the lock.
     fn outbox_claim(&self) -> OutboxClaimSql {
         OutboxClaimSql::Alone(
-            "UPDATE outbox SET attempts = attempts + 1, leased_until = ?, lease_token = ? \
+            "UPDATE outbox SET attempts = attempts + 1, leased_until = ?, lease_token = ?, \
+             first_published_at = COALESCE(first_published_at, ?) \
              WHERE id IN (SELECT o.id FROM outbox o \
              WHERE o.sent_at IS NULL AND o.dead_at IS NULL AND o.available_at <= ? \
              AND (o.leased_until IS NULL OR o.leased_until <= ?) \
@@ -242,7 +243,8 @@ impl Dialect for Sqlite {
 
     fn outbox_lease(&self, ids: usize) -> String {
         format!(
-            "UPDATE outbox SET attempts = attempts + 1, leased_until = ?, lease_token = ? WHERE id IN ({})",
+            "UPDATE outbox SET attempts = attempts + 1, leased_until = ?, lease_token = ?, \
+             first_published_at = COALESCE(first_published_at, ?) WHERE id IN ({})",
             repeat_list("?", ids)
         )
     }
@@ -270,7 +272,7 @@ impl Dialect for Sqlite {
 
     fn outbox_requeue(&self) -> &'static str {
         "UPDATE outbox SET dead_at = NULL, attempts = 0, available_at = ?, \
-         leased_until = NULL, lease_token = NULL \
+         leased_until = NULL, lease_token = NULL, first_published_at = NULL \
          WHERE message_id = ? AND dead_at IS NOT NULL AND sent_at IS NULL"
     }
 

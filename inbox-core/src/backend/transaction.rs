@@ -185,6 +185,12 @@ pub(crate) fn lost_a_conflict(err: &DbErr) -> bool {
         .is_some_and(|code| matches!(code.as_ref(), "40001" | "40P01"))
 }
 
+/// Whether the database itself answered `err` (a constraint, a value it cannot store, a
+/// trigger), as opposed to a connection, pool or driver failure.
+pub(crate) fn refused_by_the_database(err: &DbErr) -> bool {
+    database_error(err).is_some()
+}
+
 /// The driver's database error inside `err`, if there is one.
 fn database_error(err: &DbErr) -> Option<&dyn DatabaseError> {
     match err {

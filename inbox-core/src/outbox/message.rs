@@ -165,6 +165,13 @@ pub struct OutboxMessage {
     pub headers: BTreeMap<String, String>,
     /// When the message was enqueued.
     pub created_at: DateTime<Utc>,
+    /// When a relay first took this row to publish it: the send time to give the broker
+    /// (RabbitMQ's `timestamp`, JetStream's `Outbox-Sent-At` header), which a consumer's
+    /// [admission floor](crate::AdmissionFloor) compares. The same on every publish of
+    /// this row, and never earlier than the row became due, so a message held back
+    /// (`deliver_after`) or waiting out an outage is not refused as too old; a dead row
+    /// requeued gets a new one.
+    pub first_published_at: DateTime<Utc>,
     /// Which publish attempt this is, from 1.
     pub attempt: u32,
 }
@@ -185,6 +192,8 @@ impl OutboxMessage {
                 payload: row.payload,
                 headers,
                 created_at: row.created_at,
+                // A claimed row always has one; the claim's own due time stands in.
+                first_published_at: row.first_published_at.unwrap_or(row.available_at),
                 attempt: u32::try_from(row.attempts).unwrap_or(0).max(1),
             },
         ))

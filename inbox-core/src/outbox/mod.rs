@@ -58,10 +58,11 @@ pub enum OutboxError {
     Backend(#[source] InboxError),
 
     /// A statement failed. The enqueue's transaction must not commit (return the error
-    /// from the handler); a relay retries at its next poll. A missing `outbox` table
-    /// means `CreateOutbox` has not run: add it to your migrator.
+    /// from the handler); a relay retries at its next poll. A missing `outbox` table or
+    /// column means `CreateOutbox` or `AddOutboxFirstPublished` has not run: add them to
+    /// your migrator.
     #[error(
-        "{operation} failed: {source}. If the outbox table is missing, add sea_orm_inbox_migration::CreateOutbox to your Migrator and run it"
+        "{operation} failed: {source}. If the outbox table or one of its columns is missing, add sea_orm_inbox_migration::CreateOutbox and AddOutboxFirstPublished to your Migrator and run them (verify_outbox_schema names what is missing)"
     )]
     Database {
         /// The step that failed.

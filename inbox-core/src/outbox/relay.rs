@@ -6,7 +6,7 @@ use crate::backend::outbox::{
     ClaimPlan, Failure, UNSTORABLE_ERROR, claim_plan, lease_statement, mark_failed_statement,
     mark_sent_statement, release_statement, settle_alone,
 };
-use crate::backend::{lost_a_conflict, silence_statement, to_completion};
+use crate::backend::{lost_a_conflict, refused_by_the_database, silence_statement, to_completion};
 use crate::clock::now_micros;
 use crate::metrics::facade;
 use crate::silence::within;
@@ -53,7 +53,9 @@ pub enum PublishError {
 /// The relay calls it at least once per message: again after a failure, and again when a
 /// relay died between the broker's confirmation and marking the row sent. Send
 /// [`OutboxMessage::message_id`] as the broker's message id every time, so the broker
-/// (JetStream's `Nats-Msg-Id` window) or the consumer's inbox drops the repeat.
+/// (JetStream's `Nats-Msg-Id` window) or the consumer's inbox drops the repeat, and
+/// [`OutboxMessage::first_published_at`] as its send time (a Kafka record's timestamp), so
+/// a consumer's admission floor sees every copy as sent when the first one was.
 ///
 /// Ready implementations: `rabbitmq::RabbitMqPublisher` (feature `lapin`) and
 /// `jetstream::JetStreamPublisher` (feature `async-nats`). A Kafka producer fits the same shape: `destination` is the
@@ -342,6 +344,8 @@ pub struct Relay<P> {
 struct Lease {
     token: Uuid,
     until: DateTime<Utc>,
+    /// When the claim was made: the first publish time it stamps.
+    claimed_at: DateTime<Utc>,
 }
 
 /// The rows of one claim, in `id` order, and the lease that fences them.
@@ -733,6 +737,7 @@ impl<P: Publisher> Relay<P> {
         let lease = Lease {
             token: Uuid::new_v4(),
             until: now + length,
+            claimed_at: now,
         };
         let plan = claim_plan(
             backend,
@@ -864,8 +869,9 @@ impl<P: Publisher> Relay<P> {
     }
 
     /// Writes the outcomes of one batch: in one short transaction, or, when they are one
-    /// statement and the backend allows it, that statement on its own. When that fails,
-    /// writes them again one by one (see [`settle_one_by_one`](Self::settle_one_by_one)).
+    /// statement and the backend allows it, that statement on its own. When the database
+    /// refuses one of its statements, writes them again one by one (see
+    /// [`settle_one_by_one`](Self::settle_one_by_one)).
     async fn settle(
         &self,
         db: &DatabaseConnection,
@@ -876,36 +882,18 @@ impl<P: Publisher> Relay<P> {
         let backend = db.get_database_backend();
         let marks = self.settle_statements(backend, batch, settlement)?;
         let alone = marks.len() == 1 && settle_alone(backend)?;
-        let silence = silence_statement(backend, self.partition_timeout)?;
-        let writer = db.clone();
-        let together = marks.clone();
-        let write = async move {
-            if alone {
-                return execute_counted(&writer, together).await;
-            }
-            let txn = writer.begin().await?;
-            bound_silence(&txn, silence.as_deref()).await?;
-            let counts = execute_counted(&txn, together).await?;
-            txn.commit().await?;
-            Ok(counts)
-        };
-        let written = bounded_by(
-            backend,
-            self.partition_timeout,
-            "marking the relayed rows",
-            to_completion(write),
-        )
-        .await;
-        match written {
+        match self
+            .write_marks(db, alone, marks.clone(), "marking the relayed rows")
+            .await?
+        {
             Ok(counts) => {
                 report.count(counts);
                 Ok(())
             }
-            Err(OutboxError::Database { source, .. }) => {
-                tracing::warn!(error = %source, "outbox relay's marks of a batch failed together; marking its rows one by one");
+            Err(refused) => {
+                tracing::warn!(error = %refused, "outbox relay's marks of a batch were refused together; marking its rows one by one");
                 self.settle_one_by_one(db, marks, report).await
             }
-            Err(silent) => Err(silent),
         }
     }
 
@@ -916,71 +904,93 @@ impl<P: Publisher> Relay<P> {
     /// parked in time.
     ///
     /// # Errors
-    /// The first mark that failed even so (the others are written and counted), or
-    /// [`OutboxError::DatabaseSilent`] at once: a silent database fails every mark alike.
+    /// The first mark refused even so (the others are written and counted); or, at once,
+    /// a failure that is not a refused statement (a lost connection, a failed COMMIT, a
+    /// silent database), which every further mark would meet too.
     async fn settle_one_by_one(
         &self,
         db: &DatabaseConnection,
         marks: Vec<Mark>,
         report: &mut RelayReport,
     ) -> Result<(), OutboxError> {
-        let backend = db.get_database_backend();
-        let alone = settle_alone(backend)?;
-        let mut first_failure = None;
+        let operation = "marking a relayed row";
+        let alone = settle_alone(db.get_database_backend())?;
+        let mut first_refusal = None;
         for mark in marks {
-            let counted = mark.counted;
-            let mut written =
-                write_mark(db, alone, mark.statement, counted, self.partition_timeout).await;
-            if let (Err(OutboxError::Database { source, .. }), Some(safe)) = (&written, mark.safe) {
-                tracing::warn!(error = %source, "outbox relay could not store a publish error; storing a fixed text instead");
-                written = write_mark(db, alone, safe, counted, self.partition_timeout).await;
+            let Mark {
+                statement,
+                counted,
+                safe,
+            } = mark;
+            let mut written = self
+                .write_marks(db, alone, vec![Mark::plain(statement, counted)], operation)
+                .await?;
+            if let (Err(refused), Some(safe)) = (&written, safe) {
+                tracing::warn!(error = %refused, "outbox relay could not store a publish error; storing a fixed text instead");
+                written = self
+                    .write_marks(db, alone, vec![Mark::plain(safe, counted)], operation)
+                    .await?;
             }
             match written {
-                Ok(count) => report.count(vec![count]),
-                Err(OutboxError::Database { source, operation }) => {
+                Ok(counts) => report.count(counts),
+                Err(source) => {
                     tracing::warn!(error = %source, "outbox relay could not mark a row; it is published again when its lease ends");
-                    first_failure.get_or_insert(OutboxError::Database { source, operation });
+                    first_refusal.get_or_insert(OutboxError::Database { operation, source });
                 }
-                Err(other) => return Err(other),
             }
         }
-        first_failure.map_or(Ok(()), Err)
+        first_refusal.map_or(Ok(()), Err)
     }
 }
 
-/// Writes one mark of a settle: on its own when `alone`, else in a transaction of its own,
-/// waiting at most `partition_timeout` for the database.
-async fn write_mark(
-    db: &DatabaseConnection,
-    alone: bool,
-    statement: Statement,
-    counted: Counted,
-    partition_timeout: Duration,
-) -> Result<(Counted, u64), OutboxError> {
-    let backend = db.get_database_backend();
-    let writer = db.clone();
-    let write = async move {
-        let mark = Mark {
-            statement,
-            counted,
-            safe: None,
+impl<P: Publisher> Relay<P> {
+    /// Writes `marks` on their own when `alone`, else in a transaction of their own, which
+    /// the server ends once the relay has been silent for its partition timeout. The inner
+    /// error is a mark the database refused, after which nothing of them is written; the
+    /// outer one any other failure (a lost connection, BEGIN, COMMIT, whose reply may be
+    /// lost after the marks committed, or a silent database), which writing them again
+    /// would not mend.
+    async fn write_marks(
+        &self,
+        db: &DatabaseConnection,
+        alone: bool,
+        marks: Vec<Mark>,
+        operation: &'static str,
+    ) -> Result<Result<Vec<(Counted, u64)>, DbErr>, OutboxError> {
+        let backend = db.get_database_backend();
+        let silence = silence_statement(backend, self.partition_timeout)?;
+        let refused_or_failed = |err: DbErr| {
+            if refused_by_the_database(&err) {
+                Ok(Err(err))
+            } else {
+                Err(err)
+            }
         };
-        if alone {
-            return execute_counted(&writer, vec![mark]).await;
-        }
-        let txn = writer.begin().await?;
-        let counts = execute_counted(&txn, vec![mark]).await?;
-        txn.commit().await?;
-        Ok(counts)
-    };
-    let counts = bounded_by(
-        backend,
-        partition_timeout,
-        "marking a relayed row",
-        to_completion(write),
-    )
-    .await?;
-    Ok(counts.into_iter().next().unwrap_or((counted, 0)))
+        let writer = db.clone();
+        let write = async move {
+            if alone {
+                return execute_counted(&writer, marks)
+                    .await
+                    .map_or_else(refused_or_failed, |counts| Ok(Ok(counts)));
+            }
+            let txn = writer.begin().await?;
+            bound_silence(&txn, silence.as_deref()).await?;
+            let counts = match execute_counted(&txn, marks).await {
+                Ok(counts) => counts,
+                // Dropping `txn` rolls back whatever of the marks ran.
+                Err(err) => return refused_or_failed(err),
+            };
+            txn.commit().await?;
+            Ok(Ok(counts))
+        };
+        bounded_by(
+            backend,
+            self.partition_timeout,
+            operation,
+            to_completion(write),
+        )
+        .await
+    }
 }
 
 /// Runs the claim `plan` on `conn` (a transaction, when the plan needs one), leasing the
@@ -1014,12 +1024,14 @@ async fn claim_rows<C: ConnectionTrait>(
                 .await?;
             if !rows.is_empty() {
                 let ids: Vec<i64> = rows.iter().map(|row| row.id).collect();
-                let leasing = lease_statement(backend, &ids, lease.until, lease.token)
-                    .map_err(|err| DbErr::Custom(err.to_string()))?;
+                let leasing =
+                    lease_statement(backend, &ids, lease.until, lease.token, lease.claimed_at)
+                        .map_err(|err| DbErr::Custom(err.to_string()))?;
                 conn.execute_raw(leasing).await?;
                 // The read saw the rows before the lease; make them read as leased.
                 for row in &mut rows {
                     row.attempts = row.attempts.saturating_add(1);
+                    row.first_published_at.get_or_insert(lease.claimed_at);
                 }
             }
             rows
@@ -1059,6 +1071,16 @@ struct Mark {
     counted: Counted,
     /// For a failed publish: the same mark with [`UNSTORABLE_ERROR`] for its error text.
     safe: Option<Statement>,
+}
+
+impl Mark {
+    fn plain(statement: Statement, counted: Counted) -> Self {
+        Self {
+            statement,
+            counted,
+            safe: None,
+        }
+    }
 }
 
 /// What a settle statement's row count adds to the report.

@@ -30,6 +30,7 @@ mod outbox_brokers;
 mod outbox_partition;
 mod outbox_pooler;
 mod outbox_purger;
+mod outbox_send_time;
 mod outbox_settle;
 mod outbox_soak;
 mod outbox_wake;
