@@ -142,8 +142,8 @@ impl MigratorTrait for Migrator {
         ]
     }
 
-    /// The applied migrations, without [`CreateOutbox`]'s record, which belongs to
-    /// [`MigratorWithOutbox`].
+    /// The applied migrations, without the records of the outbox's migrations, which belong
+    /// to [`MigratorWithOutbox`].
     async fn get_migration_models<C>(db: &C) -> Result<Vec<seaql_migrations::Model>, DbErr>
     where
         C: ConnectionTrait,
@@ -154,12 +154,20 @@ impl MigratorTrait for Migrator {
             .columns(seaql_migrations::Column::iter().map(IntoIden::into_iden))
             .order_by(seaql_migrations::Column::Version, Order::Asc)
             .to_owned();
-        let outbox = CreateOutbox.name().to_owned();
+        let inbox: Vec<String> = Self::migrations()
+            .iter()
+            .map(|migration| migration.name().to_owned())
+            .collect();
+        let outbox_only: Vec<String> = MigratorWithOutbox::migrations()
+            .iter()
+            .map(|migration| migration.name().to_owned())
+            .filter(|name| !inbox.contains(name))
+            .collect();
         db.query_all(&select)
             .await?
             .into_iter()
             .map(|row| seaql_migrations::Model::from_query_result(&row, ""))
-            .filter(|model| !matches!(model, Ok(model) if model.version == outbox))
+            .filter(|model| !matches!(model, Ok(model) if outbox_only.contains(&model.version)))
             .collect()
     }
 }
