@@ -6,6 +6,7 @@ compile_error!("enable at least one of sea-orm-inbox's backend features: postgre
 
 mod admission;
 mod backend;
+mod brokers;
 mod cause;
 mod claim;
 mod clock;
@@ -13,8 +14,6 @@ mod consumer;
 mod error;
 pub mod guide;
 mod inbox;
-#[cfg(feature = "async-nats")]
-pub mod jetstream;
 mod lease;
 mod message_id;
 mod metrics;
@@ -23,8 +22,6 @@ mod outbox;
 mod outcome;
 mod pooler;
 pub mod prelude;
-#[cfg(feature = "lapin")]
-pub mod rabbitmq;
 mod retention;
 mod retry;
 mod schema;
@@ -44,6 +41,11 @@ pub use backend::{
     CLAIM_TRANSACTION, DbErrorKind, classify, classify_in, is_inbox_duplicate,
     is_inbox_duplicate_in, timestamp_value,
 };
+#[cfg(feature = "async-nats")]
+pub use brokers::jetstream;
+#[cfg(feature = "lapin")]
+pub use brokers::rabbitmq;
+pub use brokers::{BoxError, PublishError, Publisher};
 pub use cause::{Permanent, Transient};
 pub use claim::{BatchClaim, Claim, ClaimedMessage, InboxTransactionExt, MAX_CLAIM_BATCH};
 pub use error::{ErrorKind, InboxError};
@@ -59,10 +61,10 @@ pub use metrics::{InboxMetrics, MetricsSnapshot, metric_names};
 pub use observed::ObservedStream;
 pub use observed::ObservedTransaction;
 pub use outbox::{
-    BoxError, DeadMessage, OUTBOX_CHANNEL, OutboxBacklog, OutboxError, OutboxExt, OutboxMessage,
+    DeadMessage, OUTBOX_CHANNEL, OutboxBacklog, OutboxError, OutboxExt, OutboxMessage,
     OutboxMetrics, OutboxMetricsSnapshot, OutboxPurger, OutboxPurgerSummary, OutboxWaker,
-    OutgoingMessage, PublishError, Publisher, Relay, RelayOptions, RelayReport, list_dead_messages,
-    outbox_backlog, purge_sent_messages, requeue_dead_message, spawn_outbox_purger,
+    OutgoingMessage, Relay, RelayOptions, RelayReport, list_dead_messages, outbox_backlog,
+    purge_sent_messages, requeue_dead_message, spawn_outbox_purger,
 };
 pub use outcome::{NackDelay, Outcome, ProcessError, Settlement};
 #[cfg(feature = "postgres")]

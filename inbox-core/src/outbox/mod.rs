@@ -14,10 +14,7 @@ pub use admin::{
 pub use enqueue::OutboxExt;
 pub use message::{DeadMessage, OutboxMessage, OutgoingMessage};
 pub use purger::{OutboxPurger, OutboxPurgerSummary, spawn_outbox_purger};
-pub use relay::{
-    BoxError, OutboxMetrics, OutboxMetricsSnapshot, PublishError, Publisher, Relay, RelayOptions,
-    RelayReport,
-};
+pub use relay::{OutboxMetrics, OutboxMetricsSnapshot, Relay, RelayOptions, RelayReport};
 pub use wake::{OUTBOX_CHANNEL, OutboxWaker};
 
 use crate::InboxError;
