@@ -80,7 +80,8 @@ pub async fn create_stream(
     subject: &str,
     consumer: &str,
 ) -> Result<(), async_nats::Error> {
-    let stream = sea_orm_inbox::jetstream::create_stream(js, name, vec![subject.to_owned()]).await?;
+    let stream =
+        sea_orm_inbox::jetstream::create_stream(js, name, vec![subject.to_owned()]).await?;
     let durable = DurableConsumer::new(consumer)
         .max_deliver(i64::from(DELIVERY_LIMIT))
         .ack_wait(Duration::from_secs(5))

@@ -66,7 +66,13 @@ async fn main() -> Result<(), BoxError> {
             .with_message_id(id.as_str().into())
             .with_timestamp(sent);
         channel
-            .basic_publish("", QUEUE, BasicPublishOptions::default(), b"credit 1", properties)
+            .basic_publish(
+                "",
+                QUEUE,
+                BasicPublishOptions::default(),
+                b"credit 1",
+                properties,
+            )
             .await?
             .await?;
     }
@@ -96,7 +102,8 @@ async fn main() -> Result<(), BoxError> {
             passive: true,
             ..QueueDeclareOptions::default()
         };
-        let queue = channel.queue_declare(&topology.dead_letter_queue, passive, FieldTable::default());
+        let queue =
+            channel.queue_declare(&topology.dead_letter_queue, passive, FieldTable::default());
         queue.await.map_or(0, |queue| queue.message_count())
     };
     consumers::until(Duration::from_secs(30), async || {

@@ -9,8 +9,8 @@
 //! [`jetstream::JetStreamConsumer`]: crate::jetstream::JetStreamConsumer
 
 use crate::{
-    BoxError, Delivery, HandlerFuture, Inbox, InboxError, MessageId, NackDelay, ObservedTransaction,
-    Outcome, Settlement,
+    BoxError, Delivery, HandlerFuture, Inbox, InboxError, MessageId, NackDelay,
+    ObservedTransaction, Outcome, Settlement,
 };
 use sea_orm::DatabaseConnection;
 use std::fmt;
@@ -415,7 +415,11 @@ where
                     Some(Err(err)) => err.to_string(),
                     _ => "the consumer's stream ended".to_owned(),
                 };
-                tracing::warn!(broker, error, "the connection or consumer was lost; reconnecting (the broker redelivers what was unsettled)");
+                tracing::warn!(
+                    broker,
+                    error,
+                    "the connection or consumer was lost; reconnecting (the broker redelivers what was unsettled)"
+                );
                 if let Some(lost) = session.take() {
                     lost.close().await;
                 }
@@ -497,7 +501,9 @@ where
                 Ok(Outcome::Duplicate) => Ended::Duplicate,
                 Ok(Outcome::Refused(_)) => Ended::Refused,
                 Err(err) => {
-                    span.in_scope(|| tracing::warn!(error = %err, ?settlement, "the delivery failed"));
+                    span.in_scope(
+                        || tracing::warn!(error = %err, ?settlement, "the delivery failed"),
+                    );
                     Ended::Failed
                 }
             };

@@ -2,7 +2,9 @@
 //! header and metadata to a [`Delivery`], a [`Settlement`] to `ack`, `nak` with a delay or
 //! `term`.
 //!
-//! The consumer loop over a pull consumer with explicit acks:
+//! [`JetStreamConsumer`] is a ready consumer loop (concurrency, prefetch, reconnects,
+//! graceful shutdown), and [`create_stream`] and [`create_durable_consumer`] the stream
+//! and consumer it needs; the same by hand, over a pull consumer with explicit acks:
 //!
 //! ```no_run
 //! use futures_util::StreamExt;
@@ -39,16 +41,16 @@ use crate::{
     InboxError, MessageId, ObservedTransaction, OutboxMessage, PublishError, Publisher, Received,
     Settlement,
 };
+use async_nats::header::NATS_MESSAGE_ID;
 use async_nats::jetstream::consumer::{AckPolicy, PullConsumer, pull};
+use async_nats::jetstream::message::PublishMessage;
+use async_nats::jetstream::{AckKind, Message};
+use chrono::DateTime;
 use futures_util::StreamExt;
 use sea_orm::DatabaseConnection;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
-use async_nats::header::NATS_MESSAGE_ID;
-use async_nats::jetstream::message::PublishMessage;
-use async_nats::jetstream::{AckKind, Message};
-use chrono::DateTime;
 
 /// The [`Delivery`] of a JetStream message: its key from the `Nats-Msg-Id` header
 /// ([`MessageId::from_broker_id`]; the header JetStream itself deduplicates publishes by),
@@ -185,7 +187,7 @@ impl Publisher for JetStreamPublisher {
 /// use sea_orm::{ConnectionTrait, DbErr};
 /// use sea_orm_inbox::{Inbox, jetstream::JetStreamConsumer};
 ///
-/// # async fn run(db: sea_orm::DatabaseConnection) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// # async fn run(db: sea_orm::DatabaseConnection, ctrl_c: std::future::Pending<()>) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 /// let client = async_nats::connect("nats://127.0.0.1:4222").await?;
 /// let summary = JetStreamConsumer::new(client, "ORDERS", "billing")
 ///     .run(Inbox::new("billing.credit")?, db, |txn, message| {
@@ -194,7 +196,7 @@ impl Publisher for JetStreamPublisher {
 ///             txn.execute_unprepared(&format!("UPDATE account SET balance = balance + {amount}")).await?;
 ///             Ok::<_, DbErr>(())
 ///         })
-///     }, tokio::signal::ctrl_c())
+///     }, ctrl_c) // tokio::signal::ctrl_c() in a service
 ///     .await?;
 /// println!("{summary}");
 /// # Ok(()) }

@@ -9,9 +9,9 @@ mod backend;
 mod cause;
 mod claim;
 mod clock;
-mod consumer;
 #[cfg(any(feature = "lapin", feature = "async-nats"))]
 mod consume;
+mod consumer;
 mod error;
 pub mod guide;
 mod inbox;
@@ -47,9 +47,9 @@ pub use backend::{
     is_inbox_duplicate_in, timestamp_value,
 };
 pub use cause::{Permanent, Transient};
+pub use claim::{BatchClaim, Claim, ClaimedMessage, InboxTransactionExt, MAX_CLAIM_BATCH};
 #[cfg(any(feature = "lapin", feature = "async-nats"))]
 pub use consume::{ConsumerError, ConsumerOptions, ConsumerSummary, Received};
-pub use claim::{BatchClaim, Claim, ClaimedMessage, InboxTransactionExt, MAX_CLAIM_BATCH};
 pub use error::{ErrorKind, InboxError};
 pub use inbox::{BatchOutcome, HandlerFuture, Inbox};
 pub use lease::{

@@ -1,8 +1,10 @@
 //! RabbitMQ through [`lapin`] (feature `lapin`): a delivery's properties to a
 //! [`Delivery`], a [`Settlement`] to `basic.ack`, `basic.nack` or `basic.reject`.
 //!
-//! The consumer loop, with a dead-letter exchange on the queue
-//! (`x-dead-letter-exchange`) for what [`Settlement::DeadLetter`] rejects:
+//! [`RabbitMqConsumer`] is a ready consumer loop (concurrency, prefetch, reconnects,
+//! graceful shutdown) and [`declare_quorum_queue`] the queue it needs; the same by hand,
+//! with a dead-letter exchange on the queue (`x-dead-letter-exchange`) for what
+//! [`Settlement::DeadLetter`] rejects:
 //!
 //! ```no_run
 //! use futures_util::StreamExt;
@@ -38,23 +40,23 @@ use crate::{
     InboxError, MessageId, ObservedTransaction, OutboxMessage, PublishError, Publisher, Received,
     Settlement,
 };
+use ::lapin::ExchangeKind;
+use ::lapin::message::Delivery as AmqpDelivery;
+use ::lapin::options::{BasicAckOptions, BasicNackOptions, BasicRejectOptions};
 use ::lapin::options::{
     BasicConsumeOptions, BasicQosOptions, ExchangeDeclareOptions, QueueBindOptions,
     QueueDeclareOptions,
 };
-use ::lapin::ExchangeKind;
-use futures_util::StreamExt;
-use sea_orm::DatabaseConnection;
-use std::future::Future;
-use std::sync::Arc;
-use ::lapin::message::Delivery as AmqpDelivery;
-use ::lapin::options::{BasicAckOptions, BasicNackOptions, BasicRejectOptions};
 use ::lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use ::lapin::publisher_confirm::Confirmation;
 use ::lapin::types::AMQPValue;
 use ::lapin::types::FieldTable;
 use ::lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use chrono::DateTime;
+use futures_util::StreamExt;
+use sea_orm::DatabaseConnection;
+use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Mutex;
 
@@ -378,7 +380,7 @@ impl Publisher for RabbitMqPublisher {
 /// use sea_orm::{ConnectionTrait, DbErr};
 /// use sea_orm_inbox::{Inbox, rabbitmq::RabbitMqConsumer};
 ///
-/// # async fn run(db: sea_orm::DatabaseConnection) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// # async fn run(db: sea_orm::DatabaseConnection, ctrl_c: std::future::Pending<()>) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 /// let properties = ConnectionProperties::default()
 ///     .with_executor(tokio_executor_trait::Tokio::current())
 ///     .with_reactor(tokio_reactor_trait::Tokio::current());
@@ -390,7 +392,7 @@ impl Publisher for RabbitMqPublisher {
 ///             txn.execute_unprepared(&format!("UPDATE account SET balance = balance + {amount}")).await?;
 ///             Ok::<_, DbErr>(())
 ///         })
-///     }, tokio::signal::ctrl_c())
+///     }, ctrl_c) // tokio::signal::ctrl_c() in a service
 ///     .await?;
 /// println!("{summary}");
 /// # Ok(()) }
@@ -684,7 +686,6 @@ pub async fn declare_quorum_queue(
         .await?;
     Ok(())
 }
-
 
 #[cfg(test)]
 mod tests {

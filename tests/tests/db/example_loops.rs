@@ -536,9 +536,17 @@ async fn rabbitmq_shutdown_mid_run_loses_nothing() {
         let task = tokio::spawn(
             RabbitMqConsumer::new(&queue.url, amqp_properties(), &queue.topology.queue)
                 .with_options(impatient())
-                .run(first.clone(), conn.clone(), handler(slow, Arc::clone(&runs)), stopped),
+                .run(
+                    first.clone(),
+                    conn.clone(),
+                    handler(slow, Arc::clone(&runs)),
+                    stopped,
+                ),
         );
-        wait_for("a few processed", async || first.metrics().snapshot().processed >= 4).await;
+        wait_for("a few processed", async || {
+            first.metrics().snapshot().processed >= 4
+        })
+        .await;
         let _ = stop.send(());
         let stopped = task.await.expect("the task").expect("the loop");
         assert!(
@@ -549,7 +557,14 @@ async fn rabbitmq_shutdown_mid_run_loses_nothing() {
         let fast = Handler::Credit {
             pause: Duration::ZERO,
         };
-        let running = start_rabbitmq(&queue.url, &queue.topology.queue, &conn, &inbox(), fast, &runs);
+        let running = start_rabbitmq(
+            &queue.url,
+            &queue.topology.queue,
+            &conn,
+            &inbox(),
+            fast,
+            &runs,
+        );
         wait_for("every message applied", async || {
             committed(&conn).await.0 == i64::from(SHUTDOWN_MESSAGES)
         })
@@ -588,9 +603,17 @@ async fn nats_shutdown_mid_run_loses_nothing() {
         let task = tokio::spawn(
             JetStreamConsumer::new(stream.client.clone(), &stream.name, CONSUMER)
                 .with_options(impatient())
-                .run(first.clone(), conn.clone(), handler(slow, Arc::clone(&runs)), stopped),
+                .run(
+                    first.clone(),
+                    conn.clone(),
+                    handler(slow, Arc::clone(&runs)),
+                    stopped,
+                ),
         );
-        wait_for("a few processed", async || first.metrics().snapshot().processed >= 4).await;
+        wait_for("a few processed", async || {
+            first.metrics().snapshot().processed >= 4
+        })
+        .await;
         let _ = stop.send(());
         let stopped = task.await.expect("the task").expect("the loop");
         assert!(
@@ -638,9 +661,22 @@ async fn rabbitmq_loop_reconnects_after_a_cut_connection() {
         let steady = Handler::Credit {
             pause: Duration::from_millis(50),
         };
-        let running = start_rabbitmq(proxy.url(), &queue.topology.queue, &conn, &inbox, steady, &runs);
-        wait_for("a few processed", async || inbox.metrics().snapshot().processed >= 5).await;
-        assert!(proxy.cut() > 0, "the loop's connection ran through the proxy");
+        let running = start_rabbitmq(
+            proxy.url(),
+            &queue.topology.queue,
+            &conn,
+            &inbox,
+            steady,
+            &runs,
+        );
+        wait_for("a few processed", async || {
+            inbox.metrics().snapshot().processed >= 5
+        })
+        .await;
+        assert!(
+            proxy.cut() > 0,
+            "the loop's connection ran through the proxy"
+        );
         wait_for("every message applied after the cut", async || {
             committed(&conn).await.0 == i64::from(CUT_MESSAGES)
         })
@@ -676,8 +712,14 @@ async fn nats_loop_reconnects_after_a_cut_connection() {
             pause: Duration::from_millis(50),
         };
         let running = start_nats(&client, &stream.name, &conn, &inbox, steady, &runs);
-        wait_for("a few processed", async || inbox.metrics().snapshot().processed >= 5).await;
-        assert!(proxy.cut() > 0, "the loop's connection ran through the proxy");
+        wait_for("a few processed", async || {
+            inbox.metrics().snapshot().processed >= 5
+        })
+        .await;
+        assert!(
+            proxy.cut() > 0,
+            "the loop's connection ran through the proxy"
+        );
         wait_for("every message applied after the cut", async || {
             committed(&conn).await.0 == i64::from(CUT_MESSAGES)
         })
