@@ -1,6 +1,7 @@
 //! Shared pieces of the runnable demos: connecting to the demo database and the toy
 //! "account" the quickstart and the broker examples credit.
 
+pub mod consumers;
 pub mod metrics_demo;
 
 use sea_orm::sea_query::{Alias, Expr, ExprTrait, Query};

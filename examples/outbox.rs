@@ -1,7 +1,9 @@
 //! The outbox to copy: an order service writes each order's event into the outbox in the
 //! order's own transaction, two relays (each with its own pool, as two replicas would)
-//! publish the events to RabbitMQ with publisher confirms, and a consumer with its own
-//! inbox credits an account once per event.
+//! publish the events to RabbitMQ with publisher confirms, and a consumer loop
+//! (`RabbitMqConsumer`) with its own inbox credits an account once per event, from a
+//! quorum queue with a delivery limit and a dead-letter exchange, so no event is
+//! redelivered without bound.
 //!
 //! The demo places four orders and rolls a fifth back (its event is never published),
 //! then makes one event go out twice, as after a relay that died before marking it sent:
@@ -19,17 +21,14 @@
 //! `MigratorWithOutbox`, which records `CreateOutbox`, and SeaORM then refuses the other
 //! demos' `Migrator`, which does not list it.
 
-use futures_util::StreamExt;
+use inbox_examples::consumers::{self, amqp_properties};
 use inbox_examples::{balance, connect_replica, credit_account, reset_account};
-use lapin::options::{BasicConsumeOptions, QueueDeclareOptions, QueueDeleteOptions};
-use lapin::types::FieldTable;
-use lapin::{Connection, ConnectionProperties};
+use lapin::Connection;
+use lapin::options::QueueDeleteOptions;
 use sea_orm::sea_query::{Alias, Expr, ExprTrait, Query};
 use sea_orm::{ConnectionTrait, DatabaseConnection, Statement, TransactionTrait};
-use sea_orm_inbox::rabbitmq::{self, RabbitMqPublisher};
-use sea_orm_inbox::{
-    Inbox, OutboxExt, OutgoingMessage, ProcessError, Relay, Settlement, outbox_backlog,
-};
+use sea_orm_inbox::rabbitmq::RabbitMqPublisher;
+use sea_orm_inbox::{Inbox, OutboxExt, OutgoingMessage, Relay, outbox_backlog};
 use sea_orm_inbox_migration::{MigratorTrait, MigratorWithOutbox};
 use std::time::Duration;
 
@@ -52,13 +51,6 @@ async fn place_order<C: ConnectionTrait>(txn: &C, order: u32) -> Result<(), BoxE
         .header("content-type", "text/plain");
     txn.enqueue(event).await?;
     Ok(())
-}
-
-/// lapin's connection properties on tokio (the workspace builds lapin without a runtime).
-fn amqp_properties() -> ConnectionProperties {
-    ConnectionProperties::default()
-        .with_executor(tokio_executor_trait::Tokio::current())
-        .with_reactor(tokio_reactor_trait::Tokio::current())
 }
 
 /// Starts a relay replica on its own pool and RabbitMQ connection (which the publisher
@@ -85,12 +77,13 @@ async fn main() -> Result<(), BoxError> {
         .await
         .map_err(|e| format!("connect to RabbitMQ at {url}: {e}"))?;
     let channel = amqp.create_channel().await?;
-    channel
-        .queue_delete(QUEUE, QueueDeleteOptions::default())
-        .await?;
-    channel
-        .queue_declare(QUEUE, QueueDeclareOptions::default(), FieldTable::default())
-        .await?;
+    // An older run's queue may be a classic one, which a quorum declaration refuses.
+    for queue in [QUEUE.to_owned(), format!("{QUEUE}.dead")] {
+        channel
+            .queue_delete(&queue, QueueDeleteOptions::default())
+            .await?;
+    }
+    let topology = consumers::declare_queue(&channel, QUEUE).await?;
 
     // The order service: four orders commit with their events, the fifth rolls back.
     for order in 1..=5 {
@@ -129,38 +122,27 @@ async fn main() -> Result<(), BoxError> {
     db.execute(&forget).await?;
     let republished = replicas[0].0.relay_once(&replicas[0].1).await?.published;
 
-    // The consumer: its own inbox, crediting the account once per event.
+    // The consumer: its own inbox, crediting the account once per event, on a task of
+    // its own until every delivery is settled (a service stops it on ctrl-c).
     let inbox = Inbox::new("example.credit-per-order")?;
-    let mut consumer = channel
-        .basic_consume(
-            QUEUE,
-            "outbox-example",
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await?;
     let expected = published + republished;
-    let mut settled = 0;
-    while settled < expected {
-        let next = tokio::time::timeout(Duration::from_secs(10), consumer.next()).await;
-        let Ok(Some(message)) = next else {
-            return Err(format!("only {settled} of {expected} deliveries arrived").into());
-        };
-        let message = message?;
-        let result = match rabbitmq::delivery(&message) {
-            Ok(delivery) => {
-                inbox
-                    .process(&db, delivery, |txn| {
-                        Box::pin(async move { credit_account(txn, 1).await })
-                    })
-                    .await
-            }
-            Err(err) => Err(ProcessError::Inbox(err)),
-        };
-        let settlement = Settlement::for_delivery(&result, rabbitmq::delivery_count(&message));
-        rabbitmq::settle(&message, settlement).await?;
-        settled += 1;
-    }
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let consumer = tokio::spawn(consumers::consume_rabbitmq(
+        url.clone(),
+        QUEUE,
+        inbox.clone(),
+        db.clone(),
+        |txn, _message| Box::pin(async move { credit_account(txn, 1).await }),
+        stopped,
+    ));
+    consumers::until(Duration::from_secs(10), async || {
+        let seen = inbox.metrics().snapshot();
+        seen.processed + seen.duplicates >= expected
+    })
+    .await;
+    let _ = stop.send(());
+    let summary = consumer.await??;
+    println!("{summary}");
 
     let counts = inbox.metrics().snapshot();
     println!(
@@ -169,9 +151,11 @@ async fn main() -> Result<(), BoxError> {
         counts.duplicates,
         balance(&db).await?
     );
-    channel
-        .queue_delete(QUEUE, QueueDeleteOptions::default())
-        .await?;
+    for queue in [&topology.queue, &topology.dead_letter_queue] {
+        channel
+            .queue_delete(queue, QueueDeleteOptions::default())
+            .await?;
+    }
     amqp.close(200, "demo over").await?;
     if (published, counts.processed, counts.duplicates) != (4, 4, 1) {
         return Err("expected 4 published, 4 credited, 1 duplicate".into());

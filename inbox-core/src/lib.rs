@@ -46,6 +46,8 @@ pub use brokers::jetstream;
 #[cfg(feature = "lapin")]
 pub use brokers::rabbitmq;
 pub use brokers::{BoxError, PublishError, Publisher};
+#[cfg(any(feature = "lapin", feature = "async-nats"))]
+pub use brokers::{ConsumerError, ConsumerOptions, ConsumerSummary, Received};
 pub use cause::{Permanent, Transient};
 pub use claim::{BatchClaim, Claim, ClaimedMessage, InboxTransactionExt, MAX_CLAIM_BATCH};
 pub use error::{ErrorKind, InboxError};

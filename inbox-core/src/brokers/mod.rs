@@ -2,10 +2,14 @@
 //! settlement, publisher, consumer loop, topology), and the [`Publisher`] trait they
 //! implement for the outbox.
 
+#[cfg(any(feature = "lapin", feature = "async-nats"))]
+mod consume;
 #[cfg(feature = "async-nats")]
 pub mod jetstream;
 mod publisher;
 #[cfg(feature = "lapin")]
 pub mod rabbitmq;
 
+#[cfg(any(feature = "lapin", feature = "async-nats"))]
+pub use consume::{ConsumerError, ConsumerOptions, ConsumerSummary, Received};
 pub use publisher::{BoxError, PublishError, Publisher};

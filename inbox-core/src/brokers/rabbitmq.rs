@@ -1,8 +1,10 @@
 //! RabbitMQ through [`lapin`] (feature `lapin`): a delivery's properties to a
 //! [`Delivery`], a [`Settlement`] to `basic.ack`, `basic.nack` or `basic.reject`.
 //!
-//! The consumer loop, with a dead-letter exchange on the queue
-//! (`x-dead-letter-exchange`) for what [`Settlement::DeadLetter`] rejects:
+//! [`RabbitMqConsumer`] is a ready consumer loop (concurrency, prefetch, reconnects,
+//! graceful shutdown) and [`declare_quorum_queue`] the queue it needs; the same by hand,
+//! with a dead-letter exchange on the queue (`x-dead-letter-exchange`) for what
+//! [`Settlement::DeadLetter`] rejects:
 //!
 //! ```no_run
 //! use futures_util::StreamExt;
@@ -32,15 +34,29 @@
 //! # Ok(()) }
 //! ```
 
-use crate::{Delivery, InboxError, MessageId, OutboxMessage, PublishError, Publisher, Settlement};
+use super::consume::{self, Connect, Incoming, Session};
+use crate::{
+    BoxError, ConsumerError, ConsumerOptions, ConsumerSummary, Delivery, HandlerFuture, Inbox,
+    InboxError, MessageId, ObservedTransaction, OutboxMessage, PublishError, Publisher, Received,
+    Settlement,
+};
+use ::lapin::ExchangeKind;
 use ::lapin::message::Delivery as AmqpDelivery;
 use ::lapin::options::{BasicAckOptions, BasicNackOptions, BasicRejectOptions};
+use ::lapin::options::{
+    BasicConsumeOptions, BasicQosOptions, ExchangeDeclareOptions, QueueBindOptions,
+    QueueDeclareOptions,
+};
 use ::lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use ::lapin::publisher_confirm::Confirmation;
 use ::lapin::types::AMQPValue;
 use ::lapin::types::FieldTable;
 use ::lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use chrono::DateTime;
+use futures_util::StreamExt;
+use sea_orm::DatabaseConnection;
+use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Mutex;
 
@@ -350,6 +366,327 @@ impl Publisher for RabbitMqPublisher {
             )),
         }
     }
+}
+
+// --- The consumer loop ----------------------------------------------------------------------
+
+/// A running RabbitMQ consumer in a few lines: the broker-neutral loop of
+/// [`ConsumerOptions`] (a task per delivery behind a semaphore, [`delivery`],
+/// `Inbox::process`, [`settle`]; a delivery without a usable `message_id` is rejected to
+/// the dead-letter exchange without running the handler) over a connection of its own,
+/// re-opened with backoff when the broker or the network drops it. It declares nothing:
+/// declare the queue first (at deployment, or with [`declare_quorum_queue`]).
+///
+/// ```no_run
+/// use lapin::ConnectionProperties;
+/// use sea_orm::{ConnectionTrait, DbErr};
+/// use sea_orm_inbox::{Inbox, rabbitmq::RabbitMqConsumer};
+///
+/// # async fn run(db: sea_orm::DatabaseConnection, ctrl_c: std::future::Pending<()>) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// let properties = ConnectionProperties::default()
+///     .with_executor(tokio_executor_trait::Tokio::current())
+///     .with_reactor(tokio_reactor_trait::Tokio::current());
+/// let consumer = RabbitMqConsumer::new("amqp://guest:guest@127.0.0.1:5672/%2f", properties, "orders");
+/// let summary = consumer
+///     .run(Inbox::new("billing.credit")?, db, |txn, message| {
+///         let amount = message.payload.len() as i64; // parse the payload here
+///         Box::pin(async move {
+///             txn.execute_unprepared(&format!("UPDATE account SET balance = balance + {amount}")).await?;
+///             Ok::<_, DbErr>(())
+///         })
+///     }, ctrl_c) // tokio::signal::ctrl_c() in a service
+///     .await?;
+/// println!("{summary}");
+/// # Ok(()) }
+/// ```
+pub struct RabbitMqConsumer {
+    uri: String,
+    properties: ConnectionProperties,
+    queue: String,
+    options: ConsumerOptions,
+}
+
+impl RabbitMqConsumer {
+    /// A consumer of `queue` at `uri` (`amqp://user:password@host:5672/vhost`), connecting
+    /// with `properties` (on tokio without lapin's default runtime: its executor and
+    /// reactor, as in the example), with the default [`ConsumerOptions`].
+    pub fn new(
+        uri: impl Into<String>,
+        properties: ConnectionProperties,
+        queue: impl Into<String>,
+    ) -> Self {
+        Self {
+            uri: uri.into(),
+            properties,
+            queue: queue.into(),
+            options: ConsumerOptions::default(),
+        }
+    }
+
+    /// Replaces the loop's settings; the prefetch is the channel's `basic.qos`.
+    pub fn with_options(mut self, options: ConsumerOptions) -> Self {
+        self.options = options;
+        self
+    }
+
+    /// Consumes until `shutdown` completes (`tokio::signal::ctrl_c()`, a channel's
+    /// receive...), then stops taking deliveries, waits for those in flight up to the
+    /// [grace period](ConsumerOptions::with_grace), closes the connection (RabbitMQ
+    /// requeues what is unsettled, the messages held for a delayed nack included) and
+    /// returns what it did. `handler` gets the transaction and the [`Received`] message,
+    /// as the handler of [`Inbox::process`] gets the transaction.
+    ///
+    /// # Errors
+    /// [`ConsumerError::Connect`] when the first connection, channel or `basic.consume`
+    /// fails (a wrong URI or credentials, a missing queue). Later losses are reconnected,
+    /// logged at WARN and counted in [`ConsumerSummary::reconnects`].
+    pub async fn run<H, T, E>(
+        self,
+        inbox: Inbox,
+        db: DatabaseConnection,
+        handler: H,
+        shutdown: impl Future + Send,
+    ) -> Result<ConsumerSummary, ConsumerError>
+    where
+        H: for<'t> Fn(&'t ObservedTransaction, Arc<Received>) -> HandlerFuture<'t, T, E>
+            + Send
+            + Sync
+            + 'static,
+        T: Send + 'static,
+        E: std::fmt::Display + Send + 'static,
+    {
+        let connector = AmqpConnect {
+            uri: self.uri,
+            properties: self.properties,
+            queue: self.queue,
+            prefetch: self.options.prefetch(),
+        };
+        consume::run(connector, self.options, inbox, db, handler, shutdown).await
+    }
+}
+
+struct AmqpConnect {
+    uri: String,
+    properties: ConnectionProperties,
+    queue: String,
+    prefetch: u16,
+}
+
+impl Connect for AmqpConnect {
+    type Session = AmqpSession;
+    const BROKER: &'static str = "RabbitMQ";
+
+    async fn connect(&mut self) -> Result<AmqpSession, BoxError> {
+        let connection = Connection::connect(&self.uri, self.properties.clone()).await?;
+        let channel = connection.create_channel().await?;
+        channel
+            .basic_qos(self.prefetch, BasicQosOptions::default())
+            .await?;
+        // An empty tag: the broker names the consumer, unique per connection.
+        let consumer = channel
+            .basic_consume(
+                &self.queue,
+                "",
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        Ok(AmqpSession {
+            connection,
+            consumer,
+        })
+    }
+}
+
+struct AmqpSession {
+    connection: Connection,
+    consumer: ::lapin::Consumer,
+}
+
+impl Session for AmqpSession {
+    type Message = AmqpMessage;
+
+    async fn next(&mut self) -> Option<Result<AmqpMessage, BoxError>> {
+        let next = self.consumer.next().await?;
+        Some(next.map(AmqpMessage).map_err(BoxError::from))
+    }
+
+    async fn close(self) {
+        if self.connection.status().connected()
+            && let Err(err) = self.connection.close(200, "consumer stopped").await
+        {
+            tracing::debug!(error = %err, "closing the consumer's connection failed; the broker requeues its unsettled messages when it notices");
+        }
+    }
+}
+
+struct AmqpMessage(AmqpDelivery);
+
+impl Incoming for AmqpMessage {
+    fn delivery(&self) -> Result<Delivery, InboxError> {
+        delivery(&self.0)
+    }
+
+    fn delivery_count(&self) -> u32 {
+        delivery_count(&self.0)
+    }
+
+    /// Never: a quorum queue dead-letters a message past its `x-delivery-limit` itself.
+    fn last_delivery(&self) -> bool {
+        false
+    }
+
+    fn received(&mut self, message_id: MessageId) -> Received {
+        let properties = &self.0.properties;
+        let headers = properties
+            .headers()
+            .as_ref()
+            .map(|headers| {
+                headers
+                    .inner()
+                    .iter()
+                    .filter_map(|(name, value)| {
+                        let text = match value {
+                            AMQPValue::LongString(text) => text.to_string(),
+                            AMQPValue::ShortString(text) => text.to_string(),
+                            _ => return None,
+                        };
+                        Some((name.to_string(), text))
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        Received {
+            broker_id: properties
+                .message_id()
+                .as_ref()
+                .map(|id| id.to_string())
+                .unwrap_or_default(),
+            headers,
+            payload: std::mem::take(&mut self.0.data),
+            message_id,
+            delivery_count: delivery_count(&self.0),
+        }
+    }
+
+    async fn settle(&self, settlement: Settlement) -> Result<(), BoxError> {
+        settle(&self.0, settlement).await.map_err(BoxError::from)
+    }
+}
+
+// --- Topology -------------------------------------------------------------------------------
+
+/// A quorum queue that dead-letters what cannot be processed, for
+/// [`declare_quorum_queue`]: the queue, a `fanout` dead-letter exchange and a
+/// dead-letter queue bound to it, all durable.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct QuorumQueue {
+    /// The queue consumers read.
+    pub queue: String,
+    /// Deliveries after which RabbitMQ dead-letters a message that keeps being nacked
+    /// (`x-delivery-limit`; RabbitMQ 4 defaults to 20 when unset).
+    pub delivery_limit: u32,
+    /// The exchange `basic.reject` without requeue and the delivery limit send to
+    /// (`x-dead-letter-exchange`).
+    pub dead_letter_exchange: String,
+    /// Where the dead letters wait for a human.
+    pub dead_letter_queue: String,
+}
+
+impl QuorumQueue {
+    /// `queue`, dead-lettering through the exchange `{queue}.dlx` into the queue
+    /// `{queue}.dead`, with a delivery limit of 5.
+    pub fn new(queue: impl Into<String>) -> Self {
+        let queue = queue.into();
+        Self {
+            dead_letter_exchange: format!("{queue}.dlx"),
+            dead_letter_queue: format!("{queue}.dead"),
+            delivery_limit: 5,
+            queue,
+        }
+    }
+
+    /// Sets the delivery limit.
+    pub fn delivery_limit(mut self, limit: u32) -> Self {
+        self.delivery_limit = limit;
+        self
+    }
+}
+
+/// Declares `topology` on `channel` (idempotent: a second declaration with the same
+/// arguments is a no-op), so that no message can be redelivered without bound:
+///
+/// - the dead-letter exchange (`fanout`: a dead letter keeps its routing key, which the
+///   dead-letter queue need not know) and the dead-letter queue bound to it, a quorum
+///   queue too;
+/// - the queue itself as a quorum queue (`x-queue-type: quorum`,
+///   <https://www.rabbitmq.com/docs/quorum-queues>) with `x-delivery-limit`
+///   (<https://www.rabbitmq.com/docs/quorum-queues#poison-message-handling>): past the
+///   limit RabbitMQ dead-letters a message however it is nacked; and
+///   `x-dead-letter-exchange` (<https://www.rabbitmq.com/docs/dlx>), where
+///   [`Settlement::DeadLetter`] (`basic.reject`, `requeue: false`) sends it at once. Quorum
+///   queues also count deliveries in `x-delivery-count`, which [`delivery_count`] reads
+///   for the growing nack delay (a classic queue only flags a redelivery).
+///
+/// Dead-lettering is RabbitMQ's default `at-most-once` strategy: a dead letter is lost if
+/// the dead-letter queue is unavailable at that moment. A queue already declared with
+/// other arguments makes RabbitMQ close the channel with `PRECONDITION_FAILED`: delete it,
+/// or change it with a policy instead.
+///
+/// # Errors
+/// The channel's error for the first declaration or binding that fails.
+pub async fn declare_quorum_queue(
+    channel: &Channel,
+    topology: &QuorumQueue,
+) -> Result<(), ::lapin::Error> {
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..QueueDeclareOptions::default()
+    };
+    let quorum = || {
+        let mut arguments = FieldTable::default();
+        arguments.insert(
+            "x-queue-type".into(),
+            AMQPValue::LongString("quorum".into()),
+        );
+        arguments
+    };
+    channel
+        .exchange_declare(
+            &topology.dead_letter_exchange,
+            ExchangeKind::Fanout,
+            ExchangeDeclareOptions {
+                durable: true,
+                ..ExchangeDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await?;
+    channel
+        .queue_declare(&topology.dead_letter_queue, durable, quorum())
+        .await?;
+    channel
+        .queue_bind(
+            &topology.dead_letter_queue,
+            &topology.dead_letter_exchange,
+            "",
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    let mut arguments = quorum();
+    arguments.insert(
+        "x-delivery-limit".into(),
+        AMQPValue::LongUInt(topology.delivery_limit),
+    );
+    arguments.insert(
+        "x-dead-letter-exchange".into(),
+        AMQPValue::LongString(topology.dead_letter_exchange.as_str().into()),
+    );
+    channel
+        .queue_declare(&topology.queue, durable, arguments)
+        .await?;
+    Ok(())
 }
 
 #[cfg(test)]

@@ -13,6 +13,7 @@ mod batch;
 mod brokers;
 mod claim;
 mod ended_transaction;
+mod example_loops;
 mod faults;
 mod galera;
 mod input;
