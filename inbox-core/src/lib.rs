@@ -15,6 +15,8 @@ pub mod guide;
 mod inbox;
 #[cfg(feature = "async-nats")]
 pub mod jetstream;
+#[cfg(feature = "rdkafka")]
+pub mod kafka;
 mod lease;
 mod message_id;
 mod metrics;

@@ -16,6 +16,7 @@ mod ended_transaction;
 mod faults;
 mod galera;
 mod input;
+mod kafka;
 mod keys;
 mod lease;
 mod localized;
