@@ -108,7 +108,7 @@ pub enum KafkaError {
         /// The record's offset.
         offset: i64,
         /// Why.
-        source: InboxError,
+        source: Box<InboxError>,
     },
     /// The stored offset is not the one this consumer expected: another consumer took the
     /// partition (a rebalance) and moved it on. The record's transaction rolled back.
@@ -132,7 +132,7 @@ pub enum KafkaError {
     Database {
         /// The database's error.
         #[source]
-        source: DbErr,
+        source: Box<DbErr>,
     },
     /// Processing a record failed and cannot be retried by the loop (the inbox's error).
     #[error("processing {topic}[{partition}]@{offset} failed: {error}")]
@@ -144,7 +144,7 @@ pub enum KafkaError {
         /// The record's offset.
         offset: i64,
         /// What the inbox said.
-        error: ProcessError<BoxError>,
+        error: Box<ProcessError<BoxError>>,
     },
     /// The Kafka client failed (a seek, the subscription, the consumer's creation).
     #[error("the Kafka client failed: {0}")]
@@ -182,7 +182,7 @@ pub fn message_id<M: Message>(record: &M, id_header: &str) -> Result<MessageId, 
         topic: record.topic().to_owned(),
         partition: record.partition(),
         offset: record.offset(),
-        source,
+        source: Box::new(source),
     };
     if let Some(id) = header(id_header)? {
         return MessageId::from_broker_id(id).map_err(key_error);
@@ -237,10 +237,14 @@ pub async fn stored_offset<C: ConnectionTrait>(
     let row = db
         .query_one(&select)
         .await
-        .map_err(|source| KafkaError::Database { source })?;
+        .map_err(|source| KafkaError::Database {
+            source: Box::new(source),
+        })?;
     row.map(|row| row.try_get::<i64>("", "next_offset"))
         .transpose()
-        .map_err(|source| KafkaError::Database { source })
+        .map_err(|source| KafkaError::Database {
+            source: Box::new(source),
+        })
 }
 
 /// Sets the stored offset of `group` on `topic`'s `partition` to `next`, if it is still
@@ -275,7 +279,9 @@ pub async fn advance_offset<C: ConnectionTrait>(
             let result = txn
                 .execute(&update)
                 .await
-                .map_err(|source| KafkaError::Database { source })?;
+                .map_err(|source| KafkaError::Database {
+                    source: Box::new(source),
+                })?;
             // Matched rows, not changed ones, on every backend (sqlx asks MySQL for found
             // rows); `next` differs from `expected` anyway.
             if result.rows_affected() == 1 {
@@ -302,7 +308,9 @@ pub async fn advance_offset<C: ConnectionTrait>(
                 Err(err) if matches!(err.sql_err(), Some(SqlErr::UniqueConstraintViolation(_))) => {
                     Err(moved())
                 }
-                Err(source) => Err(KafkaError::Database { source }),
+                Err(source) => Err(KafkaError::Database {
+                    source: Box::new(source),
+                }),
             }
         }
     }
@@ -463,7 +471,7 @@ impl KafkaInbox {
                     topic: topic.to_owned(),
                     partition,
                     offset: record.offset(),
-                    error,
+                    error: Box::new(error),
                 });
             }
         };
@@ -488,11 +496,13 @@ impl KafkaInbox {
         let txn = db
             .begin_with_options(CLAIM_TRANSACTION)
             .await
-            .map_err(|source| KafkaError::Database { source })?;
+            .map_err(|source| KafkaError::Database {
+                source: Box::new(source),
+            })?;
         advance_offset(&txn, &self.group, topic, partition, expected, next).await?;
-        txn.commit()
-            .await
-            .map_err(|source| KafkaError::Database { source })
+        txn.commit().await.map_err(|source| KafkaError::Database {
+            source: Box::new(source),
+        })
     }
 
     /// Consumes from `consumer` (made by [`consumer`](Self::consumer), subscribed by the
