@@ -45,7 +45,7 @@
 //!             let _ = (txn, record);
 //!             Ok(())
 //!         })
-//!     }, tokio::signal::ctrl_c())
+//!     }, std::future::pending::<()>()) // your shutdown signal
 //!     .await?;
 //! println!("{} processed", report.processed);
 //! # Ok(()) }
