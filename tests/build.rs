@@ -34,6 +34,10 @@ const GATES: &[Gate] = &[
         var: "INBOX_TEST_NATS_URL",
         cfg: "inbox_nats",
     },
+    Gate {
+        var: "INBOX_TEST_KAFKA_BOOTSTRAP",
+        cfg: "inbox_kafka",
+    },
 ];
 
 fn main() {

@@ -25,6 +25,7 @@ macro_rules! chapter_links {
          [observability]: crate::guide::observability\n\
          [tests]: crate::guide::tests\n\
          [outbox]: crate::guide::outbox\n\
+         [kafka]: crate::guide::kafka\n\
          [fault-tolerance#lost-replies]: crate::guide::fault_tolerance#lost-replies\n\
          [retention#table-growth-at-scale]: crate::guide::retention#table-growth-at-scale\n"
     };
@@ -85,6 +86,10 @@ pub mod observability {}
 #[doc = chapter_links!()]
 #[doc = include_str!("../docs/guide/outbox.md")]
 pub mod outbox {}
+
+#[doc = chapter_links!()]
+#[doc = include_str!("../docs/guide/kafka.md")]
+pub mod kafka {}
 
 #[doc = chapter_links!()]
 #[doc = include_str!("../docs/guide/tests.md")]

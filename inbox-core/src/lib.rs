@@ -43,6 +43,8 @@ pub use backend::{
 };
 #[cfg(feature = "async-nats")]
 pub use brokers::jetstream;
+#[cfg(feature = "rdkafka")]
+pub use brokers::kafka;
 #[cfg(feature = "lapin")]
 pub use brokers::rabbitmq;
 pub use brokers::{BoxError, PublishError, Publisher};

@@ -64,6 +64,17 @@ pub mod inbox {
     impl ActiveModelBehavior for ActiveModel {}
 }
 
+/// Name of the table of Kafka consumer offsets that the opt-in `CreateKafkaOffsets`
+/// migration creates: the next offset per (consumer group, topic, partition), advanced in
+/// the handler's transaction.
+pub const KAFKA_OFFSET_TABLE_NAME: &str = "inbox_kafka_offset";
+
+/// Longest Kafka topic name, in characters (Kafka's own limit).
+pub const KAFKA_TOPIC_MAX_CHARS: usize = 249;
+
+/// Longest consumer group id the offset table holds, in characters.
+pub const KAFKA_GROUP_MAX_CHARS: usize = 200;
+
 /// Name of the outbox table.
 pub const OUTBOX_TABLE_NAME: &str = "outbox";
 

@@ -6,12 +6,14 @@ mod m20261130_000002_add_inbox_leases;
 mod m20261201_000003_inbox_unique_constraint;
 mod m20261201_000004_create_outbox;
 mod m20261204_000005_add_outbox_first_published;
+mod m20261204_000006_create_kafka_offsets;
 
 pub use m20261130_000001_create_inbox::CreateInbox;
 pub use m20261130_000002_add_inbox_leases::AddInboxLeases;
 pub use m20261201_000003_inbox_unique_constraint::InboxUniqueConstraint;
 pub use m20261201_000004_create_outbox::CreateOutbox;
 pub use m20261204_000005_add_outbox_first_published::AddOutboxFirstPublished;
+pub use m20261204_000006_create_kafka_offsets::CreateKafkaOffsets;
 /// Re-exported for [`CreateInbox::for_table`] and its siblings.
 pub use sea_orm_inbox_entity::InboxTable;
 /// Re-exported so `Migrator::up(&db, None)` needs no direct `sea-orm-migration` import.

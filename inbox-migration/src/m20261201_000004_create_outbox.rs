@@ -45,7 +45,11 @@ impl MigrationName for CreateOutbox {
 
 /// A varchar compared byte for byte on every backend (binary collation on MySQL/MariaDB,
 /// whose default collations ignore case: two keys differing in case would share an order).
-fn exact_varchar(backend: DatabaseBackend, column: impl IntoIden, chars: usize) -> ColumnDef {
+pub(crate) fn exact_varchar(
+    backend: DatabaseBackend,
+    column: impl IntoIden,
+    chars: usize,
+) -> ColumnDef {
     let chars = chars as u32;
     if backend != DatabaseBackend::MySql {
         return string_len(column, chars);

@@ -6,6 +6,8 @@
 mod consume;
 #[cfg(feature = "async-nats")]
 pub mod jetstream;
+#[cfg(feature = "rdkafka")]
+pub mod kafka;
 mod publisher;
 #[cfg(feature = "lapin")]
 pub mod rabbitmq;

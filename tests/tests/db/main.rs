@@ -17,6 +17,7 @@ mod example_loops;
 mod faults;
 mod galera;
 mod input;
+mod kafka;
 mod keys;
 mod lease;
 mod localized;

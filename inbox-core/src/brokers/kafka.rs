@@ -1,0 +1,625 @@
+//! Kafka through [rdkafka](https://docs.rs/rdkafka) (feature `rdkafka`): a record's
+//! [`Delivery`], and a consumer whose offsets live in the application's database, advanced
+//! in the same transaction as the inbox marker and the business change.
+//!
+//! Why the offsets are not (only) Kafka's: a consumer that commits to Kafka before its
+//! database commit loses the record when the database then fails; one that commits after
+//! it processes the record again when it dies in between (the inbox catches that, but only
+//! while the marker is kept). With the next offset stored by the handler's transaction the
+//! database alone says how far a partition got: the marker, the business change and the
+//! offset commit together or not at all.
+//!
+//! - The offset table comes from the opt-in migration `CreateKafkaOffsets` of
+//!   `sea-orm-inbox-migration` (add it to your migrator).
+//! - The advance is a compare-and-set on the offset this consumer last read or wrote: a
+//!   consumer that lost the partition in a rebalance (another took it and moved on) fails
+//!   it, and its transaction, marker and business change included, rolls back.
+//! - A duplicate (its marker exists: the producer sent it twice) still advances the offset,
+//!   in a transaction of its own, so no partition stalls on it.
+//! - On the first record of a partition after an assignment, the consumer reads the stored
+//!   offset and seeks there. Kafka's own offset commit comes after the database commit and
+//!   is only a hint (for lag monitoring, and where no stored offset exists yet).
+//!
+//! See the guide's Kafka chapter ([`crate::guide`]) for what a rebalance does and where
+//! Tansu, the broker the tests run on, differs from Apache Kafka.
+//!
+//! ```no_run
+//! # async fn run(db: sea_orm::DatabaseConnection) -> Result<(), Box<dyn std::error::Error>> {
+//! use rdkafka::ClientConfig;
+//! use rdkafka::consumer::Consumer;
+//! use sea_orm_inbox::Inbox;
+//! use sea_orm_inbox::kafka::KafkaInbox;
+//!
+//! let kafka = KafkaInbox::new(Inbox::new("billing")?, "billing-group")?;
+//! let consumer = kafka.consumer(
+//!     ClientConfig::new()
+//!         .set("bootstrap.servers", "127.0.0.1:9092")
+//!         .set("auto.offset.reset", "earliest"),
+//! )?;
+//! consumer.subscribe(&["payments"])?;
+//! let report = kafka
+//!     .run(&consumer, &db, |txn, record| {
+//!         Box::pin(async move {
+//!             // business writes through `txn`, reading `record.payload()` (`record` is an
+//!             // `Arc<OwnedMessage>`: each attempt of a retried transaction gets it again)
+//!             let _ = (txn, record);
+//!             Ok(())
+//!         })
+//!     }, std::future::pending::<()>()) // your shutdown signal
+//!     .await?;
+//! println!("{} processed", report.processed);
+//! # Ok(()) }
+//! ```
+
+use super::BoxError;
+use crate::{CLAIM_TRANSACTION, Delivery, Inbox, InboxError, MessageId, ObservedTransaction};
+use crate::{HandlerFuture, Outcome, ProcessError};
+use chrono::DateTime;
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{
+    BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
+};
+use rdkafka::message::{Headers, Message, OwnedMessage};
+use rdkafka::{ClientContext, Offset, TopicPartitionList};
+use sea_orm::sea_query::{Alias, Expr, ExprTrait, Query};
+use sea_orm::{ConnectionTrait, DatabaseConnection, DbErr, SqlErr, TransactionTrait};
+use sea_orm_inbox_entity::{KAFKA_GROUP_MAX_CHARS, KAFKA_OFFSET_TABLE_NAME};
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// The header a producer sets to name its message, read when no other is configured.
+pub const DEFAULT_ID_HEADER: &str = "message-id";
+
+/// What went wrong in the Kafka consumer; each message says what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum KafkaError {
+    /// The consumer group id is empty or longer than the offset table's column.
+    #[error(
+        "the consumer group id {group:?} must be 1 to {KAFKA_GROUP_MAX_CHARS} characters: pick a shorter group.id"
+    )]
+    InvalidGroup {
+        /// The rejected group id.
+        group: String,
+    },
+    /// The id header's value is not UTF-8.
+    #[error(
+        "header {header:?} of {topic}[{partition}]@{offset} is not UTF-8: have the producer write the message id as text, or configure another header"
+    )]
+    HeaderNotUtf8 {
+        /// The header.
+        header: String,
+        /// The record's topic.
+        topic: String,
+        /// The record's partition.
+        partition: i32,
+        /// The record's offset.
+        offset: i64,
+    },
+    /// The record's key could not be made (an empty header, a nil id).
+    #[error("the record {topic}[{partition}]@{offset} has no usable message id: {source}")]
+    Key {
+        /// The record's topic.
+        topic: String,
+        /// The record's partition.
+        partition: i32,
+        /// The record's offset.
+        offset: i64,
+        /// Why.
+        source: Box<InboxError>,
+    },
+    /// The stored offset is not the one this consumer expected: another consumer took the
+    /// partition (a rebalance) and moved it on. The record's transaction rolled back.
+    #[error(
+        "the stored offset of group {group:?} on {topic}[{partition}] is no longer {expected:?}: another consumer took the partition; the record's transaction rolled back (seek to the stored offset)"
+    )]
+    OffsetMoved {
+        /// The consumer group.
+        group: String,
+        /// The topic.
+        topic: String,
+        /// The partition.
+        partition: i32,
+        /// The stored offset the consumer expected (`None`: no row yet).
+        expected: Option<i64>,
+    },
+    /// Reading or writing the offset table failed.
+    #[error(
+        "the Kafka offset table {KAFKA_OFFSET_TABLE_NAME} could not be read or written ({source}): is sea-orm-inbox-migration's CreateKafkaOffsets applied?"
+    )]
+    Database {
+        /// The database's error.
+        #[source]
+        source: Box<DbErr>,
+    },
+    /// Processing a record failed and cannot be retried by the loop (the inbox's error).
+    #[error("processing {topic}[{partition}]@{offset} failed: {error}")]
+    Process {
+        /// The record's topic.
+        topic: String,
+        /// The record's partition.
+        partition: i32,
+        /// The record's offset.
+        offset: i64,
+        /// What the inbox said.
+        error: Box<ProcessError<BoxError>>,
+    },
+    /// The Kafka client failed (a seek, the subscription, the consumer's creation).
+    #[error("the Kafka client failed: {0}")]
+    Client(#[from] rdkafka::error::KafkaError),
+}
+
+/// The key of `record`: the producer's id header `id_header` when present, else a
+/// CloudEvents `ce_id` + `ce_source` pair (the Kafka protocol binding's headers), else
+/// [`MessageId::from_kafka`] of its topic, partition and offset.
+///
+/// Prefer a producer header: `(topic, partition, offset)` tells a redelivery of one record
+/// apart from nothing, but a record the producer sent twice sits at two offsets.
+pub fn message_id<M: Message>(record: &M, id_header: &str) -> Result<MessageId, KafkaError> {
+    let header = |name: &str| -> Result<Option<&str>, KafkaError> {
+        let Some(headers) = record.headers() else {
+            return Ok(None);
+        };
+        let Some(value) = headers
+            .iter()
+            .find(|header| header.key == name)
+            .and_then(|header| header.value)
+        else {
+            return Ok(None);
+        };
+        std::str::from_utf8(value)
+            .map(Some)
+            .map_err(|_| KafkaError::HeaderNotUtf8 {
+                header: name.to_owned(),
+                topic: record.topic().to_owned(),
+                partition: record.partition(),
+                offset: record.offset(),
+            })
+    };
+    let key_error = |source| KafkaError::Key {
+        topic: record.topic().to_owned(),
+        partition: record.partition(),
+        offset: record.offset(),
+        source: Box::new(source),
+    };
+    if let Some(id) = header(id_header)? {
+        return MessageId::from_broker_id(id).map_err(key_error);
+    }
+    if let (Some(id), Some(source)) = (header("ce_id")?, header("ce_source")?) {
+        return MessageId::from_cloud_event(source, id).map_err(key_error);
+    }
+    MessageId::from_kafka(record.topic(), record.partition(), record.offset()).map_err(key_error)
+}
+
+/// The [`Delivery`] of `record`: its [`message_id`], sent at the record's timestamp (the
+/// producer's create time, or the broker's log-append time, whichever the topic keeps) for
+/// the admission floor.
+pub fn delivery<M: Message>(record: &M, id_header: &str) -> Result<Delivery, KafkaError> {
+    let delivery = Delivery::new(message_id(record, id_header)?);
+    Ok(
+        match record
+            .timestamp()
+            .to_millis()
+            .and_then(DateTime::from_timestamp_millis)
+        {
+            Some(sent_at) => delivery.sent_at(sent_at),
+            None => delivery,
+        },
+    )
+}
+
+fn offset_table() -> Alias {
+    Alias::new(KAFKA_OFFSET_TABLE_NAME)
+}
+
+fn partition_is(group: &str, topic: &str, partition: i32) -> sea_orm::sea_query::Condition {
+    sea_orm::sea_query::Condition::all()
+        .add(Expr::col(Alias::new("consumer_group")).eq(group))
+        .add(Expr::col(Alias::new("topic")).eq(topic))
+        .add(Expr::col(Alias::new("partition_id")).eq(partition))
+}
+
+/// The next offset stored for `group` on `topic`'s `partition`; `None` before the first
+/// record of it was processed.
+pub async fn stored_offset<C: ConnectionTrait>(
+    db: &C,
+    group: &str,
+    topic: &str,
+    partition: i32,
+) -> Result<Option<i64>, KafkaError> {
+    let select = Query::select()
+        .column(Alias::new("next_offset"))
+        .from(offset_table())
+        .cond_where(partition_is(group, topic, partition))
+        .to_owned();
+    let row = db
+        .query_one(&select)
+        .await
+        .map_err(|source| KafkaError::Database {
+            source: Box::new(source),
+        })?;
+    row.map(|row| row.try_get::<i64>("", "next_offset"))
+        .transpose()
+        .map_err(|source| KafkaError::Database {
+            source: Box::new(source),
+        })
+}
+
+/// Sets the stored offset of `group` on `topic`'s `partition` to `next`, if it is still
+/// `expected` (`None`: no row yet), through `txn`: the record's transaction. Fails with
+/// [`KafkaError::OffsetMoved`] otherwise, which must roll the transaction back.
+///
+/// The compare-and-set is what fences a consumer that lost the partition: the new owner
+/// has moved the stored offset on (or holds the row's lock until it does, and then the
+/// update matches nothing), so the stale consumer's transaction cannot commit.
+pub async fn advance_offset<C: ConnectionTrait>(
+    txn: &C,
+    group: &str,
+    topic: &str,
+    partition: i32,
+    expected: Option<i64>,
+    next: i64,
+) -> Result<(), KafkaError> {
+    let moved = || KafkaError::OffsetMoved {
+        group: group.to_owned(),
+        topic: topic.to_owned(),
+        partition,
+        expected,
+    };
+    match expected {
+        Some(expected) => {
+            let update = Query::update()
+                .table(offset_table())
+                .value(Alias::new("next_offset"), next)
+                .cond_where(partition_is(group, topic, partition))
+                .and_where(Expr::col(Alias::new("next_offset")).eq(expected))
+                .to_owned();
+            let result = txn
+                .execute(&update)
+                .await
+                .map_err(|source| KafkaError::Database {
+                    source: Box::new(source),
+                })?;
+            // Matched rows, not changed ones, on every backend (sqlx asks MySQL for found
+            // rows); `next` differs from `expected` anyway.
+            if result.rows_affected() == 1 {
+                Ok(())
+            } else {
+                Err(moved())
+            }
+        }
+        None => {
+            let insert = Query::insert()
+                .into_table(offset_table())
+                .columns([
+                    Alias::new("consumer_group"),
+                    Alias::new("topic"),
+                    Alias::new("partition_id"),
+                    Alias::new("next_offset"),
+                ])
+                .values_panic([group.into(), topic.into(), partition.into(), next.into()])
+                .to_owned();
+            match txn.execute(&insert).await {
+                Ok(_) => Ok(()),
+                // The primary key is the table's only unique index: another consumer wrote
+                // the partition's first offset.
+                Err(err) if matches!(err.sql_err(), Some(SqlErr::UniqueConstraintViolation(_))) => {
+                    Err(moved())
+                }
+                Err(source) => Err(KafkaError::Database {
+                    source: Box::new(source),
+                }),
+            }
+        }
+    }
+}
+
+/// How one record ended, for [`KafkaInbox::process_record`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RecordOutcome {
+    /// The handler ran and committed with the marker and the offset advance.
+    Processed,
+    /// The marker existed; the offset was advanced in a transaction of its own.
+    Duplicate,
+    /// The admission floor refused it; the offset was advanced past it (logged at WARN).
+    Refused,
+    /// The stored offset had moved: nothing was applied; seek to the stored offset.
+    OffsetMoved,
+}
+
+/// What [`KafkaInbox::run`] did until its shutdown.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RunReport {
+    /// Records processed.
+    pub processed: u64,
+    /// Duplicates skipped (their offsets advanced).
+    pub duplicates: u64,
+    /// Records the admission floor refused (their offsets advanced).
+    pub refused: u64,
+    /// Records whose offset advance found the stored offset moved (nothing applied).
+    pub offsets_moved: u64,
+    /// Failed attempts, each followed by a seek back to the record.
+    pub failures: u64,
+    /// Seeks to a stored offset after an assignment or a moved offset.
+    pub seeks: u64,
+}
+
+/// The rdkafka context of [`KafkaInbox::consumer`]: counts rebalances, so the loop forgets
+/// the offsets it expected and reads them from the database again.
+#[derive(Debug, Default)]
+pub struct OffsetContext {
+    rebalances: AtomicU64,
+}
+
+impl ClientContext for OffsetContext {}
+
+impl ConsumerContext for OffsetContext {
+    fn pre_rebalance(&self, _consumer: &BaseConsumer<Self>, _rebalance: &Rebalance<'_>) {
+        self.rebalances.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+/// The consumer [`KafkaInbox::run`] reads from.
+pub type KafkaConsumer = StreamConsumer<OffsetContext>;
+
+/// A Kafka consumer group's inbox: the [`Inbox`], the group whose offsets it stores, and
+/// the header that names a message.
+#[derive(Debug, Clone)]
+pub struct KafkaInbox {
+    inbox: Inbox,
+    group: String,
+    id_header: String,
+    retry_delay: Duration,
+}
+
+impl KafkaInbox {
+    /// The inbox of consumer group `group` (its Kafka `group.id`, also the offset table's
+    /// key).
+    pub fn new(inbox: Inbox, group: impl Into<String>) -> Result<Self, KafkaError> {
+        let group = group.into();
+        if group.is_empty() || group.chars().count() > KAFKA_GROUP_MAX_CHARS {
+            return Err(KafkaError::InvalidGroup { group });
+        }
+        Ok(Self {
+            inbox,
+            group,
+            id_header: DEFAULT_ID_HEADER.to_owned(),
+            retry_delay: Duration::from_secs(1),
+        })
+    }
+
+    /// Reads the message id from header `name` instead of [`DEFAULT_ID_HEADER`].
+    pub fn with_id_header(mut self, name: impl Into<String>) -> Self {
+        self.id_header = name.into();
+        self
+    }
+
+    /// The pause before a failed record is read again (default 1 s).
+    pub fn with_retry_delay(mut self, delay: Duration) -> Self {
+        self.retry_delay = delay;
+        self
+    }
+
+    /// The consumer group.
+    pub fn group(&self) -> &str {
+        &self.group
+    }
+
+    /// A consumer of `config` for [`run`](Self::run): this group's `group.id`, and neither
+    /// automatic offset commits nor stores (the loop commits to Kafka itself, after the
+    /// database).
+    pub fn consumer(&self, config: &ClientConfig) -> Result<KafkaConsumer, KafkaError> {
+        let mut config = config.clone();
+        config
+            .set("group.id", &self.group)
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false");
+        Ok(config.create_with_context(OffsetContext::default())?)
+    }
+
+    /// Processes `record` once: claims it in the inbox, runs `handler` and advances the
+    /// stored offset from `expected` past the record, all in one transaction (with the
+    /// inbox's retries of transient failures). A duplicate or a refused record only
+    /// advances the offset.
+    pub async fn process_record<F>(
+        &self,
+        db: &DatabaseConnection,
+        record: &Arc<OwnedMessage>,
+        expected: Option<i64>,
+        handler: &mut F,
+    ) -> Result<RecordOutcome, KafkaError>
+    where
+        F: for<'t> FnMut(
+                &'t ObservedTransaction,
+                Arc<OwnedMessage>,
+            ) -> HandlerFuture<'t, (), BoxError>
+            + Send,
+    {
+        let delivery = delivery(record.as_ref(), &self.id_header)?;
+        let (topic, partition, next) = (record.topic(), record.partition(), record.offset() + 1);
+        let outcome = self
+            .inbox
+            .process(db, delivery, |txn| {
+                let business = handler(txn, Arc::clone(record));
+                let (group, topic) = (self.group.clone(), topic.to_owned());
+                Box::pin(async move {
+                    business.await?;
+                    advance_offset(txn, &group, &topic, partition, expected, next).await?;
+                    Ok::<(), BoxError>(())
+                })
+            })
+            .await;
+        let outcome = match outcome {
+            Ok(Outcome::Processed(())) => return Ok(RecordOutcome::Processed),
+            Ok(Outcome::Duplicate) => RecordOutcome::Duplicate,
+            Ok(Outcome::Refused(refusal)) => {
+                tracing::warn!(topic, partition, offset = record.offset(), %refusal, "record refused by the admission floor: skipped");
+                RecordOutcome::Refused
+            }
+            Err(ProcessError::Handler(err))
+                if matches!(
+                    err.downcast_ref::<KafkaError>(),
+                    Some(KafkaError::OffsetMoved { .. })
+                ) =>
+            {
+                return Ok(RecordOutcome::OffsetMoved);
+            }
+            Err(error) => {
+                return Err(KafkaError::Process {
+                    topic: topic.to_owned(),
+                    partition,
+                    offset: record.offset(),
+                    error: Box::new(error),
+                });
+            }
+        };
+        match self
+            .advance_alone(db, topic, partition, expected, next)
+            .await
+        {
+            Ok(()) => Ok(outcome),
+            Err(KafkaError::OffsetMoved { .. }) => Ok(RecordOutcome::OffsetMoved),
+            Err(err) => Err(err),
+        }
+    }
+
+    async fn advance_alone(
+        &self,
+        db: &DatabaseConnection,
+        topic: &str,
+        partition: i32,
+        expected: Option<i64>,
+        next: i64,
+    ) -> Result<(), KafkaError> {
+        let txn = db
+            .begin_with_options(CLAIM_TRANSACTION)
+            .await
+            .map_err(|source| KafkaError::Database {
+                source: Box::new(source),
+            })?;
+        advance_offset(&txn, &self.group, topic, partition, expected, next).await?;
+        txn.commit().await.map_err(|source| KafkaError::Database {
+            source: Box::new(source),
+        })
+    }
+
+    /// Consumes from `consumer` (made by [`consumer`](Self::consumer), subscribed by the
+    /// caller) until `shutdown` completes, one record at a time, in order within each
+    /// partition. A handler in flight when `shutdown` completes finishes (commits or rolls
+    /// back) before `run` returns; nothing is half done either way.
+    ///
+    /// A failed record is read again after the retry delay (a seek back to it), so its
+    /// partition waits for it; there is no dead-letter topic yet.
+    pub async fn run<F, S>(
+        &self,
+        consumer: &KafkaConsumer,
+        db: &DatabaseConnection,
+        mut handler: F,
+        shutdown: S,
+    ) -> Result<RunReport, KafkaError>
+    where
+        F: for<'t> FnMut(
+                &'t ObservedTransaction,
+                Arc<OwnedMessage>,
+            ) -> HandlerFuture<'t, (), BoxError>
+            + Send,
+        S: Future,
+    {
+        let mut report = RunReport::default();
+        // The stored offset each partition's next advance expects, as read or last written.
+        let mut expected: HashMap<(String, i32), Option<i64>> = HashMap::new();
+        let mut rebalances = consumer.context().rebalances.load(Ordering::SeqCst);
+        let shutdown = std::pin::pin!(shutdown);
+        let mut shutdown = shutdown;
+        loop {
+            let received = tokio::select! {
+                biased;
+                _ = &mut shutdown => break,
+                received = consumer.recv() => received,
+            };
+            let record = Arc::new(received?.detach());
+            let now = consumer.context().rebalances.load(Ordering::SeqCst);
+            if now != rebalances {
+                // Another consumer may have moved any partition on since: read them again.
+                expected.clear();
+                rebalances = now;
+            }
+            let key = (record.topic().to_owned(), record.partition());
+            let expects = match expected.get(&key) {
+                Some(expects) => *expects,
+                None => {
+                    let stored =
+                        stored_offset(db, &self.group, record.topic(), record.partition()).await?;
+                    expected.insert(key.clone(), stored);
+                    if let Some(stored) = stored.filter(|stored| *stored != record.offset()) {
+                        self.seek(consumer, &record, stored)?;
+                        report.seeks += 1;
+                        continue;
+                    }
+                    stored
+                }
+            };
+            // A record fetched before the seek to a later stored offset.
+            if expects.is_some_and(|expects| record.offset() < expects) {
+                continue;
+            }
+            match self
+                .process_record(db, &record, expects, &mut handler)
+                .await
+            {
+                Ok(RecordOutcome::OffsetMoved) => {
+                    report.offsets_moved += 1;
+                    // The next record of the partition reads the stored offset and seeks.
+                    expected.remove(&key);
+                }
+                Ok(outcome) => {
+                    match outcome {
+                        RecordOutcome::Processed => report.processed += 1,
+                        RecordOutcome::Duplicate => report.duplicates += 1,
+                        _ => report.refused += 1,
+                    }
+                    expected.insert(key, Some(record.offset() + 1));
+                    self.commit_hint(consumer, &record);
+                }
+                Err(err) => {
+                    report.failures += 1;
+                    tracing::warn!(error = %err, "Kafka record failed: reading it again after the retry delay");
+                    self.seek(consumer, &record, record.offset())?;
+                    tokio::time::sleep(self.retry_delay).await;
+                }
+            }
+        }
+        Ok(report)
+    }
+
+    fn seek(
+        &self,
+        consumer: &KafkaConsumer,
+        record: &OwnedMessage,
+        offset: i64,
+    ) -> Result<(), KafkaError> {
+        consumer.seek(
+            record.topic(),
+            record.partition(),
+            Offset::Offset(offset),
+            Duration::from_secs(10),
+        )?;
+        Ok(())
+    }
+
+    /// Commits the record's next offset to Kafka, after the database did: a hint for lag
+    /// monitoring and for a first assignment; a failure loses nothing.
+    fn commit_hint(&self, consumer: &KafkaConsumer, record: &OwnedMessage) {
+        let mut offsets = TopicPartitionList::new();
+        let added = offsets.add_partition_offset(
+            record.topic(),
+            record.partition(),
+            Offset::Offset(record.offset() + 1),
+        );
+        if let Err(err) = added.and_then(|()| consumer.commit(&offsets, CommitMode::Async)) {
+            tracing::debug!(error = %err, "Kafka offset commit (a hint) failed");
+        }
+    }
+}
