@@ -6,6 +6,7 @@ mod m20261130_000002_add_inbox_leases;
 mod m20261201_000003_inbox_unique_constraint;
 mod m20261201_000004_create_outbox;
 mod m20261204_000005_add_outbox_first_published;
+mod m20261204_000006_create_kafka_offsets;
 
 pub struct Migrator;
 
@@ -19,6 +20,7 @@ impl MigratorTrait for Migrator {
             Box::new(m20261201_000003_inbox_unique_constraint::Migration),
             Box::new(m20261201_000004_create_outbox::Migration),
             Box::new(m20261204_000005_add_outbox_first_published::Migration),
+            Box::new(m20261204_000006_create_kafka_offsets::Migration),
         ]
     }
 }
