@@ -83,6 +83,15 @@ pub(crate) fn error_text<E: 'static>(err: &E) -> Option<String> {
     Some(texts.join(": "))
 }
 
+/// [`error_text`], or for an error type of the application's own a note saying how to see
+/// its text: what the handler-failure events report.
+pub(crate) fn reported_text<E: 'static>(err: &E) -> String {
+    error_text(err).unwrap_or_else(|| {
+        "an error of the application's own type (return a boxed error, anyhow or eyre to see its text here)"
+            .to_owned()
+    })
+}
+
 /// The chain of sources of `err` when it is a standard error the crate can name: a
 /// `Box<dyn Error + Send + Sync>`, or one of the crate's own [`Permanent`] or
 /// [`Transient`].

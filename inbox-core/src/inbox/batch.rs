@@ -1,9 +1,9 @@
 //! [`Inbox::process_batch`]: a Kafka-style batch claimed, handled and committed in one
 //! observed transaction, with the rules of [`Inbox::process`].
 
-use super::{AttemptError, Inbox, UNNAMED_ERROR, sort_inbox_error};
+use super::{AttemptError, Inbox, sort_inbox_error};
 use crate::backend::{CLAIM_TRANSACTION, begin_to_completion};
-use crate::cause::error_text;
+use crate::cause::reported_text;
 use crate::claim::sorted_batch;
 use crate::metrics::{Counter, facade};
 use crate::observed::ObservedTransaction;
@@ -283,10 +283,7 @@ impl Inbox {
                 facade::settled(&self.consumer, "failed", started.elapsed());
                 let error = match err.inbox_error() {
                     Some(cause) => cause.to_string(),
-                    None => err
-                        .handler_error()
-                        .and_then(error_text)
-                        .unwrap_or_else(|| UNNAMED_ERROR.to_owned()),
+                    None => err.handler_error().map(reported_text).unwrap_or_default(),
                 };
                 if err.is_permanent() {
                     tracing::warn!(%error, "batch failed for good: dead-letter");

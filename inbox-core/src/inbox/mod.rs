@@ -2,7 +2,7 @@ use crate::backend::{
     CLAIM_TRANSACTION, DbErrorKind, ProcessMarker, SilentEnds, begin_to_completion, classify,
     roll_back,
 };
-use crate::cause::{db_cause, error_text};
+use crate::cause::{db_cause, reported_text};
 use crate::claim::{Held, insert_marker, marker_token};
 use crate::consumer::{validate_consumer, validate_message_id};
 use crate::metrics::{Counter, InboxMetrics, facade};
@@ -803,10 +803,7 @@ impl Inbox {
                     tracing::warn!(outcome, attempts, error = %cause, "delivery failed: nack")
                 }
                 (None, permanent) => {
-                    let error = err
-                        .handler_error()
-                        .and_then(error_text)
-                        .unwrap_or_else(|| UNNAMED_ERROR.to_owned());
+                    let error = err.handler_error().map(reported_text).unwrap_or_default();
                     if permanent {
                         tracing::warn!(outcome, attempts, %error, "handler failed for good: dead-letter")
                     } else {
@@ -817,9 +814,6 @@ impl Inbox {
         }
     }
 }
-
-/// What the handler-failure events say of an error type the crate cannot look into.
-const UNNAMED_ERROR: &str = "an error of the application's own type (return a boxed error, anyhow or eyre to see its text here)";
 
 /// `err`, noting when it is [`InboxError::DatabaseUnresponsive`] that an unanswered
 /// COMMIT of the call may have landed.
