@@ -9,10 +9,14 @@
 #     written into lib.rs) must lose them, or the check proves nothing.
 #  2. `migrate up` and `migrate status` on a fresh PostgreSQL database (and MariaDB when
 #     INBOX_TEST_MYSQL_URL is set): every library migration applied, and the new ones.
-#  3. Two processes of the app's consumer read one RabbitMQ queue through the lapin
-#     adapter into that database: 223 messages, 20 published twice, one with the
-#     non-UUID id `order-42` (twice), one with the nil UUID. Effects == distinct valid
-#     messages; the nil-id message is dead-lettered once and never redelivered.
+#  3. Two processes of the app's consumer (the library's RabbitMQ consumer loop) read one
+#     quorum queue into that database: 224 messages, 20 published twice, one with the
+#     non-UUID id `order-42` (twice), one with the nil UUID, one whose payload the app
+#     marks `Permanent`. Effects == distinct valid messages; the nil-id and the permanent
+#     messages are dead-lettered on their first delivery and never redelivered. The
+#     per-delivery checks read the loop's DEBUG event `the loop settled the delivery`
+#     (its `outcome` and `settlement`, in the `inbox.delivery{broker_id=..}` span), the
+#     counts the app prints from the loop's `ConsumerSummary` at exit.
 #  4. `generate entity --ignore-tables seaql_migrations,inbox,outbox` writes no inbox or
 #     outbox entity; the control: without the flag it writes both.
 #
@@ -232,39 +236,44 @@ consume_from_rabbitmq() {
     pids+=($!)
     consumers+=($!)
   done
-  # Both replicas consume before the first message: the queue is theirs to share.
+  # Both replicas consume before the first message: the queue is theirs to share. (The
+  # replicas declare it; until then `consumers` fails.)
+  local consuming=0
   for i in $(seq 1 120); do
-    (( $(cat "${logs[@]}" | grep -c ' consuming$') == 2 )) && break
+    consuming=$("$broker" consumers "$queue" 2>/dev/null || echo 0)
+    (( consuming == 2 )) && break
     for pid in "${pids[@]}"; do
       kill -0 "$pid" 2>/dev/null || { cat "${logs[@]}" >&2; echo "seaorm-app:   $label: a consumer exited at start" >&2; return 1; }
     done
     sleep 0.5
   done
-  (( $(cat "${logs[@]}" | grep -c ' consuming$') == 2 )) || { echo "seaorm-app:   $label: the consumers did not start in 60 s" >&2; return 1; }
+  (( consuming == 2 )) || { echo "seaorm-app:   $label: $consuming of the 2 consumers started in 60 s" >&2; return 1; }
 
   # 200 orders, every tenth published twice (a producer's retry) right after itself;
-  # `order-42`, a broker id that is no UUID, first and last; the nil UUID once.
-  local published=(order-42) valid=201
+  # `order-42`, a broker id that is no UUID, first and last; the nil UUID once; once
+  # `unparsable-1`, whose payload is no amount: the app's handler fails it `Permanent`.
+  local published=(order-42) valid=201 poison=unparsable-1
   for i in $(seq 1 200); do
     id=$(cat /proc/sys/kernel/random/uuid)
     published+=("$id")
     (( i % 10 == 0 )) && published+=("$id")
     (( i == 100 )) && published+=("$nil_id")
+    (( i == 150 )) && published+=("$poison:ten")
   done
   published+=(order-42)
   "$broker" publish "$queue" "${published[@]}" || return 1
-  say "  $label: published ${#published[@]} messages ($valid distinct valid ids, one nil) to $queue"
+  say "  $label: published ${#published[@]} messages ($valid distinct valid ids, one nil, one permanent failure) to $queue"
 
-  # Drained: every message settled once, nothing ready, the dead letter arrived. Bounded.
+  # Drained: every message settled once, nothing ready, both dead letters arrived. Bounded.
   local settled=0 ready=-1 dead=-1 deadline=$((SECONDS + 120))
   while (( SECONDS < deadline )); do
-    settled=$(cat "${logs[@]}" | grep -c ' -> ' || true)
+    settled=$(cat "${logs[@]}" | grep -c 'the loop settled the delivery' || true)
     read -r ready dead < <("$broker" count "$queue") || return 1
-    (( settled >= ${#published[@]} && ready == 0 && dead >= 1 )) && break
+    (( settled >= ${#published[@]} && ready == 0 && dead >= 2 )) && break
     for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null || break 2; done
     sleep 0.5
   done
-  (( settled >= ${#published[@]} && ready == 0 && dead >= 1 )) || {
+  (( settled >= ${#published[@]} && ready == 0 && dead >= 2 )) || {
     tail -n 20 "${logs[@]}" >&2
     echo "seaorm-app:   $label: not drained in 120 s: $settled settled, $ready ready, $dead dead letters" >&2
     return 1
@@ -284,16 +293,29 @@ consume_from_rabbitmq() {
   (( rows == valid && distinct == valid )) || complain "effects != distinct valid messages"
   read -r ready dead < <("$broker" count "$queue")
   (( ready == 0 )) || complain "$ready messages left in $queue"
-  dead_letters=$("$broker" dead-letters "$queue")
-  say "  $label: dead-letter queue: $(echo $dead_letters)"
-  [[ $dead_letters == "$nil_id" ]] || complain "the dead-letter queue should hold the nil-id message once"
+  dead_letters=$("$broker" dead-letters "$queue" | sort | tr '\n' ' ')
+  say "  $label: dead-letter queue: $dead_letters"
+  [[ $dead_letters == "$nil_id $poison " ]] \
+    || complain "the dead-letter queue should hold the nil-id and the $poison messages once each"
+  # Per delivery, from the loop's events: the settled ones of one broker id (the span's
+  # broker_id), as "<outcome> <settlement>" lines.
+  settled_of() { cat "${logs[@]}" | grep 'the loop settled the delivery' | grep -F "broker_id=$1 " \
+    | sed -E 's/.*outcome="?([a-z]+)"? settlement=([A-Za-z]+).*/\1 \2/'; }
   local order_42
-  order_42=$(cat "${logs[@]}" | grep -o '^seaorm-app: order-42: [A-Za-z]*' | sort | uniq -c | tr -s ' ' | tr '\n' ',')
-  [[ $order_42 == " 1 seaorm-app: order-42: Duplicate, 1 seaorm-app: order-42: Processed," ]] \
+  order_42=$(settled_of order-42 | sort | uniq -c | tr -s ' ' | tr '\n' ',')
+  [[ $order_42 == " 1 duplicate Ack, 1 processed Ack," ]] \
     || complain "order-42, published twice, should be processed once and a duplicate once: $order_42"
+  local poison_deliveries
+  poison_deliveries=$(settled_of "$poison" | tr '\n' ',')
+  [[ $poison_deliveries == "failed DeadLetter," ]] \
+    || complain "$poison, failed Permanent, should be dead-lettered on its first delivery: $poison_deliveries"
   local nil_deliveries deliveries=0 processed=0 dead_lettered=0 nacked=0 n
-  nil_deliveries=$(cat "${logs[@]}" | grep -c "^seaorm-app: $nil_id: .* -> DeadLetter$" || true)
+  # A delivery without a usable id has no inbox.delivery span: its warning names the nil
+  # UUID, and the settled event after it says what the broker was told.
+  nil_deliveries=$(cat "${logs[@]}" | grep -c "the message id is the nil UUID" || true)
   (( nil_deliveries == 1 )) || complain "the nil-id message was delivered $nil_deliveries times"
+  n=$(cat "${logs[@]}" | grep 'the loop settled the delivery' | grep -Ec 'outcome="?unmappable"? settlement=DeadLetter' || true)
+  (( n == 1 )) || complain "$n deliveries without a usable id dead-lettered, expected the nil-id one"
   for log in "${logs[@]}"; do
     n=$(grep -o 'deliveries=[0-9]*' "$log" | cut -d= -f2)
     (( n > 0 )) || complain "$log: this consumer got no delivery"
@@ -303,7 +325,7 @@ consume_from_rabbitmq() {
     nacked=$((nacked + $(grep -o 'nacked=[0-9]*' "$log" | cut -d= -f2)))
   done
   (( processed == valid )) || complain "$processed processed, expected $valid"
-  (( dead_lettered == 1 )) || complain "$dead_lettered dead-lettered, expected 1"
+  (( dead_lettered == 2 )) || complain "$dead_lettered dead-lettered, expected 2 (the nil id, $poison)"
   # Every redelivery answers a nack: none was redelivered otherwise.
   (( deliveries == ${#published[@]} + nacked )) \
     || complain "$deliveries deliveries for ${#published[@]} messages and $nacked nacks"

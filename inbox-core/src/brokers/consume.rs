@@ -259,6 +259,19 @@ enum Ended {
     Unmappable,
 }
 
+impl Ended {
+    /// The `outcome` field of the loop's per-delivery event.
+    fn label(&self) -> &'static str {
+        match self {
+            Self::Processed => "processed",
+            Self::Duplicate => "duplicate",
+            Self::Refused => "refused",
+            Self::Failed => "failed",
+            Self::Unmappable => "unmappable",
+        }
+    }
+}
+
 struct Tally {
     ended: Ended,
     settlement: Settlement,
@@ -521,6 +534,14 @@ where
             false
         }
     };
+    span.in_scope(|| {
+        tracing::debug!(
+            outcome = ended.label(),
+            ?settlement,
+            settled,
+            "the loop settled the delivery"
+        )
+    });
     Tally {
         ended,
         settlement,
