@@ -1,29 +1,27 @@
 //! Issue 30's proof of the consumer loops under a broker outage, as an application runs
 //! them: three replicas of `RabbitMqConsumer` (or `JetStreamConsumer`), each with a pool
-//! and a broker connection of its own through a [`CutProxy`]; every message published
-//! twice; a poison message the handler fails `Permanent`. Mid-run the proxy cuts every
-//! connection and refuses new ones for [`OUTAGE`] (the machine's broker keeps running; the
-//! second copies are published to it meanwhile), then lets them through again.
+//! and a broker connection of its own through one [`CutProxy`]; every message published
+//! twice. Mid-run the proxy cuts every connection and refuses new ones for [`OUTAGE`] (the
+//! machine's broker keeps running; the second copies are published to it meanwhile), then
+//! lets them through again. After the outage comes a poison message the handler fails
+//! `Permanent`: no cut can take its settlement, so its first delivery must be its last.
 //!
 //! Checked: 0 lost and 0 applied twice (ledger rows == distinct ids == messages), every
 //! copy settled and nothing left in the queue or pending on the consumer, each replica
 //! reconnected, and the poison message dead-lettered on its first delivery (the handler
-//! ran once for it).
-//!
-//! The broker URLs come from `INBOX_TEST_AMQP_URL` and `INBOX_TEST_NATS_URL`.
+//! ran once for it). The queue and stream are `example_loops`' (the examples' topology).
 
-use futures_util::StreamExt;
+use super::example_loops::{CONSUMER, Queue, Stream, env, wait_for};
 use inbox_examples::consumers::{self, amqp_properties};
 use inbox_tests::{Backend, CutProxy, TestDb, run, scalar_i64, stmt, with_migrated_db};
-use lapin::options::{BasicPublishOptions, QueueDeclareOptions, QueueDeleteOptions};
-use lapin::types::FieldTable;
 use sea_orm::{ConnectionTrait, DatabaseConnection};
 use sea_orm_inbox::jetstream::JetStreamConsumer;
-use sea_orm_inbox::rabbitmq::{QuorumQueue, RabbitMqConsumer};
+use sea_orm_inbox::rabbitmq::RabbitMqConsumer;
 use sea_orm_inbox::{
-    BoxError, ConsumerOptions, ConsumerSummary, HandlerFuture, Inbox, ObservedTransaction,
-    Permanent, Received,
+    BoxError, ConsumerError, ConsumerOptions, ConsumerSummary, HandlerFuture, Inbox,
+    ObservedTransaction, Permanent, Received,
 };
+use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
@@ -38,12 +36,6 @@ const REPLICAS: usize = 3;
 const OUTAGE: Duration = Duration::from_secs(3);
 /// The broker id of the message the handler fails `Permanent`.
 const POISON: &str = "poison-1";
-/// The longest any wait may take; the run normally takes about ten seconds.
-const DEADLINE: Duration = Duration::from_secs(60);
-
-fn env(var: &str) -> String {
-    std::env::var(var).unwrap_or_else(|_| panic!("set {var} to run the loop fault tests"))
-}
 
 fn inbox() -> Inbox {
     Inbox::new("faults.ledger").expect("a valid consumer name")
@@ -105,25 +97,90 @@ fn handler(
     }
 }
 
-/// Waits until `done()` holds; fails the test with `what` after [`DEADLINE`].
-async fn wait_for(what: &str, mut done: impl AsyncFnMut() -> bool) {
-    let waited = tokio::time::timeout(DEADLINE, async {
-        while !done().await {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await;
-    assert!(waited.is_ok(), "{what}: not within {DEADLINE:?}");
-}
-
-/// The replicas' loops on tasks, and the senders that stop them.
-struct Replicas {
+/// One proof run: the replicas, the shared inbox (its counters see every replica) and how
+/// often the handler ran for the poison message.
+struct Run {
+    inbox: Inbox,
+    poison_runs: Arc<AtomicU32>,
     stops: Vec<oneshot::Sender<()>>,
-    tasks: Vec<JoinHandle<Result<ConsumerSummary, sea_orm_inbox::ConsumerError>>>,
+    tasks: Vec<JoinHandle<Result<ConsumerSummary, ConsumerError>>>,
 }
 
-impl Replicas {
-    async fn stop(self) -> Vec<ConsumerSummary> {
+impl Run {
+    /// Starts [`REPLICAS`] loops, each made by `start(inbox, its own pool, handler,
+    /// shutdown)`.
+    async fn start<F>(
+        db: &TestDb,
+        start: impl Fn(Inbox, DatabaseConnection, oneshot::Receiver<()>, Arc<AtomicU32>) -> F,
+    ) -> Self
+    where
+        F: Future<Output = Result<ConsumerSummary, ConsumerError>> + Send + 'static,
+    {
+        let mut run = Self {
+            inbox: inbox(),
+            poison_runs: Arc::new(AtomicU32::new(0)),
+            stops: Vec::new(),
+            tasks: Vec::new(),
+        };
+        for _ in 0..REPLICAS {
+            let (stop, stopped) = oneshot::channel::<()>();
+            let pool = db.connect().await;
+            let replica = start(
+                run.inbox.clone(),
+                pool,
+                stopped,
+                Arc::clone(&run.poison_runs),
+            );
+            run.stops.push(stop);
+            run.tasks.push(tokio::spawn(replica));
+        }
+        run
+    }
+
+    /// Waits until the replicas processed a few messages, then cuts every connection
+    /// through `proxy` and refuses new ones while `during` runs and for [`OUTAGE`].
+    async fn outage(&self, proxy: &CutProxy, during: impl AsyncFnOnce()) {
+        wait_for("a few processed before the cut", async || {
+            self.inbox.metrics().snapshot().processed >= 20
+        })
+        .await;
+        let cut = proxy.cut_and_refuse();
+        let at_cut = self.inbox.metrics().snapshot();
+        assert_eq!(
+            cut, REPLICAS as u64,
+            "each replica's connection ran through the proxy"
+        );
+        during().await;
+        tokio::time::sleep(OUTAGE).await;
+        proxy.restore();
+        assert!(
+            at_cut.processed < u64::from(MESSAGES),
+            "the cut came mid-run: {at_cut:?}"
+        );
+    }
+
+    /// Every copy and the poison message settled (`settled` asks the broker), with no
+    /// delivery for longer than the longest nack delay (a message RabbitMQ holds for a
+    /// delayed nack is invisible to it); then the replicas stopped: their summaries, after
+    /// the checks both brokers share.
+    async fn finish(
+        self,
+        broker: &str,
+        backend: Backend,
+        conn: &DatabaseConnection,
+        mut settled: impl AsyncFnMut() -> bool,
+    ) -> Vec<ConsumerSummary> {
+        let (mut last, mut quiet_since) = (None, tokio::time::Instant::now());
+        wait_for("every copy and the poison message settled", async || {
+            let seen = self.inbox.metrics().snapshot();
+            if last != Some(seen) {
+                (last, quiet_since) = (Some(seen), tokio::time::Instant::now());
+            }
+            seen.processed + seen.duplicates >= u64::from(2 * MESSAGES)
+                && quiet_since.elapsed() > Duration::from_millis(1500)
+                && settled().await
+        })
+        .await;
         for stop in self.stops {
             let _ = stop.send(());
         }
@@ -132,153 +189,62 @@ impl Replicas {
             let summary = task.await.expect("the loop's task");
             summaries.push(summary.unwrap_or_else(|e| panic!("a loop failed: {e}")));
         }
+        let poison_runs = self.poison_runs.load(Ordering::SeqCst);
+        let sum = |field: fn(&ConsumerSummary) -> u64| summaries.iter().map(field).sum::<u64>();
+        eprintln!(
+            "loop_faults {broker} {backend:?}: {MESSAGES} messages x2 + 1 poison; deliveries {}, processed {}, duplicates {}, nacked {}, dead-lettered {}, settle failures {}, abandoned {}, reconnects {:?}, poison deliveries {poison_runs}",
+            sum(|s| s.received),
+            sum(|s| s.processed),
+            sum(|s| s.duplicates),
+            sum(|s| s.nacked),
+            sum(|s| s.dead_lettered),
+            sum(|s| s.settle_failures),
+            sum(|s| s.abandoned),
+            summaries.iter().map(|s| s.reconnects).collect::<Vec<_>>(),
+        );
+        let expected = i64::from(MESSAGES);
+        assert_eq!(
+            ledger(conn).await,
+            (expected, expected),
+            "ledger (rows, distinct ids) == messages: none lost, none applied twice; {summaries:?}"
+        );
+        assert_eq!(sum(|s| s.processed), u64::from(MESSAGES), "{summaries:?}");
+        assert_eq!(
+            poison_runs, 1,
+            "the Permanent message is dead-lettered on its first delivery; {summaries:?}"
+        );
         summaries
     }
-}
-
-/// What every proof checks at the end, and prints: the counts of the run.
-fn report(broker: &str, backend: Backend, summaries: &[ConsumerSummary], poison_runs: u32) {
-    let sum = |field: fn(&ConsumerSummary) -> u64| summaries.iter().map(field).sum::<u64>();
-    eprintln!(
-        "loop_faults {broker} {backend:?}: {} messages x2 + 1 poison; deliveries {}, processed {}, duplicates {}, nacked {}, dead-lettered {}, settle failures {}, abandoned {}, reconnects {:?}, poison deliveries {poison_runs}",
-        MESSAGES,
-        sum(|s| s.received),
-        sum(|s| s.processed),
-        sum(|s| s.duplicates),
-        sum(|s| s.nacked),
-        sum(|s| s.dead_lettered),
-        sum(|s| s.settle_failures),
-        sum(|s| s.abandoned),
-        summaries.iter().map(|s| s.reconnects).collect::<Vec<_>>(),
-    );
-}
-
-/// Checks shared by both brokers, after the replicas stopped.
-async fn check_ledger(conn: &DatabaseConnection, summaries: &[ConsumerSummary], poison_runs: u32) {
-    let expected = i64::from(MESSAGES);
-    assert_eq!(
-        ledger(conn).await,
-        (expected, expected),
-        "ledger (rows, distinct ids) == messages: none lost, none applied twice; {summaries:?}"
-    );
-    let processed: u64 = summaries.iter().map(|s| s.processed).sum();
-    assert_eq!(processed, u64::from(MESSAGES), "{summaries:?}");
-    assert_eq!(
-        poison_runs, 1,
-        "the Permanent message is dead-lettered on its first delivery"
-    );
 }
 
 async fn rabbitmq_replicas_survive_a_broker_outage(backend: Backend) {
     with_migrated_db(backend, async |db: &TestDb| {
         let conn = db.connect().await;
         create_ledger(&conn).await;
-        let url = env("INBOX_TEST_AMQP_URL");
-        let publisher = lapin::Connection::connect(&url, amqp_properties())
-            .await
-            .unwrap_or_else(|e| panic!("connect to {url}: {e}"));
-        let channel = publisher.create_channel().await.expect("a channel");
-        let name = format!("inbox-faults-{}", uuid::Uuid::new_v4().simple());
-        let topology = consumers::declare_queue(&channel, &name)
-            .await
-            .expect("declare the queue");
-        let publish = async |id: &str| {
-            channel
-                .basic_publish(
-                    "",
-                    &topology.queue,
-                    BasicPublishOptions::default(),
-                    b"credit 1",
-                    lapin::BasicProperties::default().with_message_id(id.into()),
-                )
-                .await
-                .expect("publish")
-                .await
-                .expect("published");
-        };
-        let count = async |queue: &str| {
-            let passive = QueueDeclareOptions {
-                passive: true,
-                ..QueueDeclareOptions::default()
-            };
-            channel
-                .queue_declare(queue, passive, FieldTable::default())
-                .await
-                .expect("the queue exists")
-                .message_count()
-        };
-        publish(POISON).await;
+        let queue = Queue::declare().await;
         for n in 0..MESSAGES {
-            publish(&format!("order-{n}")).await;
+            queue.publish(&format!("order-{n}")).await;
         }
-
-        let proxy = CutProxy::start(&url).await;
-        let (inbox, poison_runs) = (inbox(), Arc::new(AtomicU32::new(0)));
-        let mut replicas = Replicas {
-            stops: Vec::new(),
-            tasks: Vec::new(),
-        };
-        for _ in 0..REPLICAS {
-            let (stop, stopped) = oneshot::channel::<()>();
-            let consumer = RabbitMqConsumer::new(proxy.url(), amqp_properties(), &topology.queue)
-                .with_options(options());
-            let pool = db.connect().await;
-            let handler = handler(Arc::clone(&poison_runs));
-            replicas.stops.push(stop);
-            replicas.tasks.push(tokio::spawn(consumer.run(
-                inbox.clone(),
-                pool,
-                handler,
-                stopped,
-            )));
-        }
-        wait_for(
-            "the poison message dead-lettered, a few processed",
-            async || {
-                count(&topology.dead_letter_queue).await == 1
-                    && inbox.metrics().snapshot().processed >= 20
-            },
-        )
-        .await;
-        let cut = proxy.cut_and_refuse();
-        assert_eq!(
-            cut, REPLICAS as u64,
-            "each replica's connection ran through the proxy"
-        );
-        let in_outage = inbox.metrics().snapshot();
-        for n in 0..MESSAGES {
-            publish(&format!("order-{n}")).await;
-        }
-        tokio::time::sleep(OUTAGE).await;
-        proxy.restore();
-        assert!(
-            in_outage.processed < u64::from(MESSAGES),
-            "the cut came mid-run: {in_outage:?}"
-        );
-        // Every copy settled: each id processed once, the rest duplicates, the queue empty
-        // and no delivery for longer than the longest nack delay (a held nack is invisible
-        // to a passive declaration).
-        let mut last = (0, 0);
-        let mut quiet_since = tokio::time::Instant::now();
-        wait_for("every copy settled and the replicas quiet", async || {
-            let seen = inbox.metrics().snapshot();
-            let now = (
-                seen.processed,
-                seen.duplicates + seen.handler_errors + seen.failures,
-            );
-            if now != last {
-                (last, quiet_since) = (now, tokio::time::Instant::now());
-            }
-            seen.processed == u64::from(MESSAGES)
-                && seen.duplicates >= u64::from(MESSAGES)
-                && count(&topology.queue).await == 0
-                && quiet_since.elapsed() > Duration::from_millis(1500)
+        let proxy = CutProxy::start(&queue.url).await;
+        let name = &queue.topology.queue;
+        let run = Run::start(db, |inbox, pool, stopped, poison_runs| {
+            RabbitMqConsumer::new(proxy.url(), amqp_properties(), name)
+                .with_options(options())
+                .run(inbox, pool, handler(poison_runs), stopped)
         })
         .await;
-        let summaries = replicas.stop().await;
-        let runs = poison_runs.load(Ordering::SeqCst);
-        report("RabbitMQ", backend, &summaries, runs);
-        check_ledger(&conn, &summaries, runs).await;
+        run.outage(&proxy, async || {
+            for n in 0..MESSAGES {
+                queue.publish(&format!("order-{n}")).await;
+            }
+        })
+        .await;
+        queue.publish(POISON).await;
+        let summaries = run
+            .finish("RabbitMQ", backend, &conn, async || {
+                queue.count(name).await == 0 && queue.dead_letters().await == 1
+            })
+            .await;
         for summary in &summaries {
             assert!(
                 summary.reconnects >= 1,
@@ -289,161 +255,71 @@ async fn rabbitmq_replicas_survive_a_broker_outage(backend: Backend) {
             proxy.refused() > 0,
             "the replicas tried to reconnect during the outage"
         );
-        assert_eq!(
-            count(&topology.queue).await,
-            0,
-            "nothing left unsettled: {summaries:?}"
-        );
-        assert_eq!(
-            count(&topology.dead_letter_queue).await,
-            1,
-            "only the poison message dead-lettered"
-        );
-        delete_queue(&channel, &topology).await;
-        publisher.close(200, "test over").await.ok();
+        queue.delete().await;
     })
     .await;
 }
-
-async fn delete_queue(channel: &lapin::Channel, topology: &QuorumQueue) {
-    for queue in [&topology.queue, &topology.dead_letter_queue] {
-        channel
-            .queue_delete(queue, QueueDeleteOptions::default())
-            .await
-            .ok();
-    }
-    channel
-        .exchange_delete(&topology.dead_letter_exchange, Default::default())
-        .await
-        .ok();
-}
-
-const DURABLE: &str = "faults";
 
 async fn nats_replicas_survive_a_broker_outage(backend: Backend) {
     with_migrated_db(backend, async |db: &TestDb| {
         let conn = db.connect().await;
         create_ledger(&conn).await;
-        let url = env("INBOX_TEST_NATS_URL");
-        let client = async_nats::connect(&url)
-            .await
-            .unwrap_or_else(|e| panic!("connect to {url}: {e}"));
-        let js = async_nats::jetstream::new(client.clone());
-        let run_id = uuid::Uuid::new_v4().simple().to_string();
-        let (name, subject) = (
-            format!("INBOX_FAULTS_{run_id}"),
-            format!("inbox-faults.{run_id}"),
-        );
-        let mut advisories = client
-            .subscribe(format!(
-                "$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.{name}.{DURABLE}"
-            ))
-            .await
-            .expect("subscribe to the advisory");
-        let terminated = Arc::new(AtomicU32::new(0));
-        let counter = Arc::clone(&terminated);
-        tokio::spawn(async move {
-            while advisories.next().await.is_some() {
-                counter.fetch_add(1, Ordering::SeqCst);
-            }
-        });
-        consumers::create_stream(&js, &name, &subject, DURABLE)
-            .await
-            .expect("create the stream");
-        let publish = async |id: &str| {
-            let message = async_nats::jetstream::message::PublishMessage::build()
-                .payload("credit 1".into())
-                .message_id(id);
-            js.send_publish(subject.clone(), message)
-                .await
-                .expect("publish")
-                .await
-                .expect("stored");
-        };
-        publish(POISON).await;
+        let stream = Stream::create().await;
         for n in 0..MESSAGES {
-            publish(&format!("order-{n}")).await;
+            stream.publish(&format!("order-{n}")).await;
         }
-
-        let proxy = CutProxy::start(&url).await;
-        let (inbox, poison_runs) = (inbox(), Arc::new(AtomicU32::new(0)));
-        let mut replicas = Replicas {
-            stops: Vec::new(),
-            tasks: Vec::new(),
-        };
+        let proxy = CutProxy::start(&env("INBOX_TEST_NATS_URL")).await;
         let mut clients = Vec::new();
         for _ in 0..REPLICAS {
-            let (stop, stopped) = oneshot::channel::<()>();
-            let replica_client = async_nats::connect(proxy.url())
+            let client = async_nats::connect(proxy.url())
                 .await
                 .expect("connect through the proxy");
-            clients.push(replica_client.clone());
-            let consumer =
-                JetStreamConsumer::new(replica_client, &name, DURABLE).with_options(options());
-            let pool = db.connect().await;
-            let handler = handler(Arc::clone(&poison_runs));
-            replicas.stops.push(stop);
-            replicas.tasks.push(tokio::spawn(consumer.run(
-                inbox.clone(),
-                pool,
-                handler,
-                stopped,
-            )));
+            clients.push(client);
         }
-        wait_for(
-            "the poison message terminated, a few processed",
-            async || {
-                terminated.load(Ordering::SeqCst) == 1 && inbox.metrics().snapshot().processed >= 20
-            },
-        )
+        let name = &stream.name;
+        let next_client = std::sync::Mutex::new(clients.clone().into_iter());
+        let run = Run::start(db, |inbox, pool, stopped, poison_runs| {
+            let client = next_client
+                .lock()
+                .expect("not poisoned")
+                .next()
+                .expect("a client per replica");
+            JetStreamConsumer::new(client, name, CONSUMER)
+                .with_options(options())
+                .run(inbox, pool, handler(poison_runs), stopped)
+        })
         .await;
-        let cut = proxy.cut_and_refuse();
-        assert_eq!(
-            cut, REPLICAS as u64,
-            "each replica's connection ran through the proxy"
-        );
-        let in_outage = inbox.metrics().snapshot();
-        // Past the stream's duplicate window: the second copies are stored, not dropped.
-        tokio::time::sleep(sea_orm_inbox::jetstream::DUPLICATE_WINDOW * 2).await;
-        for n in 0..MESSAGES {
-            publish(&format!("order-{n}")).await;
-        }
-        tokio::time::sleep(OUTAGE.saturating_sub(sea_orm_inbox::jetstream::DUPLICATE_WINDOW * 2))
-            .await;
-        proxy.restore();
-        assert!(
-            in_outage.processed < u64::from(MESSAGES),
-            "the cut came mid-run: {in_outage:?}"
-        );
-        // Every copy settled: nothing pending or awaiting an ack on the durable consumer
-        // (what the cut lost comes back after its ack_wait, 5 s, as a duplicate).
-        let mut durable = js
+        run.outage(&proxy, async || {
+            // Past the stream's duplicate window: the second copies are stored, not dropped.
+            tokio::time::sleep(sea_orm_inbox::jetstream::DUPLICATE_WINDOW * 2).await;
+            for n in 0..MESSAGES {
+                stream.publish(&format!("order-{n}")).await;
+            }
+        })
+        .await;
+        stream.publish(POISON).await;
+        // What the cut lost comes back after the consumer's ack_wait (5 s).
+        let mut durable = stream
+            .js
             .get_consumer_from_stream::<async_nats::jetstream::consumer::pull::Config, _, _>(
-                DURABLE, &name,
+                CONSUMER, name,
             )
             .await
             .expect("the durable consumer");
-        wait_for("every copy settled", async || {
-            let seen = inbox.metrics().snapshot();
-            let info = durable.info().await.expect("the consumer's info");
-            seen.processed == u64::from(MESSAGES)
-                && seen.duplicates >= u64::from(MESSAGES)
-                && info.num_pending == 0
-                && info.num_ack_pending == 0
-        })
-        .await;
-        let summaries = replicas.stop().await;
-        let runs = poison_runs.load(Ordering::SeqCst);
-        report("JetStream", backend, &summaries, runs);
+        let summaries = run
+            .finish("JetStream", backend, &conn, async || {
+                let info = durable.info().await.expect("the consumer's info");
+                info.num_pending == 0 && info.num_ack_pending == 0 && stream.terminated() == 1
+            })
+            .await;
         let connects: Vec<u64> = clients
             .iter()
-            .map(|c| c.statistics().connects.load(Ordering::SeqCst))
+            .map(|client| client.statistics().connects.load(Ordering::SeqCst))
             .collect();
         eprintln!(
             "loop_faults JetStream {backend:?}: client connects {connects:?}, refused {}",
             proxy.refused()
         );
-        check_ledger(&conn, &summaries, runs).await;
         for (summary, connects) in summaries.iter().zip(&connects) {
             assert!(
                 summary.reconnects >= 1 || *connects >= 2,
@@ -454,12 +330,7 @@ async fn nats_replicas_survive_a_broker_outage(backend: Backend) {
             proxy.refused() > 0,
             "the replicas tried to reconnect during the outage"
         );
-        assert_eq!(
-            terminated.load(Ordering::SeqCst),
-            1,
-            "only the poison message terminated"
-        );
-        js.delete_stream(&name).await.ok();
+        stream.delete().await;
     })
     .await;
 }
