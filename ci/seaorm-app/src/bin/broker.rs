@@ -8,6 +8,9 @@
 //! broker consumers <queue>                 # how many consumers the queue has
 //! broker dead-letters <queue>              # the message_id of each dead letter (takes them)
 //! broker delete <queue>                    # the queue, its dead-letter queue and exchange
+//! broker proxy <host:port>                 # a TCP proxy in front of the broker (prints its
+//!                                          # port): SIGUSR1 cuts every connection and
+//!                                          # refuses new ones, SIGUSR2 lets them through
 //! ```
 
 use api::{amqp_url, connect_amqp, topology};
@@ -20,6 +23,9 @@ use lapin::{BasicProperties, Channel};
 use sea_orm_inbox::rabbitmq::{QuorumQueue, declare_quorum_queue};
 use std::process::ExitCode;
 use std::time::{SystemTime, UNIX_EPOCH};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::signal::unix::{SignalKind, signal};
+use tokio::sync::watch;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -38,10 +44,13 @@ async fn main() -> ExitCode {
 async fn run(args: &[String]) -> Result<(), BoxError> {
     let [command, queue, ids @ ..] = args else {
         return Err(
-            "usage: broker publish|count|consumers|dead-letters|delete <queue> [message_id[:payload]...]"
+            "usage: broker publish|count|consumers|dead-letters|delete <queue> [message_id[:payload]...] | broker proxy <host:port>"
                 .into(),
         );
     };
+    if command == "proxy" {
+        return proxy(queue).await;
+    }
     let topology = topology(queue);
     let amqp = connect_amqp(&amqp_url()).await?;
     let channel = amqp.create_channel().await?;
@@ -130,4 +139,46 @@ async fn inspect(channel: &Channel, queue: &str) -> Result<lapin::Queue, BoxErro
     Ok(channel
         .queue_declare(queue, passive, FieldTable::default())
         .await?)
+}
+
+/// A TCP proxy on a free loopback port in front of `upstream`, for the app's replicas to
+/// reach the broker through: it prints its port, then SIGUSR1 closes every connection and
+/// makes it close new ones at once (the broker gone, as far as the replicas can tell, while
+/// it runs on for everyone else), SIGUSR2 forwards them again, SIGTERM ends it.
+async fn proxy(upstream: &str) -> Result<(), BoxError> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    println!("{}", listener.local_addr()?.port());
+    let (cuts, _) = watch::channel(0_u64);
+    let (mut cut, mut restore) = (
+        signal(SignalKind::user_defined1())?,
+        signal(SignalKind::user_defined2())?,
+    );
+    let mut terminate = signal(SignalKind::terminate())?;
+    let mut refusing = false;
+    loop {
+        tokio::select! {
+            _ = terminate.recv() => return Ok(()),
+            _ = cut.recv() => {
+                refusing = true;
+                cuts.send_modify(|cuts| *cuts += 1);
+            }
+            _ = restore.recv() => refusing = false,
+            accepted = listener.accept() => {
+                let (mut client, _) = accepted?;
+                if refusing {
+                    continue; // dropped: closed at once
+                }
+                let Ok(mut server) = TcpStream::connect(upstream).await else {
+                    continue;
+                };
+                let mut cut = cuts.subscribe();
+                tokio::spawn(async move {
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
+                        _ = cut.changed() => {}
+                    }
+                });
+            }
+        }
+    }
 }
