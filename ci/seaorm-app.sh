@@ -289,9 +289,12 @@ consume_from_rabbitmq() {
     (( i == orders * 3 / 4 )) && published+=("$poison:ten")
   done
   published+=(order-42)
-  "$broker" publish "$queue" "${published[@]:0:first_half}" || return 1
-  if [[ -n $cut ]]; then
-    local settled_before=0
+  if [[ -z $cut ]]; then
+    "$broker" publish "$queue" "${published[@]:0:first_half}" || return 1
+  else
+    # The first half in the background, so that the cut comes while it still flows.
+    "$broker" publish "$queue" "${published[@]:0:first_half}" &
+    local publisher=$! settled_before=0
     for i in $(seq 1 300); do
       settled_before=$(cat "${logs[@]}" | grep -c 'the loop settled the delivery' || true)
       (( settled_before >= 40 )) && break
@@ -301,6 +304,7 @@ consume_from_rabbitmq() {
       || { echo "seaorm-app:   $label: the cut should come mid-run: $settled_before of $first_half settled" >&2; return 1; }
     kill -USR1 "$proxy"
     say "  $label: cut every replica connection after $settled_before settled deliveries; refusing new ones for 3 s"
+    wait "$publisher" || return 1
   fi
   "$broker" publish "$queue" "${published[@]:first_half}" || return 1
   if [[ -n $cut ]]; then
