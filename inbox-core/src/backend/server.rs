@@ -6,7 +6,6 @@
 //! not.
 
 use super::dialect;
-use crate::pooler::in_own_transaction;
 use crate::silence::within_bound;
 use sea_orm::{ConnectionTrait, DatabaseConnection, Statement};
 use std::sync::Mutex;
@@ -77,8 +76,9 @@ impl ConnectionBoundsKnown {
     /// Whether a transaction on `db` runs on a connection that already bounds its lock
     /// waits at `lock_wait` (or less) and its silent client at `silence`. Ask before the
     /// transaction's BEGIN (a read takes a connection of the pool); a read waits at most
-    /// `bound`. The read runs in a transaction of its own, as every statement the crate
-    /// sends on a pool (see `pooler.rs`).
+    /// `bound`. The read runs on its own, outside any transaction (a COMMIT of its own
+    /// would be one more per pool and reread): behind a transaction pooler its prepared
+    /// statement may fail (see `pooler.rs`), which counts as "not carried".
     pub(crate) async fn carried(
         &self,
         db: &DatabaseConnection,
@@ -97,10 +97,7 @@ impl ConnectionBoundsKnown {
         if let Some(carried) = self.known.remembered(&pool, &bounds) {
             return carried;
         }
-        let read = in_own_transaction(db, async |txn| {
-            txn.query_one_raw(Statement::from_string(backend, probe))
-                .await
-        });
+        let read = db.query_one_raw(Statement::from_string(backend, probe));
         let Some(answer) = within_bound(bound, read)
             .await
             .ok()
