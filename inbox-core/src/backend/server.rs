@@ -61,7 +61,7 @@ impl SilentEnds {
 /// those bounds and remembered for [`REREAD_AFTER`]: the one place that
 /// chooses between bounds per connection and bounds set by each marker INSERT. Every
 /// doubt chooses the marker's (a pool the crate cannot tell apart from another, a failed
-/// or unanswered read), which is always right; a transaction pooler never shows the
+/// or unanswered read, remembered as long as an answer), which is always right; a transaction pooler never shows the
 /// startup options a pool sets (PgBouncer refuses or drops them), so behind one the
 /// marker keeps setting them.
 ///
@@ -78,7 +78,8 @@ impl ConnectionBoundsKnown {
     /// transaction's BEGIN (a read takes a connection of the pool); a read waits at most
     /// `bound`. The read runs on its own, outside any transaction (a COMMIT of its own
     /// would be one more per pool and reread): behind a transaction pooler its prepared
-    /// statement may fail (see `pooler.rs`), which counts as "not carried".
+    /// statement may fail (see `pooler.rs`), which counts as "not carried" until the
+    /// next read, like every failed read.
     pub(crate) async fn carried(
         &self,
         db: &DatabaseConnection,
@@ -98,16 +99,15 @@ impl ConnectionBoundsKnown {
             return carried;
         }
         let read = db.query_one_raw(Statement::from_string(backend, probe));
-        let Some(answer) = within_bound(bound, read)
+        let answer = within_bound(bound, read)
             .await
             .ok()
             .and_then(Result::ok)
             .flatten()
-            .and_then(|row| row.try_get_by_index::<i64>(0).ok())
-        else {
-            return false;
-        };
-        let carried = answer == 1;
+            .and_then(|row| row.try_get_by_index::<i64>(0).ok());
+        // A failed read is remembered as "not carried" too: behind a transaction pooler
+        // it may fail every time, and must not cost every attempt a statement.
+        let carried = answer == Some(1);
         self.known.remember(pool, bounds, carried);
         carried
     }
