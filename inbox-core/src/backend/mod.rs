@@ -255,7 +255,6 @@ pub(crate) fn over_network(backend: DbBackend) -> bool {
 /// How a pool's connections of `backend` take [`Inbox::process`]'s bounds (a claim's lock
 /// wait at most `lock_wait`, a transaction silent for `silence` ended by the server) when
 /// they open, for [`bound_connections`](crate::bound_connections).
-#[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
 pub(crate) fn connection_bounds(
     backend: DbBackend,
     lock_wait: Duration,
