@@ -87,9 +87,13 @@ impl BenchDb {
     /// A pool of exactly one connection: one per worker, like one replica each.
     ///
     /// Pings before each checkout are off: they would add a round trip to every
-    /// transaction of every mode and flatter the ratios.
+    /// transaction of every mode and flatter the ratios. Every connection carries the
+    /// inbox's bounds ([`sea_orm_inbox::bound_connections`], as the README advises for a
+    /// direct connection), so `process` sets none per transaction; the other modes set none
+    /// either.
     pub async fn connect(&self) -> Result<DatabaseConnection, BoxError> {
         let mut options = ConnectOptions::new(self.url.clone());
+        sea_orm_inbox::bound_connections(&mut options, &sea_orm_inbox::Inbox::new(CONSUMER)?);
         options
             .max_connections(1)
             .min_connections(1)

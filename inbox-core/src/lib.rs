@@ -25,7 +25,6 @@ pub mod prelude;
 mod retention;
 mod retry;
 mod schema;
-#[cfg(feature = "mysql")]
 mod session;
 mod silence;
 
@@ -86,5 +85,6 @@ pub use sea_orm_inbox_entity::{
     OUTBOX_MESSAGE_ID_INDEX_NAME, OUTBOX_TABLE_NAME, PARTITION_KEY_MAX_CHARS,
     RECEIVED_AT_INDEX_NAME, SCHEMA_NAME_MAX_LEN, TABLE_NAME, TABLE_NAME_MAX_LEN,
 };
+pub use session::bound_connections;
 #[cfg(feature = "mysql")]
 pub use session::bound_mysql_lock_waits;

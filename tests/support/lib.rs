@@ -57,7 +57,7 @@ mod stream;
 pub use cut_proxy::CutProxy;
 pub use galera::{GALERA_URLS_VAR, GaleraDb, galera_script, migrated_galera_db, with_galera_db};
 pub use outbox::RecordingPublisher;
-pub use proxy::{LostReplyProxy, ProxiedDb, with_proxied_db};
+pub use proxy::{LostReplyProxy, ProxiedDb, SentStatement, with_proxied_db};
 pub use stream::{
     Broker, BrokerStats, HandlerError, Plan, Report, STREAM_CONSUMER, XorShift,
     assert_exactly_once, create_effects, run_replicas, run_replicas_on,

@@ -34,15 +34,21 @@
 //!
 //! The proxy also counts the error replies the server sends (PostgreSQL's
 //! `ErrorResponse`, MySQL's `ERR` packet; see [`error_replies`](LostReplyProxy::error_replies)):
-//! each is a failed statement the server may write into its log.
+//! each is a failed statement the server may write into its log. And it logs the SQL of
+//! every statement the clients run ([`statements`](LostReplyProxy::statements)): a text
+//! query as sent, a prepared statement's text at each execution (the text of its prepare,
+//! found by the name or id the execution gives).
 //!
 //! SQLite is embedded: there is no network between the client and the database, so the
 //! proxy (and every lost-reply test) exists only for the server backends.
 
 use crate::cut_proxy::{bind_ephemeral, url_parts};
-use crate::{Backend, TestDb, connect_pool, create_accounts, scalar_i64, with_migrated_db};
+use crate::{
+    Backend, TestDb, connect_pool, connect_pool_with, create_accounts, scalar_i64, with_migrated_db,
+};
 use futures_util::FutureExt;
-use sea_orm::DatabaseConnection;
+use sea_orm::{ConnectOptions, DatabaseConnection};
+use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -73,8 +79,41 @@ enum Trigger {
     PartitionBeforeCommit,
 }
 
+/// One statement a client ran through the proxy, as [`LostReplyProxy::statements`] logs
+/// it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SentStatement {
+    /// A text query (PostgreSQL's simple `Query`, MySQL's `COM_QUERY`), as sent: one
+    /// round trip, however many statements its text holds.
+    Text(String),
+    /// The execution of a prepared statement (PostgreSQL's `Bind`, MySQL's
+    /// `COM_STMT_EXECUTE`): the text it was prepared from.
+    Prepared(String),
+}
+
+impl SentStatement {
+    /// The statement's SQL.
+    pub fn sql(&self) -> &str {
+        match self {
+            Self::Text(sql) | Self::Prepared(sql) => sql,
+        }
+    }
+}
+
+/// What one connection's client prepared, for the log to name each execution: shared by
+/// the two directions, since MySQL's server picks the statement id in its reply.
+#[derive(Debug, Default)]
+struct Prepared {
+    /// PostgreSQL: statement name -> text.
+    by_name: HashMap<String, String>,
+    /// MySQL: the text of the `COM_STMT_PREPARE` waiting for its reply.
+    awaiting_id: Option<String>,
+    /// MySQL: statement id -> text.
+    by_id: HashMap<u32, String>,
+}
+
 /// What a chunk of client bytes completed.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 struct Seen {
     commit: bool,
     execute: bool,
@@ -82,14 +121,16 @@ struct Seen {
     /// simple `Query` and the `Sync` after an extended-protocol `Execute` (a prepare or a
     /// pool's ping is not one).
     round_trips: u32,
+    /// The statements run, in order (see [`SentStatement`]).
+    statements: Vec<SentStatement>,
 }
 
 impl Seen {
-    fn is_nothing(self) -> bool {
+    fn is_nothing(&self) -> bool {
         !self.commit && !self.execute
     }
 
-    fn fires(self, trigger: Trigger) -> bool {
+    fn fires(&self, trigger: Trigger) -> bool {
         match trigger {
             Trigger::Commit | Trigger::PartitionAtCommit | Trigger::PartitionBeforeCommit => {
                 self.commit
@@ -116,6 +157,8 @@ struct Faults {
     errors: AtomicU32,
     /// Round trips that carried SQL (see [`Seen::round_trips`]).
     round_trips: AtomicU32,
+    /// The statements run (see [`SentStatement`]).
+    statements: Mutex<Vec<SentStatement>>,
 }
 
 /// A proxy on an ephemeral 127.0.0.1 port in front of a test database's server.
@@ -162,6 +205,16 @@ impl LostReplyProxy {
     /// send its session set-up, whenever the last one is not back yet).
     pub async fn connect_with(&self, max_connections: u32) -> DatabaseConnection {
         connect_pool(&self.url, self.backend, max_connections).await
+    }
+
+    /// [`connect_with`](Self::connect_with), with the pool's options adjusted last by
+    /// `configure` (a helper of the library under test, say).
+    pub async fn connect_configured(
+        &self,
+        max_connections: u32,
+        configure: impl FnOnce(&mut ConnectOptions),
+    ) -> DatabaseConnection {
+        connect_pool_with(&self.url, self.backend, max_connections, configure).await
     }
 
     /// Loses the reply of the next COMMIT any connection sends (once).
@@ -232,9 +285,26 @@ impl LostReplyProxy {
         self.faults.round_trips.load(Ordering::SeqCst)
     }
 
-    /// Starts [`round_trips`](Self::round_trips) again from 0.
+    /// Starts [`round_trips`](Self::round_trips) again from 0, and
+    /// [`statements`](Self::statements) from an empty log.
     pub fn reset_round_trips(&self) {
         self.faults.round_trips.store(0, Ordering::SeqCst);
+        self.faults
+            .statements
+            .lock()
+            .expect("the proxy's lock")
+            .clear();
+    }
+
+    /// Every statement the clients ran through the proxy so far (see
+    /// [`reset_round_trips`](Self::reset_round_trips)), in the order the proxy saw them:
+    /// what the server executed, its session set-up included.
+    pub fn statements(&self) -> Vec<SentStatement> {
+        self.faults
+            .statements
+            .lock()
+            .expect("the proxy's lock")
+            .clone()
     }
 
     /// COMMIT replies dropped so far.
@@ -332,11 +402,12 @@ async fn relay(
     let (client_read, client_write) = client.into_split();
     let (server_read, server_write) = server.into_split();
     let losing_reply = AtomicBool::new(false);
+    let prepared = Mutex::new(Prepared::default());
     // Whichever direction ends first ends the connection: dropping the halves closes both
     // sockets, so the client sees the cut right after its COMMIT.
     tokio::select! {
-        () = requests(client_read, server_write, protocol, &faults, &losing_reply) => {}
-        () = replies(server_read, client_write, protocol, &faults, &losing_reply) => {}
+        () = requests(client_read, server_write, protocol, &faults, &losing_reply, &prepared) => {}
+        () = replies(server_read, client_write, protocol, &faults, &losing_reply, &prepared) => {}
         _ = healed.changed() => {}
     }
 }
@@ -349,6 +420,7 @@ async fn requests(
     protocol: Protocol,
     faults: &Faults,
     losing_reply: &AtomicBool,
+    prepared: &Mutex<Prepared>,
 ) {
     let mut framer = Framer::new(protocol);
     let mut chunk = vec![0u8; 64 * 1024];
@@ -363,10 +435,15 @@ async fn requests(
         // Read before the framer's verdict: the chunk that starts a partition still goes
         // through.
         let mut partitioned = faults.partitioned.load(Ordering::SeqCst);
-        let seen = framer.push(&chunk[..read]);
+        let seen = framer.push(&chunk[..read], prepared);
         faults
             .round_trips
             .fetch_add(seen.round_trips, Ordering::SeqCst);
+        faults
+            .statements
+            .lock()
+            .expect("the proxy's lock")
+            .extend_from_slice(&seen.statements);
         if !seen.is_nothing() {
             let mut armed = faults.armed.lock().expect("the proxy's lock");
             match *armed {
@@ -407,6 +484,7 @@ async fn replies(
     protocol: Protocol,
     faults: &Faults,
     losing_reply: &AtomicBool,
+    prepared: &Mutex<Prepared>,
 ) {
     let mut framer = ReplyFramer::new(protocol);
     let mut chunk = vec![0u8; 64 * 1024];
@@ -430,7 +508,7 @@ async fn replies(
         }
         faults
             .errors
-            .fetch_add(framer.push(&chunk[..read]), Ordering::SeqCst);
+            .fetch_add(framer.push(&chunk[..read], prepared), Ordering::SeqCst);
         if to.write_all(&chunk[..read]).await.is_err() {
             return;
         }
@@ -464,6 +542,7 @@ struct Framer {
 const PG_ENCRYPTION_REQUESTS: [u32; 2] = [80_877_103, 80_877_104];
 /// MySQL's COM_QUERY and COM_STMT_EXECUTE command bytes (a command opens sequence 0).
 const MYSQL_COM_QUERY: u8 = 0x03;
+const MYSQL_COM_STMT_PREPARE: u8 = 0x16;
 const MYSQL_COM_STMT_EXECUTE: u8 = 0x17;
 
 impl Framer {
@@ -476,8 +555,9 @@ impl Framer {
         }
     }
 
-    /// Appends `bytes` and reports what the messages they completed hold.
-    fn push(&mut self, bytes: &[u8]) -> Seen {
+    /// Appends `bytes` and reports what the messages they completed hold; `prepared`
+    /// learns the statements they prepare.
+    fn push(&mut self, bytes: &[u8], prepared: &Mutex<Prepared>) -> Seen {
         self.buffer.extend_from_slice(bytes);
         let mut seen = Seen::default();
         while let Some(len) = self.next_len() {
@@ -486,10 +566,68 @@ impl Framer {
             }
             let message: Vec<u8> = self.buffer.drain(..len).collect();
             seen.execute |= self.is_execute(&message);
+            // PostgreSQL's startup messages carry no type byte (MySQL's handshake packets
+            // never open sequence 0, which every command does).
+            if self.protocol == Protocol::MySql || !self.startup {
+                let mut prepared = prepared.lock().expect("the proxy's lock");
+                seen.statements
+                    .extend(self.statement(&message, &mut prepared));
+            }
             seen.round_trips += u32::from(self.is_round_trip(&message));
             seen.commit |= self.is_commit(&message);
         }
         seen
+    }
+
+    /// The statement `message` runs, if it runs one; a prepare is remembered in
+    /// `prepared` (MySQL's until its reply gives the id).
+    fn statement(&self, message: &[u8], prepared: &mut Prepared) -> Option<SentStatement> {
+        let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).into_owned();
+        match self.protocol {
+            Protocol::Postgres => {
+                let body = message.get(5..).unwrap_or_default();
+                let mut fields = body.split(|&b| b == 0);
+                match message.first() {
+                    Some(b'Q') => Some(SentStatement::Text(text(cstr(body)))),
+                    // Parse: statement name, query text.
+                    Some(b'P') => {
+                        let name = text(fields.next().unwrap_or_default());
+                        let sql = text(fields.next().unwrap_or_default());
+                        prepared.by_name.insert(name, sql);
+                        None
+                    }
+                    // Bind: portal name, statement name.
+                    Some(b'B') => {
+                        let name = text(fields.nth(1).unwrap_or_default());
+                        let sql = prepared.by_name.get(&name).cloned();
+                        Some(SentStatement::Prepared(
+                            sql.unwrap_or_else(|| format!("<unknown statement {name}>")),
+                        ))
+                    }
+                    _ => None,
+                }
+            }
+            Protocol::MySql if message.get(3) == Some(&0) => {
+                let payload = message.get(5..).unwrap_or_default();
+                match message.get(4) {
+                    Some(&MYSQL_COM_QUERY) => Some(SentStatement::Text(text(payload))),
+                    Some(&MYSQL_COM_STMT_PREPARE) => {
+                        prepared.awaiting_id = Some(text(payload));
+                        None
+                    }
+                    Some(&MYSQL_COM_STMT_EXECUTE) => {
+                        let id = payload.get(..4)?;
+                        let id = u32::from_le_bytes([id[0], id[1], id[2], id[3]]);
+                        let sql = prepared.by_id.get(&id).cloned();
+                        Some(SentStatement::Prepared(
+                            sql.unwrap_or_else(|| format!("<unknown statement {id}>")),
+                        ))
+                    }
+                    _ => None,
+                }
+            }
+            Protocol::MySql => None,
+        }
     }
 
     /// The length of the message at the front of the buffer, once its header is in.
@@ -595,8 +733,9 @@ impl ReplyFramer {
         }
     }
 
-    /// Appends `bytes` and counts the error replies among the messages they completed.
-    fn push(&mut self, bytes: &[u8]) -> u32 {
+    /// Appends `bytes` and counts the error replies among the messages they completed;
+    /// the reply to a MySQL prepare gives `prepared` its statement's id.
+    fn push(&mut self, bytes: &[u8], prepared: &Mutex<Prepared>) -> u32 {
         self.buffer.extend_from_slice(bytes);
         let mut errors = 0;
         loop {
@@ -617,9 +756,28 @@ impl ReplyFramer {
                 break;
             }
             errors += u32::from(is_error);
+            if self.protocol == Protocol::MySql {
+                prepared_id(b, &mut prepared.lock().expect("the proxy's lock"));
+            }
             self.buffer.drain(..len);
         }
         errors
+    }
+}
+
+/// Files the text of a MySQL prepare under the id its reply `packet` gives (the first
+/// packet of the reply, sequence 1: `0x00`, then the id), or forgets it when the prepare
+/// failed.
+fn prepared_id(packet: &[u8], prepared: &mut Prepared) {
+    if packet.get(3) != Some(&1) {
+        return;
+    }
+    let Some(sql) = prepared.awaiting_id.take() else {
+        return;
+    };
+    if let (Some(0), Some(id)) = (packet.get(4), packet.get(5..9)) {
+        let id = u32::from_le_bytes([id[0], id[1], id[2], id[3]]);
+        prepared.by_id.insert(id, sql);
     }
 }
 
@@ -699,6 +857,57 @@ pub async fn with_proxied_db<T>(backend: Backend, body: impl AsyncFnOnce(&Proxie
 mod tests {
     use super::*;
 
+    fn none() -> Mutex<Prepared> {
+        Mutex::default()
+    }
+
+    #[test]
+    fn logs_each_execution_by_the_text_it_was_prepared_from() {
+        let prepared = none();
+        let mut framer = Framer::new(Protocol::Postgres);
+        framer.push(&pg_startup(196_608), &prepared);
+        let parse = pg(b'P', b"sqlx_s_1\0INSERT INTO inbox VALUES ($1)\0\0\0");
+        let bind = pg(b'B', b"\0sqlx_s_1\0\0\0\0\0\0\0");
+        let stream = [
+            pg(b'Q', b"BEGIN\0"),
+            parse,
+            pg(b'S', b""),
+            bind.clone(),
+            bind,
+        ]
+        .concat();
+        let (first, rest) = stream.split_at(20);
+        let mut logged = framer.push(first, &prepared).statements;
+        logged.extend(framer.push(rest, &prepared).statements);
+        let insert = SentStatement::Prepared("INSERT INTO inbox VALUES ($1)".into());
+        assert_eq!(
+            logged,
+            [SentStatement::Text("BEGIN".into()), insert.clone(), insert]
+        );
+
+        let prepared = none();
+        let mut framer = Framer::new(Protocol::MySql);
+        let mut replies = ReplyFramer::new(Protocol::MySql);
+        let logged = framer
+            .push(&mysql(0, b"\x16UPDATE account SET balance = ?"), &prepared)
+            .statements;
+        assert!(logged.is_empty(), "{logged:?}");
+        replies.push(&mysql(1, &[0, 7, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0]), &prepared);
+        let logged = [
+            framer.push(&mysql(0, b"\x17\x07\0\0\0\0\x01\0\0\0"), &prepared),
+            framer.push(&mysql(0, b"\x03COMMIT"), &prepared),
+        ]
+        .map(|seen| seen.statements)
+        .concat();
+        assert_eq!(
+            logged,
+            [
+                SentStatement::Prepared("UPDATE account SET balance = ?".into()),
+                SentStatement::Text("COMMIT".into())
+            ]
+        );
+    }
+
     fn pg(kind: u8, body: &[u8]) -> Vec<u8> {
         let mut message = vec![kind];
         message.extend_from_slice(&(body.len() as u32 + 4).to_be_bytes());
@@ -716,7 +925,7 @@ mod tests {
         ]
         .concat();
         let (first, rest) = stream.split_at(14);
-        assert_eq!(framer.push(first) + framer.push(rest), 1);
+        assert_eq!(framer.push(first, &none()) + framer.push(rest, &none()), 1);
 
         let mut framer = ReplyFramer::new(Protocol::MySql);
         let ok = [7, 0, 0, 1, 0, 1, 0, 2, 0, 0, 0];
@@ -724,7 +933,9 @@ mod tests {
             9, 0, 0, 1, 0xff, 0x26, 0x04, b'#', b'2', b'3', b'0', b'0', b'0',
         ];
         assert_eq!(
-            framer.push(&ok) + framer.push(&err[..3]) + framer.push(&err[3..]),
+            framer.push(&ok, &none())
+                + framer.push(&err[..3], &none())
+                + framer.push(&err[3..], &none()),
             1
         );
     }
@@ -744,7 +955,7 @@ mod tests {
 
     #[test]
     fn finds_a_postgres_commit_split_across_reads_after_startup() {
-        let commit = |framer: &mut Framer, bytes: &[u8]| framer.push(bytes).commit;
+        let commit = |framer: &mut Framer, bytes: &[u8]| framer.push(bytes, &none()).commit;
         let mut framer = Framer::new(Protocol::Postgres);
         assert!(!commit(&mut framer, &pg_startup(80_877_103)));
         assert!(!commit(&mut framer, &pg_startup(196_608)));
@@ -761,7 +972,7 @@ mod tests {
 
     #[test]
     fn finds_a_mysql_commit_query_only() {
-        let commit = |framer: &mut Framer, bytes: &[u8]| framer.push(bytes).commit;
+        let commit = |framer: &mut Framer, bytes: &[u8]| framer.push(bytes, &none()).commit;
         let mut framer = Framer::new(Protocol::MySql);
         assert!(!commit(
             &mut framer,
@@ -774,7 +985,7 @@ mod tests {
 
     #[test]
     fn executions_are_prepared_statements_only() {
-        let execute = |framer: &mut Framer, bytes: &[u8]| framer.push(bytes).execute;
+        let execute = |framer: &mut Framer, bytes: &[u8]| framer.push(bytes, &none()).execute;
         let mut framer = Framer::new(Protocol::Postgres);
         assert!(!execute(&mut framer, &pg_startup(196_608)));
         assert!(!execute(&mut framer, &pg(b'P', b"s1\0UPDATE inbox\0\0\0")));

@@ -45,6 +45,21 @@ pub(super) trait Dialect: Sync {
     /// carries the bound (see [`claim_marker`](Self::claim_marker)) or there is no server.
     fn claim_marker_with_silence_bound(&self, marker: &Marker<'_>) -> Option<String>;
 
+    /// How a pool's connections carry `Inbox::process`'s bounds for their whole life: a
+    /// claim's lock wait at most `lock_wait`, and the server ending a transaction whose
+    /// client has been silent for `silence` (the settings the marker INSERT of
+    /// [`claim_marker`](Self::claim_marker) or
+    /// [`claim_marker_with_silence_bound`](Self::claim_marker_with_silence_bound) sets per
+    /// transaction otherwise).
+    fn connection_bounds(&self, lock_wait: Duration, silence: Duration) -> ConnectionBounds;
+
+    /// A read, run on a connection of a pool, answering 1 when the pool's connections
+    /// carry the bounds of [`connection_bounds`](Self::connection_bounds) as a marker
+    /// INSERT would set them (a lock wait of at most `lock_wait` where the INSERT bounds
+    /// it, the silence bound exactly), and 0 otherwise. No binds. `None` where there is
+    /// nothing to bound (an embedded database).
+    fn connection_bounds_probe(&self, lock_wait: Duration, silence: Duration) -> Option<String>;
+
     /// A statement that makes the server end the current transaction, releasing its
     /// locks, once its client has been silent for `silence` (waiting for the next
     /// statement, or not reading a reply the server is sending). `None`: nothing to bound
@@ -238,6 +253,21 @@ pub(super) trait Dialect: Sync {
 
     /// The count of rows waiting to be published and the count of dead rows.
     fn outbox_backlog(&self) -> &'static str;
+}
+
+/// How a pool's connections take the bounds of [`Dialect::connection_bounds`] when they
+/// open.
+pub(crate) enum ConnectionBounds {
+    /// Settings sent in the connection's startup message (PostgreSQL's `options`, `-c
+    /// name=value`): no statement at all.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    StartupOptions(Vec<(&'static str, String)>),
+    /// A statement each new connection runs before the pool hands it out.
+    #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
+    AfterConnect(String),
+    /// Nothing to bound.
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+    None,
 }
 
 /// How a backend claims a batch of due outbox rows for the relay.

@@ -31,7 +31,7 @@ mod server;
 mod sqlite;
 mod transaction;
 
-pub(crate) use server::SilentEnds;
+pub(crate) use server::{ConnectionBoundsKnown, SilentEnds};
 pub(crate) use transaction::{
     AfterFailure, after_failure, begin_to_completion, lost_a_conflict, refused_by_the_database,
     roll_back, roll_back_stranded, savepoint_missing_in_open_transaction, silently_ended,
@@ -239,6 +239,10 @@ pub(crate) struct ProcessMarker {
     /// one text query (MySQL/MariaDB, see [`MarkerInsert::Unprepared`]).
     #[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
     pub(crate) silence: Duration,
+    /// The connection already carries both bounds (see [`ConnectionBoundsKnown`]): the
+    /// marker is the plain INSERT, and sets nothing.
+    #[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
+    pub(crate) bounded_connection: bool,
 }
 
 /// Whether a client of `backend` reaches its database over a network, so that a partition
@@ -247,6 +251,19 @@ pub(crate) struct ProcessMarker {
 pub(crate) fn over_network(backend: DbBackend) -> bool {
     dialect(backend).is_ok_and(|dialect| dialect.over_network())
 }
+
+/// How a pool's connections of `backend` take [`Inbox::process`]'s bounds (a claim's lock
+/// wait at most `lock_wait`, a transaction silent for `silence` ended by the server) when
+/// they open, for [`bound_connections`](crate::bound_connections).
+pub(crate) fn connection_bounds(
+    backend: DbBackend,
+    lock_wait: Duration,
+    silence: Duration,
+) -> Result<dialect::ConnectionBounds, InboxError> {
+    Ok(dialect(backend)?.connection_bounds(lock_wait, silence))
+}
+
+pub(crate) use dialect::ConnectionBounds;
 
 /// The statement that makes the server end the current transaction once its client has
 /// been silent for `silence` (`None` on SQLite): the first statement of a short

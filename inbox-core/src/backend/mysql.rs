@@ -1,7 +1,9 @@
 //! MySQL and MariaDB: `?` placeholders, `ON DUPLICATE KEY UPDATE` in place of DO NOTHING,
 //! naive UTC timestamps, and the classifier that reads error numbers and key names.
 
-use super::dialect::{Dialect, Marker, OutboxClaimSql, migration_of_column_named_in, repeat_list};
+use super::dialect::{
+    ConnectionBounds, Dialect, Marker, OutboxClaimSql, migration_of_column_named_in, repeat_list,
+};
 use super::{AfterFailure, BatchClaimSql, DbErrorKind};
 use crate::InboxMigration;
 use chrono::{DateTime, Utc};
@@ -45,8 +47,13 @@ impl Dialect for MySql {
     /// consumer's UTF-8 bytes (introduced as `utf8mb4`, whatever the connection's character
     /// set), digits and separators for the time. The driver reports the last statement's
     /// id, the marker's, and a duplicate raises 1062 from the INSERT as it does prepared.
+    /// `None` on a connection that carries the bound for its whole life (see
+    /// [`connection_bounds`](Dialect::connection_bounds)): the prepared INSERT alone.
     fn claim_marker_with_silence_bound(&self, marker: &Marker<'_>) -> Option<String> {
-        let process = marker.process.as_ref()?;
+        let process = marker
+            .process
+            .as_ref()
+            .filter(|process| !process.bounded_connection)?;
         let bound = self.silence_bound(process.silence)?;
         let (insert, _) = self.claim_marker(*marker);
         let literals = [
@@ -88,10 +95,35 @@ impl Dialect for MySql {
     /// which MySQL skips, so there only `net_write_timeout` applies and an idle partitioned
     /// transaction lasts until `wait_timeout`.
     fn silence_bound(&self, silence: Duration) -> Option<String> {
-        let seconds = silence.as_secs() + u64::from(silence.subsec_nanos() > 0);
+        let seconds = whole_seconds(silence);
         Some(format!(
             "SET SESSION net_write_timeout = {seconds} \
              /*M!100300 , idle_transaction_timeout = {seconds} */"
+        ))
+    }
+
+    /// After connecting, the silence bound's session variables (as
+    /// [`silence_bound`](Dialect::silence_bound) sets them), the lock wait
+    /// (`innodb_lock_wait_timeout`, whole seconds rounded up, which no transaction can set
+    /// for itself) and `@sea_orm_inbox_bounded`, which says that the pool set them: the
+    /// per-transaction bound leaves the same session variables on the connections it ran
+    /// on, so their values alone do not tell a pool that sets them on every connection.
+    fn connection_bounds(&self, lock_wait: Duration, silence: Duration) -> ConnectionBounds {
+        let (lock_wait, silence) = (whole_seconds(lock_wait), whole_seconds(silence));
+        ConnectionBounds::AfterConnect(format!(
+            "SET SESSION innodb_lock_wait_timeout = {lock_wait}, net_write_timeout = {silence} \
+             /*M!100300 , idle_transaction_timeout = {silence} */, @sea_orm_inbox_bounded = 1"
+        ))
+    }
+
+    /// The pool's mark, and the silence bound's session variables at exactly the bound.
+    /// The lock wait is not read: a marker INSERT cannot bound it on this backend.
+    fn connection_bounds_probe(&self, _lock_wait: Duration, silence: Duration) -> Option<String> {
+        let silence = whole_seconds(silence);
+        Some(format!(
+            "SELECT CAST(COALESCE(@sea_orm_inbox_bounded = 1, 0) \
+             AND @@session.net_write_timeout = {silence} \
+             /*M!100300 AND @@session.idle_transaction_timeout = {silence} */ AS SIGNED)"
         ))
     }
 
@@ -435,6 +467,11 @@ impl Dialect for MySql {
 /// It reads error numbers and quoted names only, never the words around them, which
 /// follow the server's `lc_messages` (German: `Doppelter Eintrag '...' für Schlüssel
 /// '...'`; Japanese puts the key mid-sentence).
+/// A bound in whole seconds, rounded up: what MySQL's timeout variables take.
+fn whole_seconds(bound: Duration) -> u64 {
+    bound.as_secs() + u64::from(bound.subsec_nanos() > 0)
+}
+
 pub(super) fn classify(db: &dyn DatabaseError, table: &InboxTable) -> Option<DbErrorKind> {
     let err = db.try_downcast_ref::<MySqlDatabaseError>()?;
     Some(kind_of(err.number(), err.code(), err.message(), table))
@@ -571,6 +608,7 @@ mod tests {
                 token: uuid::Uuid::from_u128(0xff),
                 lock_wait: Duration::from_secs(5),
                 silence: Duration::from_millis(1500),
+                bounded_connection: false,
             }),
         };
         assert_eq!(
@@ -587,6 +625,42 @@ mod tests {
             ..marker
         };
         assert_eq!(MySql.claim_marker_with_silence_bound(&claim), None);
+        let on_bounded_connection = Marker {
+            process: marker.process.map(|process| ProcessMarker {
+                bounded_connection: true,
+                ..process
+            }),
+            ..marker
+        };
+        assert_eq!(
+            MySql.claim_marker_with_silence_bound(&on_bounded_connection),
+            None
+        );
+    }
+
+    /// The pool's after-connect statement sets what the marker's text query would, in
+    /// whole seconds rounded up, and the mark the probe looks for first.
+    #[test]
+    fn connection_bounds_set_the_marker_bounds_and_the_pools_mark() {
+        let bounds = MySql.connection_bounds(Duration::from_millis(2500), Duration::from_secs(20));
+        let ConnectionBounds::AfterConnect(set) = bounds else {
+            panic!("MySQL sets its bounds after connecting");
+        };
+        assert_eq!(
+            set,
+            "SET SESSION innodb_lock_wait_timeout = 3, net_write_timeout = 20 \
+             /*M!100300 , idle_transaction_timeout = 20 */, @sea_orm_inbox_bounded = 1"
+        );
+        let probe =
+            MySql.connection_bounds_probe(Duration::from_secs(5), Duration::from_millis(1500));
+        assert_eq!(
+            probe.as_deref(),
+            Some(
+                "SELECT CAST(COALESCE(@sea_orm_inbox_bounded = 1, 0) \
+                 AND @@session.net_write_timeout = 2 \
+                 /*M!100300 AND @@session.idle_transaction_timeout = 2 */ AS SIGNED)"
+            )
+        );
     }
 
     #[test]

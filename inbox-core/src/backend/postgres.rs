@@ -2,7 +2,8 @@
 //! classifier that reads SQLSTATE codes and the violated constraint's name.
 
 use super::dialect::{
-    Dialect, Marker, OutboxClaimSql, migration_of_column_named_in, names_identifier,
+    ConnectionBounds, Dialect, Marker, OutboxClaimSql, migration_of_column_named_in,
+    names_identifier,
 };
 use super::{AfterFailure, BatchClaimSql, DbErrorKind};
 use crate::InboxMigration;
@@ -46,6 +47,10 @@ impl Dialect for Postgres {
     /// transaction's index entry and its wait for a transaction holding the same marker
     /// before the conflict clause decides, and both silence settings. Binds after the
     /// marker's: the lock-wait bound and the silence bound as text.
+    ///
+    /// On a connection that carries both bounds for its whole life (see
+    /// [`connection_bounds`](Dialect::connection_bounds)) `Inbox::process`'s marker is the
+    /// plain INSERT with its conflict clause: no `set_config`, no bind past the token.
     fn identifier_quote(&self) -> char {
         '"'
     }
@@ -56,6 +61,9 @@ impl Dialect for Postgres {
             None => {
                 values.push(Value::from(millis_text(marker.claim_silence)));
                 r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at") SELECT $1, $2, $3 WHERE set_config('idle_in_transaction_session_timeout', CASE WHEN current_setting('idle_in_transaction_session_timeout') = '0' OR current_setting('idle_in_transaction_session_timeout')::interval > $4::interval THEN $4 ELSE current_setting('idle_in_transaction_session_timeout') END, true) IS NOT NULL AND set_config('tcp_user_timeout', $4, true) IS NOT NULL ON CONFLICT ON CONSTRAINT "ix_inbox_message_id_consumer" DO NOTHING RETURNING "id""#
+            }
+            Some(process) if process.bounded_connection => {
+                r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at", "claim_token") VALUES ($1, $2, $3, $4) ON CONFLICT ON CONSTRAINT "ix_inbox_message_id_consumer" DO NOTHING RETURNING "id""#
             }
             Some(process) => {
                 values.push(Value::from(millis_text(process.lock_wait)));
@@ -68,6 +76,34 @@ impl Dialect for Postgres {
 
     fn marker_insert_returns_id(&self) -> bool {
         true
+    }
+
+    /// Startup options (`-c name=value`), which the server applies before the connection's
+    /// first statement: no round trip, and no statement a transaction pooler could send to
+    /// another server connection. `lock_timeout` as `process`'s marker sets it, and the
+    /// silence bound's two settings; a handler's `SET LOCAL` still overrides them for its
+    /// transaction.
+    fn connection_bounds(&self, lock_wait: Duration, silence: Duration) -> ConnectionBounds {
+        ConnectionBounds::StartupOptions(vec![
+            ("lock_timeout", millis_text(lock_wait)),
+            ("idle_in_transaction_session_timeout", millis_text(silence)),
+            ("tcp_user_timeout", millis_text(silence)),
+        ])
+    }
+
+    /// The session's values (`pg_settings`, in milliseconds): a `lock_timeout` of at most
+    /// the bound (a shorter one is kept, as the marker keeps it), and both silence
+    /// settings at exactly the bound. `tcp_user_timeout` reads 0 on a Unix-domain socket,
+    /// where no network can go silent.
+    fn connection_bounds_probe(&self, lock_wait: Duration, silence: Duration) -> Option<String> {
+        let (lock_wait, silence) = (lock_wait.as_millis(), silence.as_millis());
+        Some(format!(
+            "SELECT (COUNT(*) = 3)::int::int8 FROM pg_settings \
+             WHERE (name = 'lock_timeout' AND setting::int8 BETWEEN 1 AND {lock_wait}) \
+             OR (name = 'idle_in_transaction_session_timeout' AND setting::int8 = {silence}) \
+             OR (name = 'tcp_user_timeout' \
+             AND (setting::int8 = {silence} OR inet_server_addr() IS NULL))"
+        ))
     }
 
     /// The marker INSERT sets the bound itself.
@@ -474,17 +510,19 @@ mod tests {
                 .0
                 .to_owned()
         };
-        let process = ProcessMarker {
+        let process = |bounded_connection| ProcessMarker {
             token: uuid::Uuid::nil(),
             lock_wait: Duration::from_secs(5),
             silence: Duration::from_secs(20),
+            bounded_connection,
         };
         let BatchClaimSql::Returning(batch) = Postgres.batch_claim(2) else {
             panic!("PostgreSQL's batch claim returns the rows it inserted");
         };
         for sql in [
             marker(None),
-            marker(Some(process)),
+            marker(Some(process(false))),
+            marker(Some(process(true))),
             Postgres.insert_lease().to_owned(),
             batch,
         ] {

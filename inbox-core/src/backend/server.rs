@@ -1,7 +1,9 @@
 //! What the crate learns about the server behind a pool at run time, rather than from its
 //! backend alone: whether it can end a transaction without failing a statement (a Galera
 //! node), so that [`Inbox::process`](crate::Inbox::process) proves its marker before
-//! COMMIT only where that can happen.
+//! COMMIT only where that can happen; and whether the pool's connections carry
+//! `process`'s bounds, so that its marker sets them per transaction only where they do
+//! not.
 
 use super::dialect;
 use crate::silence::within_bound;
@@ -10,28 +12,17 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// Whether the server behind a pool can end a transaction silently, read from the server
-/// and remembered for [`SilentEnds::REREAD_AFTER`] for the pool last used: one read every
+/// and remembered for [`REREAD_AFTER`] for the pool last used: one read every
 /// ten seconds instead of a proof query per message (an inbox used on two MySQL pools in
 /// turn reads again whenever the pool changes). A pool the crate cannot tell apart from another
 /// (a mock or proxy connection) is never remembered, and a failed read counts as "can":
 /// the proof then runs, as it always did.
 #[derive(Debug, Default)]
 pub(crate) struct SilentEnds {
-    known: Mutex<Option<Known>>,
-}
-
-#[derive(Debug)]
-struct Known {
-    pool: PoolIdentity,
-    possible: bool,
-    read_at: Instant,
+    known: PoolFact<()>,
 }
 
 impl SilentEnds {
-    /// How long an answer is trusted: a server that became a Galera node since (a restart
-    /// with a cluster address) is proven again at most this long after it did.
-    pub(crate) const REREAD_AFTER: Duration = Duration::from_secs(10);
-
     /// Whether a transaction on `db` whose statements all succeeded may still have been
     /// ended by the server before its COMMIT. Ask before the transaction's BEGIN: a read
     /// takes a connection of the pool, which must never wait for the one the transaction
@@ -47,7 +38,7 @@ impl SilentEnds {
         let Some(pool) = PoolIdentity::of(db) else {
             return true;
         };
-        if let Some(possible) = self.remembered(&pool) {
+        if let Some(possible) = self.known.remembered(&pool, &()) {
             return possible;
         }
         let statement = Statement::from_string(db.get_database_backend(), probe);
@@ -60,21 +51,113 @@ impl SilentEnds {
             return true;
         };
         let possible = possible != 0;
+        self.known.remember(pool, (), possible);
+        possible
+    }
+}
+
+/// Whether the connections of the pool last used carry [`Inbox::process`]'s bounds for
+/// their whole life (see [`bound_connections`]), read from the server for that pool and
+/// those bounds and remembered for [`REREAD_AFTER`]: the one place that
+/// chooses between bounds per connection and bounds set by each marker INSERT. Every
+/// doubt chooses the marker's (a pool the crate cannot tell apart from another, a failed
+/// or unanswered read, remembered as long as an answer), which is always right; a transaction pooler never shows the
+/// startup options a pool sets (PgBouncer refuses or drops them), so behind one the
+/// marker keeps setting them.
+///
+/// [`Inbox::process`]: crate::Inbox::process
+/// [`bound_connections`]: crate::bound_connections
+#[derive(Debug, Default)]
+pub(crate) struct ConnectionBoundsKnown {
+    known: PoolFact<(Duration, Duration)>,
+}
+
+impl ConnectionBoundsKnown {
+    /// Whether a transaction on `db` runs on a connection that already bounds its lock
+    /// waits at `lock_wait` (or less) and its silent client at `silence`. Ask before the
+    /// transaction's BEGIN (a read takes a connection of the pool); a read waits at most
+    /// `bound`. The read runs on its own, outside any transaction (a COMMIT of its own
+    /// would be one more per pool and reread): behind a transaction pooler its prepared
+    /// statement may fail (see `pooler.rs`), which counts as "not carried" until the
+    /// next read, like every failed read.
+    pub(crate) async fn carried(
+        &self,
+        db: &DatabaseConnection,
+        lock_wait: Duration,
+        silence: Duration,
+        bound: Option<Duration>,
+    ) -> bool {
+        let backend = db.get_database_backend();
+        let probe = dialect(backend)
+            .ok()
+            .and_then(|dialect| dialect.connection_bounds_probe(lock_wait, silence));
+        let (Some(probe), Some(pool)) = (probe, PoolIdentity::of(db)) else {
+            return false;
+        };
+        let bounds = (lock_wait, silence);
+        if let Some(carried) = self.known.remembered(&pool, &bounds) {
+            return carried;
+        }
+        let read = db.query_one_raw(Statement::from_string(backend, probe));
+        let answer = within_bound(bound, read)
+            .await
+            .ok()
+            .and_then(Result::ok)
+            .flatten()
+            .and_then(|row| row.try_get_by_index::<i64>(0).ok());
+        // A failed read is remembered as "not carried" too: behind a transaction pooler
+        // it may fail every time, and must not cost every attempt a statement.
+        let carried = answer == Some(1);
+        self.known.remember(pool, bounds, carried);
+        carried
+    }
+}
+
+/// How long a fact about a pool is trusted before it is read again: a server that became a
+/// Galera node since (a restart with a cluster address) is proven again at most this long
+/// after it did.
+const REREAD_AFTER: Duration = Duration::from_secs(10);
+
+/// One yes-or-no fact about the pool last used, for a `key` (the values it was read for),
+/// remembered for [`REREAD_AFTER`].
+#[derive(Debug)]
+struct PoolFact<K> {
+    known: Mutex<Option<Known<K>>>,
+}
+
+impl<K> Default for PoolFact<K> {
+    fn default() -> Self {
+        Self {
+            known: Mutex::new(None),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Known<K> {
+    pool: PoolIdentity,
+    key: K,
+    value: bool,
+    read_at: Instant,
+}
+
+impl<K: PartialEq> PoolFact<K> {
+    fn remembered(&self, pool: &PoolIdentity, key: &K) -> Option<bool> {
+        let known = self.known.lock().ok()?;
+        let known = known.as_ref()?;
+        (known.pool.is(pool) && known.key == *key && known.read_at.elapsed() < REREAD_AFTER)
+            .then_some(known.value)
+    }
+
+    fn remember(&self, pool: PoolIdentity, key: K, value: bool) {
         if let Ok(mut known) = self.known.lock() {
             *known = Some(Known {
                 pool,
-                possible,
+                key,
+                value,
                 read_at: Instant::now(),
             });
         }
-        possible
-    }
-
-    fn remembered(&self, pool: &PoolIdentity) -> Option<bool> {
-        let known = self.known.lock().ok()?;
-        let known = known.as_ref()?;
-        (known.pool.is(pool) && known.read_at.elapsed() < Self::REREAD_AFTER)
-            .then_some(known.possible)
     }
 }
 
@@ -85,15 +168,24 @@ impl SilentEnds {
 enum PoolIdentity {
     #[cfg(feature = "mysql")]
     MySql(std::sync::Weak<sea_orm::sqlx::mysql::MySqlConnectOptions>),
+    #[cfg(feature = "postgres")]
+    Postgres(std::sync::Weak<sea_orm::sqlx::postgres::PgConnectOptions>),
 }
 
 impl PoolIdentity {
-    #[cfg_attr(not(feature = "mysql"), allow(unused_variables))]
+    #[cfg_attr(
+        not(any(feature = "mysql", feature = "postgres")),
+        allow(unused_variables)
+    )]
     fn of(db: &DatabaseConnection) -> Option<Self> {
         match &db.inner {
             #[cfg(feature = "mysql")]
             sea_orm::DatabaseConnectionType::SqlxMySqlPoolConnection(_) => Some(Self::MySql(
                 std::sync::Arc::downgrade(&db.get_mysql_connection_pool().connect_options()),
+            )),
+            #[cfg(feature = "postgres")]
+            sea_orm::DatabaseConnectionType::SqlxPostgresPoolConnection(_) => Some(Self::Postgres(
+                std::sync::Arc::downgrade(&db.get_postgres_connection_pool().connect_options()),
             )),
             #[allow(unreachable_patterns)]
             _ => None,
@@ -104,6 +196,8 @@ impl PoolIdentity {
         match (self, other) {
             #[cfg(feature = "mysql")]
             (Self::MySql(this), Self::MySql(that)) => this.ptr_eq(that),
+            #[cfg(feature = "postgres")]
+            (Self::Postgres(this), Self::Postgres(that)) => this.ptr_eq(that),
             #[allow(unreachable_patterns)]
             _ => false,
         }

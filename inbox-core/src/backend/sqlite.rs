@@ -1,7 +1,9 @@
 //! SQLite: `?` placeholders, `ON CONFLICT DO NOTHING`, and the classifier that reads
 //! extended result codes and the failed constraint's column list.
 
-use super::dialect::{Dialect, Marker, OutboxClaimSql, migration_of_column_named_in, repeat_list};
+use super::dialect::{
+    ConnectionBounds, Dialect, Marker, OutboxClaimSql, migration_of_column_named_in, repeat_list,
+};
 use super::{AfterFailure, BatchClaimSql, DbErrorKind};
 use crate::InboxMigration;
 use chrono::{DateTime, Utc};
@@ -39,6 +41,15 @@ impl Dialect for Sqlite {
 
     /// Embedded: no client can vanish while the database holds its transaction.
     fn claim_marker_with_silence_bound(&self, _marker: &Marker<'_>) -> Option<String> {
+        None
+    }
+
+    /// Embedded: no client can vanish while the database holds its transaction.
+    fn connection_bounds(&self, _lock_wait: Duration, _silence: Duration) -> ConnectionBounds {
+        ConnectionBounds::None
+    }
+
+    fn connection_bounds_probe(&self, _lock_wait: Duration, _silence: Duration) -> Option<String> {
         None
     }
 

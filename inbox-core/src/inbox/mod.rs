@@ -1,6 +1,6 @@
 use crate::backend::{
-    CLAIM_TRANSACTION, DbErrorKind, ProcessMarker, SilentEnds, begin_to_completion, classify,
-    roll_back,
+    CLAIM_TRANSACTION, ConnectionBoundsKnown, DbErrorKind, ProcessMarker, SilentEnds,
+    begin_to_completion, classify, roll_back,
 };
 use crate::cause::{db_cause, reported_text};
 use crate::claim::{Held, insert_marker, marker_token};
@@ -86,6 +86,9 @@ pub struct Inbox {
     /// Whether the server of the pool last used can end a transaction silently: shared by
     /// the clones of an inbox, so that the replicas' tasks read it once.
     silent_ends: Arc<SilentEnds>,
+    /// Whether the connections of the pool last used carry this inbox's bounds, so that
+    /// its marker INSERT need not set them: shared by the clones like `silent_ends`.
+    connection_bounds: Arc<ConnectionBoundsKnown>,
 }
 
 /// What the attempts of one `process` call share.
@@ -157,6 +160,7 @@ impl Inbox {
             partition_timeout: Self::DEFAULT_PARTITION_TIMEOUT,
             metrics: Arc::default(),
             silent_ends: Arc::default(),
+            connection_bounds: Arc::default(),
         })
     }
 
@@ -208,11 +212,14 @@ impl Inbox {
     /// - PostgreSQL: `lock_timeout` for the claim transaction only (`SET LOCAL`, set by the
     ///   claim INSERT itself: no extra round trip, and safe behind PgBouncer's transaction
     ///   pooling). It covers the handler's statements in that transaction too; a shorter
-    ///   `lock_timeout` the session already has is kept.
+    ///   `lock_timeout` the session already has is kept. On a pool configured with
+    ///   [`bound_connections`](crate::bound_connections) every connection carries it
+    ///   instead, and the INSERT sets nothing.
     /// - MySQL/MariaDB: not applied; the wait is bounded by the session's
     ///   `innodb_lock_wait_timeout` (50 s by default). Set it on the pool's connections
-    ///   (e.g. `SET SESSION innodb_lock_wait_timeout = 5` in an after-connect hook) to
-    ///   bound it as tightly.
+    ///   ([`bound_connections`](crate::bound_connections), or
+    ///   `SET SESSION innodb_lock_wait_timeout = 5` in an after-connect hook) to bound it
+    ///   as tightly.
     /// - SQLite: not applied; a claim waits for the write lock in the connection's busy
     ///   handler (`PRAGMA busy_timeout`; sqlx sets 5 s), then fails with SQLITE_BUSY, also
     ///   transient.
@@ -286,7 +293,9 @@ impl Inbox {
     ///   transaction by the claim INSERT itself, no extra round trip; MariaDB:
     ///   `idle_transaction_timeout` and `net_write_timeout`, session variables set in the
     ///   claim INSERT's own text query, no extra round trip, which the pooled connection
-    ///   keeps; MySQL 8 has only the latter);
+    ///   keeps; MySQL 8 has only the latter); on a pool configured with
+    ///   [`bound_connections`](crate::bound_connections), every connection carries them
+    ///   from the start instead, and the claim INSERT sets nothing;
     /// - `process` waits at most this long for each step of an attempt (BEGIN, the claim,
     ///   which may first wait for a lock as long as the
     ///   [lock timeout](Self::with_lock_timeout) allows, the handler, the pre-commit check,
@@ -520,6 +529,10 @@ impl Inbox {
     {
         let bound = self.step_bound(db);
         let silent_end = self.silent_ends.possible(db, bound).await;
+        let bounded_connection = self
+            .connection_bounds
+            .carried(db, self.lock_timeout, self.partition_timeout, bound)
+            .await;
         let txn = self
             .bounded(
                 bound,
@@ -533,6 +546,7 @@ impl Inbox {
             token: call.token,
             lock_wait: self.lock_timeout,
             silence: self.partition_timeout,
+            bounded_connection,
         };
         let claim_started = Instant::now();
         // The claim may wait for another transaction's lock first, as long as the lock

@@ -3,8 +3,8 @@
 //! rows without holding back other keys.
 
 use inbox_tests::{
-    Backend, TestDb, on_every_backend, on_pgbouncer, poll_then_drop, scalar_i64, with_migrated_db,
-    with_migrated_outbox_db,
+    Backend, LostReplyProxy, TestDb, on_every_backend, on_pgbouncer, on_server_backends,
+    poll_then_drop, scalar_i64, with_migrated_db, with_migrated_outbox_db,
 };
 use sea_orm::{ConnAcquireErr, ConnectionTrait, DatabaseConnection, DbErr, TransactionTrait};
 use sea_orm_inbox::{
@@ -828,6 +828,41 @@ async fn a_drain_relays_every_full_batch_and_the_rest(backend: Backend) {
     .await;
 }
 
+/// What a drain costs on the wire, counted by the proxy (issue 33 item 4's first
+/// measurement): 60 rows in batches of 20 on a pool of one connection, its statements
+/// printed for the record. PostgreSQL: BEGIN, the claim, COMMIT, then per full batch BEGIN,
+/// the previous batch's mark, the next claim, COMMIT (4, the hand-written loop's count:
+/// BEGIN, `SELECT ... FOR UPDATE SKIP LOCKED`, `UPDATE`, COMMIT): 3 + 3 x 4 = 15. MariaDB,
+/// per full batch: `SET TRANSACTION ISOLATION LEVEL READ COMMITTED` (SeaORM sends it on its
+/// own), BEGIN, the silence bound's `SET SESSION`, the mark, the plain read of the
+/// candidates, the locking read, the lease, COMMIT (8); 7 for the first (no mark), 6 for
+/// the last (an empty read, no lock or lease): 29.
+async fn a_drain_costs_its_round_trips_per_full_batch(backend: Backend) {
+    with_migrated_outbox_db(backend, async |db| {
+        let proxy = LostReplyProxy::start(db).await;
+        let conn = proxy.connect_with(1).await;
+        enqueue_many(&conn, 60).await;
+        let relay = Relay::new(Arc::new(Recorder::default()))
+            .with_options(quick_options())
+            .expect("options");
+        proxy.reset_round_trips();
+        let report = relay.drain(&conn).await.expect("drain");
+        assert_eq!(report.published, 60, "{report:?}");
+        let statements = proxy.statements();
+        for statement in &statements {
+            eprintln!("{backend:?}: {}", statement.sql());
+        }
+        // Three full batches, then the claim that comes back empty with the last mark.
+        let round_trips = match backend {
+            Backend::MySql => 7 + 8 + 8 + 6,
+            _ => 3 + 4 + 4 + 4,
+        };
+        assert_eq!(proxy.round_trips(), round_trips, "{backend:?}");
+        conn.close().await.ok();
+    })
+    .await;
+}
+
 /// Counts the statements on `conn` that name the outbox, from now on.
 fn count_outbox_statements(conn: &mut DatabaseConnection) -> Arc<AtomicU32> {
     let statements = Arc::new(AtomicU32::new(0));
@@ -949,6 +984,11 @@ on_every_backend!(
     a_publisher_panic_fails_one_attempt_not_the_relay,
     a_relay_dropped_at_any_await_point_leaves_nothing_locked,
 );
+
+mod wire {
+    use super::*;
+    on_server_backends!(a_drain_costs_its_round_trips_per_full_batch);
+}
 
 // Behind PgBouncer's transaction pooling every relay statement must run in a transaction
 // (a lone one with bound values can fail with 26000): the claim, the mark, the retries'

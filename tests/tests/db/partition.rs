@@ -22,8 +22,8 @@ use inbox_tests::{
 use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend, DbErr, Statement, TransactionTrait};
 use sea_orm_inbox::{
     Claim, Inbox, InboxError, InboxTransactionExt, LeaseClaim, LeaseOptions, Outcome, ProcessError,
-    RetentionPolicy, SchemaError, Settlement, claim_lease, list_dead_claims, list_expired_leases,
-    purge, spawn_purger, timestamp_value, verify_schema,
+    RetentionPolicy, SchemaError, Settlement, bound_connections, claim_lease, list_dead_claims,
+    list_expired_leases, purge, spawn_purger, timestamp_value, verify_schema,
 };
 use std::fmt::Debug;
 use std::sync::Arc;
@@ -96,58 +96,105 @@ async fn a_cut_off_while_b_goes_on<A: Debug, B: Debug>(
 /// once, and A's credit is rolled back.
 async fn a_replica_cut_off_mid_handler_releases_its_claim(backend: Backend) {
     with_proxied_db(backend, async |fixture| {
-        let (replica_a, replica_b) = (replica(), replica());
-        let id = Uuid::new_v4();
-        let runs_a = AtomicU32::new(0);
-
-        let a = timeout(
-            GIVE_UP,
-            replica_a.process(&fixture.through_proxy, id, |txn| {
-                runs_a.fetch_add(1, Ordering::SeqCst);
-                let proxy = Arc::clone(&fixture.proxy);
-                Box::pin(async move {
-                    credit(txn, 1).await?;
-                    proxy.partition();
-                    // Into the black hole: neither the statement nor an answer gets through.
-                    credit(txn, 1).await?;
-                    Ok::<_, DbErr>(())
-                })
-            }),
-        );
-        let b = timeout(GIVE_UP, credit_once(&replica_b, &fixture.direct, id));
-        let ((a, a_after), (b, b_after)) = a_cut_off_while_b_goes_on(fixture, backend, a, b).await;
-
-        let a = a.expect("A's process is still waiting on the partitioned database");
-        assert!(unresponsive_during(&a, "the handler", false), "{a:?}");
-        assert_eq!(Settlement::of(&a), Settlement::Nack(None));
-        assert!(
-            a_after < PARTITION_TIMEOUT + SLACK,
-            "A returned {:?} after the partition began",
-            a_after
-        );
-        let b = b.expect("B's redelivery is still waiting for the claim A's zombie holds");
-        assert!(matches!(b, Ok(Outcome::Processed(()))), "{b:?}");
-        assert!(
-            b_after < PARTITION_TIMEOUT + SLACK,
-            "B processed the redelivery {:?} after the partition began",
-            b_after
-        );
-        assert_eq!(runs_a.load(Ordering::SeqCst), 1);
-        assert_eq!(
-            fixture.balance().await,
-            1,
-            "A's credit rolled back, B's applied once"
-        );
-        assert_eq!(fixture.markers().await, 1);
-
-        // Once the network is back, A's pool serves again: the connection that timed out in
-        // the middle of a statement was not handed out in its broken state.
-        fixture.proxy.heal();
-        let next = credit_once(&replica_a, &fixture.through_proxy, Uuid::new_v4()).await;
-        assert!(matches!(next, Ok(Outcome::Processed(()))), "{next:?}");
-        assert_eq!(fixture.balance().await, 2);
+        cut_off_mid_handler(fixture, backend, &replica(), &fixture.through_proxy, 0).await;
     })
     .await;
+}
+
+/// The same cut on a pool whose connections carry A's bounds ([`bound_connections`]),
+/// where A's marker INSERT sets none: the server still ends A's transaction within the
+/// partition timeout.
+async fn a_replica_on_bounded_connections_cut_off_mid_handler_releases_its_claim(backend: Backend) {
+    with_proxied_db(backend, async |fixture| {
+        let replica_a = replica();
+        let pool_a = fixture
+            .proxy
+            .connect_configured(5, |options| {
+                bound_connections(options, &replica_a);
+            })
+            .await;
+        let warm_up = credit_once(&replica_a, &pool_a, Uuid::new_v4()).await;
+        assert!(matches!(warm_up, Ok(Outcome::Processed(()))), "{warm_up:?}");
+        let markers: Vec<String> = fixture
+            .proxy
+            .statements()
+            .iter()
+            .map(|statement| statement.sql().to_owned())
+            .filter(|sql| sql.contains("INSERT INTO") && sql.contains("inbox"))
+            .collect();
+        assert!(
+            markers
+                .iter()
+                .all(|sql| !sql.contains("set_config") && !sql.contains("SET SESSION")),
+            "the marker INSERT set the bounds itself: {markers:?}"
+        );
+        cut_off_mid_handler(fixture, backend, &replica_a, &pool_a, 1).await;
+        pool_a.close().await.ok();
+    })
+    .await;
+}
+
+/// Cuts replica A (`replica_a` on `pool_a`, through the proxy) off after its handler's
+/// first write, and checks that A nacks and B processes the redelivery within the bound,
+/// A's credit rolled back (account 1 held `balance_before`).
+async fn cut_off_mid_handler(
+    fixture: &ProxiedDb,
+    backend: Backend,
+    replica_a: &Inbox,
+    pool_a: &DatabaseConnection,
+    balance_before: i64,
+) {
+    let replica_b = replica();
+    let id = Uuid::new_v4();
+    let runs_a = AtomicU32::new(0);
+    let markers_before = fixture.markers().await;
+
+    let a = timeout(
+        GIVE_UP,
+        replica_a.process(pool_a, id, |txn| {
+            runs_a.fetch_add(1, Ordering::SeqCst);
+            let proxy = Arc::clone(&fixture.proxy);
+            Box::pin(async move {
+                credit(txn, 1).await?;
+                proxy.partition();
+                // Into the black hole: neither the statement nor an answer gets through.
+                credit(txn, 1).await?;
+                Ok::<_, DbErr>(())
+            })
+        }),
+    );
+    let b = timeout(GIVE_UP, credit_once(&replica_b, &fixture.direct, id));
+    let ((a, a_after), (b, b_after)) = a_cut_off_while_b_goes_on(fixture, backend, a, b).await;
+
+    let a = a.expect("A's process is still waiting on the partitioned database");
+    assert!(unresponsive_during(&a, "the handler", false), "{a:?}");
+    assert_eq!(Settlement::of(&a), Settlement::Nack(None));
+    assert!(
+        a_after < PARTITION_TIMEOUT + SLACK,
+        "A returned {:?} after the partition began",
+        a_after
+    );
+    let b = b.expect("B's redelivery is still waiting for the claim A's zombie holds");
+    assert!(matches!(b, Ok(Outcome::Processed(()))), "{b:?}");
+    assert!(
+        b_after < PARTITION_TIMEOUT + SLACK,
+        "B processed the redelivery {:?} after the partition began",
+        b_after
+    );
+    assert_eq!(runs_a.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        fixture.balance().await,
+        balance_before + 1,
+        "A's credit rolled back, B's applied once"
+    );
+    assert_eq!(fixture.markers().await, markers_before + 1);
+
+    // Once the network is back, A's pool serves again: the connection that timed out in
+    // the middle of a statement was not handed out in its broken state.
+    fixture.proxy.heal();
+    let next = credit_once(replica_a, pool_a, Uuid::new_v4()).await;
+    assert!(matches!(next, Ok(Outcome::Processed(()))), "{next:?}");
+    assert_eq!(fixture.balance().await, balance_before + 2);
 }
 
 /// A large result of about 200 MB, far beyond what the socket buffers between the server
@@ -775,6 +822,7 @@ fn partition_timeout_is_refused_outside_its_range() {
 
 on_server_backends!(
     a_replica_cut_off_mid_handler_releases_its_claim,
+    a_replica_on_bounded_connections_cut_off_mid_handler_releases_its_claim,
     a_replica_cut_off_while_the_server_sends_to_it_releases_its_claim,
     a_commit_reply_lost_in_a_partition_nacks_and_the_redelivery_is_a_duplicate,
     a_commit_cut_off_by_a_partition_that_heals_settles_as_processed,

@@ -5,11 +5,11 @@
 //! on a server that is no Galera node no pre-commit proof follows a clean handler.
 
 use inbox_tests::{
-    Backend, create_accounts, credit_once, on_every_backend, on_server_backends, scalar_i64,
-    with_migrated_db, with_proxied_db,
+    Backend, SentStatement, create_accounts, credit_once, on_every_backend, on_server_backends,
+    scalar_i64, with_migrated_db, with_proxied_db,
 };
 use sea_orm::EntityTrait;
-use sea_orm_inbox::{Inbox, Outcome};
+use sea_orm_inbox::{Inbox, Outcome, bound_connections};
 use sea_orm_inbox_entity::inbox;
 use uuid::Uuid;
 
@@ -44,6 +44,68 @@ async fn process_costs_begin_marker_handler_and_commit(backend: Backend) {
     .await;
 }
 
+/// On a pool whose connections carry the inbox's bounds ([`bound_connections`]), an
+/// attempt runs BEGIN, the marker INSERT, the handler's UPDATE and COMMIT, and no other
+/// statement: nothing sets a bound per transaction (PostgreSQL's marker carried three
+/// `set_config` calls; MariaDB's went as a text query with a `SET SESSION` in front), and
+/// the marker is a prepared statement on every backend.
+async fn an_attempt_on_bounded_connections_runs_its_four_statements_only(backend: Backend) {
+    const CALLS: usize = 5;
+    with_proxied_db(backend, async |fixture| {
+        let inbox = Inbox::new(CONSUMER).expect("valid name");
+        let replica = fixture
+            .proxy
+            .connect_configured(1, |options| {
+                bound_connections(options, &inbox);
+            })
+            .await;
+        // The connection prepares its statements and the inbox reads what the pool's
+        // connections carry.
+        for _ in 0..2 {
+            let outcome = credit_once(&inbox, &replica, Uuid::new_v4()).await;
+            assert!(matches!(outcome, Ok(Outcome::Processed(()))), "{outcome:?}");
+        }
+        fixture.proxy.reset_round_trips();
+        for _ in 0..CALLS {
+            let outcome = credit_once(&inbox, &replica, Uuid::new_v4()).await;
+            assert!(matches!(outcome, Ok(Outcome::Processed(()))), "{outcome:?}");
+        }
+        let run: Vec<String> = fixture.proxy.statements().iter().map(step).collect();
+        let round_trips = fixture.proxy.round_trips();
+        replica.close().await.ok();
+        let one_attempt = ["BEGIN", "marker", "handler", "COMMIT"];
+        assert_eq!(
+            run,
+            one_attempt.repeat(CALLS),
+            "{backend:?}: the statements of {CALLS} clean calls"
+        );
+        assert_eq!(round_trips, 4 * CALLS as u32, "{backend:?}: round trips");
+        assert_eq!(fixture.balance().await, CALLS as i64 + 2);
+    })
+    .await;
+}
+
+/// What a statement of an attempt is, by name, or its whole text when it is none of the
+/// four an attempt needs.
+fn step(statement: &SentStatement) -> String {
+    let sql = statement.sql().trim();
+    let name = match statement {
+        SentStatement::Text(_) if sql.eq_ignore_ascii_case("BEGIN") => "BEGIN",
+        SentStatement::Text(_) if sql.eq_ignore_ascii_case("COMMIT") => "COMMIT",
+        SentStatement::Prepared(_)
+            if sql.starts_with("INSERT INTO")
+                && sql.contains("inbox")
+                && !sql.contains("set_config")
+                && !sql.to_ascii_uppercase().contains("SET SESSION") =>
+        {
+            "marker"
+        }
+        SentStatement::Prepared(_) if sql.starts_with("UPDATE account") => "handler",
+        _ => return format!("{statement:?}"),
+    };
+    name.to_owned()
+}
+
 /// A consumer name holding what SQL quotes and escapes (`'`, `\`, `?`) claims, commits and
 /// meets its duplicate like any other: on MySQL/MariaDB its marker's values go into the
 /// claim's text query as literals.
@@ -73,6 +135,11 @@ async fn consumer_with_quotes_and_escapes_claims_and_meets_its_duplicate(backend
 }
 
 on_server_backends!(process_costs_begin_marker_handler_and_commit);
+
+mod bounded_connections {
+    use super::*;
+    on_server_backends!(an_attempt_on_bounded_connections_runs_its_four_statements_only);
+}
 
 mod quoted_consumer {
     use super::*;
