@@ -51,6 +51,10 @@
 //! # Ok(()) }
 //! ```
 
+mod consumer;
+
+pub use consumer::{GroupContext, KafkaGroupConsumer};
+
 use super::BoxError;
 use crate::{CLAIM_TRANSACTION, Delivery, Inbox, InboxError, MessageId, ObservedTransaction};
 use crate::{HandlerFuture, Outcome, ProcessError};
