@@ -24,6 +24,7 @@ use sea_orm_migration::MigratorTrait;
 use sea_orm_migration::prelude::*;
 use std::io::{BufRead, Write};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -35,6 +36,10 @@ const CHILD_TEST: &str = "kafka_group::child_consumer";
 /// The child's settings, in its environment.
 const CHILD_DB_URL: &str = "INBOX_KAFKA_CHILD_DB_URL";
 const CHILD_TOPIC: &str = "INBOX_KAFKA_CHILD_TOPIC";
+/// How many records the doomed child handles before its handler hangs.
+const CHILD_HANG_AFTER: &str = "INBOX_KAFKA_CHILD_HANG_AFTER";
+/// The line the doomed child prints when its handler hangs, mid-transaction.
+const HUNG: &str = "kafka child: handler hung";
 /// The line the child prints when it stops: its summary follows.
 const SUMMARY: &str = "kafka child summary: ";
 
@@ -235,14 +240,18 @@ async fn wait_for_ends(
 }
 
 /// The handler: one `effect` row per record, keyed by its id header, then a pause inside
-/// the transaction (the handler's work), so a kill lands mid-handler.
+/// the transaction (the handler's work). With `hang_after`, the handler of that many-th
+/// record prints [`HUNG`] after its insert and never returns: a kill then lands mid-handler.
 fn effect_then_pause(
     pause: Duration,
+    hang_after: Option<u64>,
 ) -> impl for<'t> Fn(&'t ObservedTransaction, Arc<OwnedMessage>) -> HandlerFuture<'t, (), BoxError>
 + Send
 + Sync
 + 'static {
+    let handled = Arc::new(AtomicU64::new(0));
     move |txn, record| {
+        let handled = Arc::clone(&handled);
         Box::pin(async move {
             let key = record
                 .headers()
@@ -260,6 +269,14 @@ fn effect_then_pause(
                 vec![key.into(), record.offset().into()],
             ))
             .await?;
+            if hang_after == Some(handled.fetch_add(1, Ordering::SeqCst) + 1) {
+                {
+                    let mut out = std::io::stdout().lock();
+                    writeln!(out, "{HUNG}")?;
+                    out.flush()?;
+                }
+                std::future::pending::<()>().await;
+            }
             tokio::time::sleep(pause).await;
             Ok(())
         })
@@ -296,6 +313,9 @@ async fn child_consumer() {
         (Ok(url), Ok(topic)) => (url, topic),
         _ => panic!("{CHILD_TEST} is a child process of the Kafka group test: only it runs it"),
     };
+    let hang_after = std::env::var(CHILD_HANG_AFTER)
+        .ok()
+        .map(|count| count.parse().expect("a record count"));
     let db = connect_url(&url, 8).await;
     let (closed, stdin_closed) = tokio::sync::oneshot::channel::<()>();
     std::thread::spawn(move || {
@@ -309,7 +329,7 @@ async fn child_consumer() {
     let summary = KafkaGroupConsumer::new(kafka, &consumer_config(), [topic.as_str()])
         .run(
             db,
-            effect_then_pause(Duration::from_millis(2)),
+            effect_then_pause(Duration::from_millis(2), hang_after),
             stdin_closed,
         )
         .await
@@ -322,17 +342,40 @@ fn group_of(topic: &str) -> String {
     format!("g-{topic}")
 }
 
-/// A child consumer process in the group of `topic` on `db`.
-fn spawn_child(db: &TestDb, topic: &str) -> std::process::Child {
+/// A child consumer process in the group of `topic` on `db`, its handler hanging after
+/// `hang_after` records if set.
+fn spawn_child(db: &TestDb, topic: &str, hang_after: Option<u64>) -> std::process::Child {
     let exe = std::env::current_exe().expect("the test binary's path");
-    std::process::Command::new(exe)
+    let mut command = std::process::Command::new(exe);
+    command
         .args([CHILD_TEST, "--exact", "--ignored", "--nocapture"])
         .env(CHILD_DB_URL, db.url())
         .env(CHILD_TOPIC, topic)
         .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .expect("start a child consumer")
+        .stdout(std::process::Stdio::piped());
+    if let Some(count) = hang_after {
+        command.env(CHILD_HANG_AFTER, count.to_string());
+    }
+    command.spawn().expect("start a child consumer")
+}
+
+/// Waits until the child's handler hung (it printed [`HUNG`]); panics after `limit`.
+async fn wait_until_hung(child: &mut std::process::Child, limit: Duration) {
+    let stdout = child.stdout.take().expect("the child's stdout");
+    let (hung, hung_seen) = tokio::sync::oneshot::channel();
+    std::thread::spawn(move || {
+        let mut lines = std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok);
+        if lines.any(|line| line == HUNG) {
+            let _ = hung.send(());
+        }
+        lines.for_each(drop); // keep reading until the kill: a closed pipe fails the child
+    });
+    tokio::time::timeout(limit, hung_seen)
+        .await
+        .unwrap_or_else(|_| panic!("the doomed consumer's handler did not hang within {limit:?}"))
+        .expect("the doomed consumer ended before its handler hung");
 }
 
 /// Closes the child's stdin (it stops gracefully) and returns its summary line.
@@ -354,10 +397,12 @@ fn stop_child(mut child: std::process::Child) -> String {
 
 /// The messages of the two-process test, each produced twice over 4 partitions.
 const GROUP_MESSAGES: u32 = 1_000;
+/// The records the doomed consumer's handler runs for before it hangs, mid-transaction.
+const DOOMED_HANGS_AFTER: u64 = 150;
 
 /// Two consumer processes in one group (separate pools, as two replicas), every message
-/// produced twice; one process is SIGKILLed mid-handler once a quarter of the records are
-/// through, and a third process joins: every message applied once, none lost, the stored
+/// produced twice; one process is SIGKILLed mid-handler (its 150th handler hangs after its
+/// write, inside the transaction, until the kill), and a third process joins: every message applied once, none lost, the stored
 /// offsets at the partitions' ends.
 async fn two_consumers_one_killed(backend: Backend) {
     with_migrated_db(backend, async |db| {
@@ -371,23 +416,13 @@ async fn two_consumers_one_killed(backend: Backend) {
         let ends = end_offsets_of(&topic, total).await;
 
         let started = Instant::now();
-        let mut doomed = spawn_child(db, &topic);
-        let survivor = spawn_child(db, &topic);
-        loop {
-            let through: i64 = stored_offsets(&conn, &group, &topic).await.iter().sum();
-            if through >= total / 4 {
-                break;
-            }
-            assert!(
-                started.elapsed() < Duration::from_secs(90),
-                "the consumers processed {through} of {total} records in 90 s"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let mut doomed = spawn_child(db, &topic, Some(DOOMED_HANGS_AFTER));
+        let survivor = spawn_child(db, &topic, None);
+        wait_until_hung(&mut doomed, Duration::from_secs(90)).await;
         doomed.kill().expect("SIGKILL a consumer");
         doomed.wait().expect("reap the killed consumer");
         let killed_at = started.elapsed();
-        let joiner = spawn_child(db, &topic);
+        let joiner = spawn_child(db, &topic, None);
 
         wait_for_ends(&conn, &group, &topic, &ends, Duration::from_secs(120)).await;
         let finished = started.elapsed();
@@ -438,7 +473,7 @@ async fn database_cut_commits_nothing_ahead(backend: Backend) {
                 .with_options(options)
                 .run(
                     fixture.through_proxy.clone(),
-                    effect_then_pause(Duration::from_millis(10)),
+                    effect_then_pause(Duration::from_millis(10), None),
                     stopped,
                 ),
         );
