@@ -187,6 +187,36 @@ struct Shared<H> {
 /// takes as long, 6000 delivers the first record within seconds) with a
 /// `heartbeat.interval.ms` well below it; `max.poll.interval.ms` above your slowest
 /// handler, retries included.
+///
+/// ```no_run
+/// # async fn run(db: sea_orm::DatabaseConnection) -> Result<(), Box<dyn std::error::Error>> {
+/// use rdkafka::ClientConfig;
+/// use sea_orm_inbox::kafka::{KafkaGroupConsumer, KafkaInbox};
+/// use sea_orm_inbox::{ConsumerOptions, Inbox};
+///
+/// let kafka = KafkaInbox::new(Inbox::new("billing")?, "billing-group")?;
+/// let mut config = ClientConfig::new();
+/// config
+///     .set("bootstrap.servers", "127.0.0.1:9092")
+///     .set("auto.offset.reset", "earliest")
+///     .set("session.timeout.ms", "6000");
+/// let summary = KafkaGroupConsumer::new(kafka, &config, ["payments"])
+///     .with_options(ConsumerOptions::default().with_concurrency(4)?)
+///     .run(
+///         db,
+///         |txn, record| {
+///             Box::pin(async move {
+///                 // business writes through `txn`, reading `record.payload()`
+///                 let _ = (txn, record);
+///                 Ok(())
+///             })
+///         },
+///         std::future::pending::<()>(), // your shutdown signal
+///     )
+///     .await?;
+/// println!("{summary}");
+/// # Ok(()) }
+/// ```
 pub struct KafkaGroupConsumer {
     kafka: KafkaInbox,
     config: ClientConfig,
