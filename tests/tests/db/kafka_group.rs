@@ -239,6 +239,31 @@ async fn wait_for_ends(
     }
 }
 
+/// The record's id header, as the producer set it.
+fn message_key(record: &OwnedMessage) -> String {
+    record
+        .headers()
+        .and_then(|headers| {
+            headers
+                .iter()
+                .find(|header| header.key == kafka::DEFAULT_ID_HEADER)
+        })
+        .and_then(|header| header.value)
+        .map(|value| String::from_utf8_lossy(value).into_owned())
+        .unwrap_or_default()
+}
+
+/// Inserts the record's `effect` row through the transaction.
+async fn insert_effect(txn: &ObservedTransaction, record: &OwnedMessage) -> Result<(), BoxError> {
+    txn.execute_raw(stmt(
+        txn.get_database_backend(),
+        "INSERT INTO effect (message_key, kafka_offset) VALUES (?, ?)",
+        vec![message_key(record).into(), record.offset().into()],
+    ))
+    .await?;
+    Ok(())
+}
+
 /// The handler: one `effect` row per record, keyed by its id header, then a pause inside
 /// the transaction (the handler's work). With `hang_after`, the handler of that many-th
 /// record prints [`HUNG`] after its insert and never returns: a kill then lands mid-handler.
@@ -253,22 +278,7 @@ fn effect_then_pause(
     move |txn, record| {
         let handled = Arc::clone(&handled);
         Box::pin(async move {
-            let key = record
-                .headers()
-                .and_then(|headers| {
-                    headers
-                        .iter()
-                        .find(|header| header.key == kafka::DEFAULT_ID_HEADER)
-                })
-                .and_then(|header| header.value)
-                .map(|value| String::from_utf8_lossy(value).into_owned())
-                .unwrap_or_default();
-            txn.execute_raw(stmt(
-                txn.get_database_backend(),
-                "INSERT INTO effect (message_key, kafka_offset) VALUES (?, ?)",
-                vec![key.into(), record.offset().into()],
-            ))
-            .await?;
+            insert_effect(txn, &record).await?;
             if hang_after == Some(handled.fetch_add(1, Ordering::SeqCst) + 1) {
                 {
                     let mut out = std::io::stdout().lock();
@@ -538,6 +548,135 @@ async fn database_cut_commits_nothing_ahead(backend: Backend) {
         );
     })
     .await
+}
+
+/// The messages of the shutdown test, each produced twice.
+const SHUTDOWN_MESSAGES: u32 = 20;
+
+/// A handler whose first run inserts its effect, tells `entered` and then waits `hold`
+/// (forever if `None`) inside the transaction; later runs just insert.
+fn first_run_held(
+    entered: Arc<tokio::sync::Notify>,
+    hold: Option<Duration>,
+) -> impl for<'t> Fn(&'t ObservedTransaction, Arc<OwnedMessage>) -> HandlerFuture<'t, (), BoxError>
++ Send
++ Sync
++ 'static {
+    let runs = Arc::new(AtomicU64::new(0));
+    move |txn, record| {
+        let (runs, entered) = (Arc::clone(&runs), Arc::clone(&entered));
+        Box::pin(async move {
+            insert_effect(txn, &record).await?;
+            if runs.fetch_add(1, Ordering::SeqCst) == 0 {
+                entered.notify_one();
+                match hold {
+                    Some(hold) => tokio::time::sleep(hold).await,
+                    None => std::future::pending::<()>().await,
+                }
+            }
+            Ok(())
+        })
+    }
+}
+
+/// Runs the loop with `handler` and `grace` until the handler's first run is inside its
+/// transaction, then shuts it down.
+async fn shut_down_mid_handler(
+    kafka: &KafkaInbox,
+    topic: &str,
+    conn: &DatabaseConnection,
+    grace: Duration,
+    hold: Option<Duration>,
+) -> ConsumerSummary {
+    let entered = Arc::new(tokio::sync::Notify::new());
+    let shutdown = {
+        let entered = Arc::clone(&entered);
+        async move {
+            tokio::time::timeout(Duration::from_secs(60), entered.notified())
+                .await
+                .expect("the handler ran within 60 s");
+        }
+    };
+    KafkaGroupConsumer::new(kafka.clone(), &consumer_config(), [topic])
+        .with_options(ConsumerOptions::default().with_grace(grace))
+        .run(conn.clone(), first_run_held(entered, hold), shutdown)
+        .await
+        .expect("the consumer loop")
+}
+
+/// A shutdown while a handler is in its transaction: past the grace period the record is
+/// abandoned (rolled back: its effect gone with its marker and offset), within it the
+/// record finishes and commits; a consumer started afterwards applies every message once.
+async fn shutdown_finishes_or_abandons(backend: Backend) {
+    with_migrated_db(backend, async |db| {
+        let conn = db.connect().await;
+        prepare(&conn).await;
+        let topic = format!("stop-{}", uuid::Uuid::new_v4().simple());
+        let group = group_of(&topic);
+        create_topic(&topic).await;
+        produce_twice(&topic, SHUTDOWN_MESSAGES).await;
+        let ends = end_offsets_of(&topic, i64::from(SHUTDOWN_MESSAGES) * 2).await;
+        let kafka = KafkaInbox::new(Inbox::new("billing").unwrap(), &group).unwrap();
+        let markers = "SELECT COUNT(*) FROM inbox";
+        let effects = "SELECT COUNT(*) FROM effect";
+
+        let abandoned =
+            shut_down_mid_handler(&kafka, &topic, &conn, Duration::from_millis(300), None).await;
+        // At least the held record; on SQLite (one connection per pool) also the other
+        // partitions' records, waiting for that connection.
+        assert!(abandoned.abandoned >= 1, "{abandoned}");
+        assert_eq!(
+            scalar_i64(&conn, effects).await,
+            scalar_i64(&conn, markers).await,
+            "an effect without its marker, or a marker without its effect ({abandoned})"
+        );
+        assert_eq!(
+            scalar_i64(&conn, effects).await,
+            abandoned.processed as i64,
+            "{abandoned}"
+        );
+
+        let finished = shut_down_mid_handler(
+            &kafka,
+            &topic,
+            &conn,
+            Duration::from_secs(30),
+            Some(Duration::from_millis(500)),
+        )
+        .await;
+        assert_eq!(finished.abandoned, 0, "{finished}");
+        assert!(finished.processed >= 1, "{finished}");
+        assert_eq!(
+            scalar_i64(&conn, effects).await,
+            (abandoned.processed + finished.processed) as i64,
+            "{finished}"
+        );
+
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let rest = tokio::spawn(
+            KafkaGroupConsumer::new(kafka.clone(), &consumer_config(), [topic.as_str()]).run(
+                conn.clone(),
+                effect_then_pause(Duration::ZERO, None),
+                stopped,
+            ),
+        );
+        wait_for_ends(&conn, &group, &topic, &ends, Duration::from_secs(60)).await;
+        stop.send(()).expect("the consumer runs");
+        rest.await
+            .expect("the consumer's task")
+            .expect("the consumer loop");
+        assert_each_once(&conn, SHUTDOWN_MESSAGES).await;
+        conn.close().await.ok();
+    })
+    .await
+}
+
+mod shutdown {
+    use super::shutdown_finishes_or_abandons;
+    inbox_tests::on_every_backend!(
+        needs(inbox_kafka, "set INBOX_TEST_KAFKA_BOOTSTRAP (tests/cluster/kafka.sh start)");
+        shutdown_finishes_or_abandons
+    );
 }
 
 mod group {
