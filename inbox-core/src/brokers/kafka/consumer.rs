@@ -30,6 +30,10 @@ use tokio::task::JoinSet;
 /// A partition: its topic and number.
 type PartitionKey = (String, i32);
 
+/// The longest the polling task waits between polls of the consumer: librdkafka leaves the
+/// group when the application has not polled for `max.poll.interval.ms`.
+const POLL_AT_LEAST_EVERY: Duration = Duration::from_secs(1);
+
 /// How long a seek may take before the partition's task tries it again.
 const SEEK_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -185,8 +189,8 @@ struct Shared<H> {
 /// `session.timeout.ms` (how long a killed consumer's partitions wait before the group
 /// gives them to another; librdkafka's default 45 s; on Tansu, whose first assignment
 /// takes as long, 6000 delivers the first record within seconds) with a
-/// `heartbeat.interval.ms` well below it; `max.poll.interval.ms` above your slowest
-/// handler, retries included.
+/// `heartbeat.interval.ms` well below it. `max.poll.interval.ms` does not bound your
+/// handlers: the polling task polls at least once a second while they run.
 ///
 /// ```no_run
 /// # async fn run(db: sea_orm::DatabaseConnection) -> Result<(), Box<dyn std::error::Error>> {
@@ -318,12 +322,17 @@ impl KafkaGroupConsumer {
             prefetch,
         };
         let mut shutdown = std::pin::pin!(shutdown);
+        // rdkafka polls librdkafka only when woken; a poll each tick keeps the group
+        // membership while every partition is paused behind slow handlers.
+        let mut keep_polling = tokio::time::interval(POLL_AT_LEAST_EVERY);
+        keep_polling.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
                 biased;
                 _ = &mut shutdown => break,
                 Some(rebalanced) = rebalances.recv() => poller.rebalanced(rebalanced, &shared),
                 Some(request) = requests.recv() => poller.serve(request),
+                _ = keep_polling.tick() => {}
                 received = consumer.recv() => match received {
                     Ok(record) => poller.feed(Arc::new(record.detach()), &shared),
                     Err(err) => tracing::warn!(error = %err, "the Kafka consumer reported an error; librdkafka retries on its own"),
