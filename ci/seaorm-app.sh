@@ -9,10 +9,19 @@
 #     written into lib.rs) must lose them, or the check proves nothing.
 #  2. `migrate up` and `migrate status` on a fresh PostgreSQL database (and MariaDB when
 #     INBOX_TEST_MYSQL_URL is set): every library migration applied, and the new ones.
-#  3. Two processes of the app's consumer read one RabbitMQ queue through the lapin
-#     adapter into that database: 223 messages, 20 published twice, one with the
-#     non-UUID id `order-42` (twice), one with the nil UUID. Effects == distinct valid
-#     messages; the nil-id message is dead-lettered once and never redelivered.
+#  3. Two processes of the app's consumer (the library's RabbitMQ consumer loop) read one
+#     quorum queue into that database: 224 messages, 20 published twice, one with the
+#     non-UUID id `order-42` (twice), one with the nil UUID, one whose payload the app
+#     marks `Permanent`. Effects == distinct valid messages; the nil-id and the permanent
+#     messages are dead-lettered on their first delivery and never redelivered. The
+#     per-delivery checks read the loop's DEBUG event `the loop settled the delivery`
+#     (its `outcome` and `settlement`, in the `inbox.delivery{broker_id=..}` span), the
+#     counts the app prints from the loop's `ConsumerSummary` at exit.
+#     Then once more on a fresh PostgreSQL database with the replicas behind a TCP proxy
+#     (`broker proxy`, a free loopback port; the machine's RabbitMQ is never touched) that
+#     cuts their connections mid-run and refuses new ones for 3 s, while the rest is
+#     published: the same checks, each replica's loop reconnected, and deliveries beyond
+#     published + nacks only as many as the cut caught.
 #  4. `generate entity --ignore-tables seaql_migrations,inbox,outbox` writes no inbox or
 #     outbox entity; the control: without the flag it writes both.
 #
@@ -190,9 +199,9 @@ generate_keeps_the_module_files() {
 step "sea-orm-cli migrate generate, then cargo run -- generate, keep the inbox migrations" generate_keeps_the_module_files
 
 # --- 2./3. migrate up, status, the consumer, on each server -----------------------------
-migrate_and_consume() { # label, admin URL, database kind
-  local label=$1 admin=$2 kind=$3
-  local name="inbox_app_$(date +%s)_$$_$kind"
+migrate_and_consume() { # label, admin URL, database kind[, cut]
+  local label=$1 admin=$2 kind=$3 cut=${4:-}
+  local name="inbox_app_$(date +%s)_$$_$kind${cut:+_cut}"
   case $kind in
     postgres) psql "$admin" -qc "CREATE DATABASE $name" || return 1 ;;
     mysql) mysql_cmd -e "CREATE DATABASE $name" || return 1 ;;
@@ -209,7 +218,7 @@ migrate_and_consume() { # label, admin URL, database kind
     grep -q "Migration '$migration'... Applied" <<<"$status" \
       || { echo "seaorm-app:   $label: $migration is not applied" >&2; return 1; }
   done
-  consume_from_rabbitmq "$label" "$kind" "$url" "$name" || return 1
+  consume_from_rabbitmq "$label" "$kind" "$url" "$name" "$cut" || return 1
 }
 
 ledger_counts() { # kind, url, database: "<rows> <distinct message ids>"
@@ -222,49 +231,98 @@ ledger_counts() { # kind, url, database: "<rows> <distinct message ids>"
 
 nil_id=00000000-0000-0000-0000-000000000000
 # label, kind, database URL, database name: two consumer processes on one fresh queue.
+# With `cut`, the replicas reach RabbitMQ through `broker proxy`, which cuts them mid-run.
 consume_from_rabbitmq() {
-  local label=$1 kind=$2 url=$3 name=$4
-  local queue="seaorm-app.$(date +%s).$$.$kind" logs=() pids=() i id
+  local label=$1 kind=$2 url=$3 name=$4 cut=$5
+  local queue="seaorm-app.$(date +%s).$$.$kind${cut:+.cut}" logs=() pids=() i id
+  local replica_url=$AMQP_URL proxy=""
   queues+=("$queue")
+  if [[ -n $cut ]]; then
+    local upstream=${AMQP_URL#*://} proxy_port=""
+    upstream=${upstream#*@}; upstream=${upstream%%/*}
+    "$broker" proxy "$upstream" >"$work/proxy-$kind.port" &
+    proxy=$!
+    consumers+=("$proxy")
+    for i in $(seq 1 50); do
+      proxy_port=$(head -n 1 "$work/proxy-$kind.port")
+      [[ -n $proxy_port ]] && break
+      sleep 0.1
+    done
+    [[ -n $proxy_port ]] || { echo "seaorm-app:   $label: the proxy did not start" >&2; return 1; }
+    replica_url=${AMQP_URL/$upstream/127.0.0.1:$proxy_port}
+    say "  $label: the replicas reach RabbitMQ ($upstream) through a proxy on port $proxy_port"
+  fi
   for i in 1 2; do
-    logs+=("$work/consumer-$kind-$i.log")
-    DATABASE_URL=$url AMQP_QUEUE=$queue "$consumer_bin" >"${logs[-1]}" 2>&1 &
+    logs+=("$work/consumer-$kind${cut:+-cut}-$i.log")
+    DATABASE_URL=$url AMQP_QUEUE=$queue AMQP_URL=$replica_url "$consumer_bin" >"${logs[-1]}" 2>&1 &
     pids+=($!)
     consumers+=($!)
   done
-  # Both replicas consume before the first message: the queue is theirs to share.
+  # Both replicas consume before the first message: the queue is theirs to share. (The
+  # replicas declare it; until then `consumers` fails.)
+  local consuming=0
   for i in $(seq 1 120); do
-    (( $(cat "${logs[@]}" | grep -c ' consuming$') == 2 )) && break
+    consuming=$("$broker" consumers "$queue" 2>/dev/null || echo 0)
+    (( consuming == 2 )) && break
     for pid in "${pids[@]}"; do
       kill -0 "$pid" 2>/dev/null || { cat "${logs[@]}" >&2; echo "seaorm-app:   $label: a consumer exited at start" >&2; return 1; }
     done
     sleep 0.5
   done
-  (( $(cat "${logs[@]}" | grep -c ' consuming$') == 2 )) || { echo "seaorm-app:   $label: the consumers did not start in 60 s" >&2; return 1; }
+  (( consuming == 2 )) || { echo "seaorm-app:   $label: $consuming of the 2 consumers started in 60 s" >&2; return 1; }
 
-  # 200 orders, every tenth published twice (a producer's retry) right after itself;
-  # `order-42`, a broker id that is no UUID, first and last; the nil UUID once.
-  local published=(order-42) valid=201
-  for i in $(seq 1 200); do
+  # 200 orders (with `cut` 1,200, so that the cut finds the replicas busy), every tenth
+  # published twice (a producer's retry) right after itself; `order-42`, a broker id that
+  # is no UUID, first and last; the nil UUID once; once `unparsable-1`, whose payload is
+  # no amount: the app's handler fails it `Permanent`.
+  # Published in two halves; with `cut`, the second while the proxy refuses the replicas,
+  # so that the messages the checks follow one by one (after order-42's first copy) are
+  # consumed after the outage, when no cut can take their settlement.
+  local orders=200
+  [[ -n $cut ]] && orders=1200
+  local published=(order-42) valid=$((orders + 1)) poison=unparsable-1 first_half
+  for i in $(seq 1 $orders); do
     id=$(cat /proc/sys/kernel/random/uuid)
     published+=("$id")
     (( i % 10 == 0 )) && published+=("$id")
-    (( i == 100 )) && published+=("$nil_id")
+    (( i == orders / 2 )) && first_half=${#published[@]} && published+=("$nil_id")
+    (( i == orders * 3 / 4 )) && published+=("$poison:ten")
   done
   published+=(order-42)
-  "$broker" publish "$queue" "${published[@]}" || return 1
-  say "  $label: published ${#published[@]} messages ($valid distinct valid ids, one nil) to $queue"
+  if [[ -z $cut ]]; then
+    "$broker" publish "$queue" "${published[@]:0:first_half}" || return 1
+  else
+    # The first half in the background, so that the cut comes while it still flows.
+    "$broker" publish "$queue" "${published[@]:0:first_half}" &
+    local publisher=$! settled_before=0
+    for i in $(seq 1 300); do
+      settled_before=$(cat "${logs[@]}" | grep -c 'the loop settled the delivery' || true)
+      (( settled_before >= 40 )) && break
+      sleep 0.1
+    done
+    (( settled_before >= 40 && settled_before < first_half )) \
+      || { echo "seaorm-app:   $label: the cut should come mid-run: $settled_before of $first_half settled" >&2; return 1; }
+    kill -USR1 "$proxy"
+    say "  $label: cut every replica connection after $settled_before settled deliveries; refusing new ones for 3 s"
+    wait "$publisher" || return 1
+  fi
+  "$broker" publish "$queue" "${published[@]:first_half}" || return 1
+  if [[ -n $cut ]]; then
+    sleep 3
+    kill -USR2 "$proxy"
+  fi
+  say "  $label: published ${#published[@]} messages ($valid distinct valid ids, one nil, one permanent failure) to $queue"
 
-  # Drained: every message settled once, nothing ready, the dead letter arrived. Bounded.
+  # Drained: every message settled once, nothing ready, both dead letters arrived. Bounded.
   local settled=0 ready=-1 dead=-1 deadline=$((SECONDS + 120))
   while (( SECONDS < deadline )); do
-    settled=$(cat "${logs[@]}" | grep -c ' -> ' || true)
+    settled=$(cat "${logs[@]}" | grep -c 'the loop settled the delivery' || true)
     read -r ready dead < <("$broker" count "$queue") || return 1
-    (( settled >= ${#published[@]} && ready == 0 && dead >= 1 )) && break
+    (( settled >= ${#published[@]} && ready == 0 && dead >= 2 )) && break
     for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null || break 2; done
     sleep 0.5
   done
-  (( settled >= ${#published[@]} && ready == 0 && dead >= 1 )) || {
+  (( settled >= ${#published[@]} && ready == 0 && dead >= 2 )) || {
     tail -n 20 "${logs[@]}" >&2
     echo "seaorm-app:   $label: not drained in 120 s: $settled settled, $ready ready, $dead dead letters" >&2
     return 1
@@ -273,6 +331,7 @@ consume_from_rabbitmq() {
   for pid in "${pids[@]}"; do kill -TERM "$pid"; done
   local status=0
   for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+  if [[ -n $proxy ]]; then kill -TERM "$proxy"; wait "$proxy" || true; fi
   consumers=()
   grep -h 'stopped:' "${logs[@]}"
   (( status == 0 )) || { cat "${logs[@]}" >&2; echo "seaorm-app:   $label: a consumer failed" >&2; return 1; }
@@ -284,16 +343,29 @@ consume_from_rabbitmq() {
   (( rows == valid && distinct == valid )) || complain "effects != distinct valid messages"
   read -r ready dead < <("$broker" count "$queue")
   (( ready == 0 )) || complain "$ready messages left in $queue"
-  dead_letters=$("$broker" dead-letters "$queue")
-  say "  $label: dead-letter queue: $(echo $dead_letters)"
-  [[ $dead_letters == "$nil_id" ]] || complain "the dead-letter queue should hold the nil-id message once"
+  dead_letters=$("$broker" dead-letters "$queue" | sort | tr '\n' ' ')
+  say "  $label: dead-letter queue: $dead_letters"
+  [[ $dead_letters == "$nil_id $poison " ]] \
+    || complain "the dead-letter queue should hold the nil-id and the $poison messages once each"
+  # Per delivery, from the loop's events: the settled ones of one broker id (the span's
+  # broker_id), as "<outcome> <settlement>" lines.
+  settled_of() { cat "${logs[@]}" | grep 'the loop settled the delivery' | grep -F "broker_id=$1 " \
+    | sed -E 's/.*outcome="?([a-z]+)"? settlement=([A-Za-z]+).*/\1 \2/'; }
   local order_42
-  order_42=$(cat "${logs[@]}" | grep -o '^seaorm-app: order-42: [A-Za-z]*' | sort | uniq -c | tr -s ' ' | tr '\n' ',')
-  [[ $order_42 == " 1 seaorm-app: order-42: Duplicate, 1 seaorm-app: order-42: Processed," ]] \
+  order_42=$(settled_of order-42 | sort | uniq -c | tr -s ' ' | tr '\n' ',')
+  [[ $order_42 == " 1 duplicate Ack, 1 processed Ack," ]] \
     || complain "order-42, published twice, should be processed once and a duplicate once: $order_42"
-  local nil_deliveries deliveries=0 processed=0 dead_lettered=0 nacked=0 n
-  nil_deliveries=$(cat "${logs[@]}" | grep -c "^seaorm-app: $nil_id: .* -> DeadLetter$" || true)
+  local poison_deliveries
+  poison_deliveries=$(settled_of "$poison" | tr '\n' ',')
+  [[ $poison_deliveries == "failed DeadLetter," ]] \
+    || complain "$poison, failed Permanent, should be dead-lettered on its first delivery: $poison_deliveries"
+  local nil_deliveries deliveries=0 processed=0 dead_lettered=0 nacked=0 settle_failures=0 n
+  # A delivery without a usable id has no inbox.delivery span: its warning names the nil
+  # UUID, and the settled event after it says what the broker was told.
+  nil_deliveries=$(cat "${logs[@]}" | grep -c "the message id is the nil UUID" || true)
   (( nil_deliveries == 1 )) || complain "the nil-id message was delivered $nil_deliveries times"
+  n=$(cat "${logs[@]}" | grep 'the loop settled the delivery' | grep -Ec 'outcome="?unmappable"? settlement=DeadLetter' || true)
+  (( n == 1 )) || complain "$n deliveries without a usable id dead-lettered, expected the nil-id one"
   for log in "${logs[@]}"; do
     n=$(grep -o 'deliveries=[0-9]*' "$log" | cut -d= -f2)
     (( n > 0 )) || complain "$log: this consumer got no delivery"
@@ -301,12 +373,25 @@ consume_from_rabbitmq() {
     processed=$((processed + $(grep -o 'processed=[0-9]*' "$log" | cut -d= -f2)))
     dead_lettered=$((dead_lettered + $(grep -o 'dead_lettered=[0-9]*' "$log" | cut -d= -f2)))
     nacked=$((nacked + $(grep -o 'nacked=[0-9]*' "$log" | cut -d= -f2)))
+    settle_failures=$((settle_failures + $(grep -o 'settle_failures=[0-9]*' "$log" | cut -d= -f2)))
   done
   (( processed == valid )) || complain "$processed processed, expected $valid"
-  (( dead_lettered == 1 )) || complain "$dead_lettered dead-lettered, expected 1"
-  # Every redelivery answers a nack: none was redelivered otherwise.
-  (( deliveries == ${#published[@]} + nacked )) \
-    || complain "$deliveries deliveries for ${#published[@]} messages and $nacked nacks"
+  (( dead_lettered == 2 )) || complain "$dead_lettered dead-lettered, expected 2 (the nil id, $poison)"
+  if [[ -z $cut ]]; then
+    # Every redelivery answers a nack: none was redelivered otherwise.
+    (( deliveries == ${#published[@]} + nacked )) \
+      || complain "$deliveries deliveries for ${#published[@]} messages and $nacked nacks"
+  else
+    # Beyond those, only the deliveries the cut caught (at most each replica's prefetch
+    # of 4, and those whose acks it took) came again; each replica's loop reconnected.
+    local extra=$((deliveries - ${#published[@]} - nacked)) reconnects
+    (( extra >= 0 && extra <= 8 + settle_failures )) \
+      || complain "$deliveries deliveries for ${#published[@]} messages, $nacked nacks and $settle_failures settle failures"
+    for log in "${logs[@]}"; do
+      reconnects=$(grep -o 'reconnects=[0-9]*' "$log" | cut -d= -f2)
+      (( reconnects >= 1 )) || complain "$log: this replica's loop did not reconnect"
+    done
+  fi
   (( failed == 0 )) || { cat "${logs[@]}" >&2; return 1; }
   "$broker" delete "$queue" || return 1
   unset 'queues[-1]'
@@ -315,6 +400,7 @@ build_app() { cargo build --quiet --bins; }
 step "build the app's consumer and the CI's producer" build_app
 step "PostgreSQL: migrate up, migrate status, two consumers on RabbitMQ" migrate_and_consume PostgreSQL "$pg_admin" postgres
 pg_url=$db_url
+step "PostgreSQL: the same, the consumers' RabbitMQ connections cut mid-run" migrate_and_consume "PostgreSQL, cut" "$pg_admin" postgres cut
 
 # --- 4. generate entity ---------------------------------------------------------------
 entities_skip_the_inbox() {

@@ -1,10 +1,11 @@
 //! A plain TCP proxy that can cut every connection through it at once: a broker (or any
 //! server) whose connections drop, as when it restarts or a load balancer forgets its
 //! flows. Unlike [`LostReplyProxy`](crate::LostReplyProxy) it reads no protocol, so it
-//! fits RabbitMQ's AMQP as well as anything else.
+//! fits RabbitMQ's AMQP as well as anything else. [`CutProxy::cut_and_refuse`] plays an
+//! outage: the connections drop and new ones are refused until [`CutProxy::restore`].
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -18,6 +19,10 @@ struct Shared {
     open: AtomicU64,
     /// Connections forwarded since the start.
     forwarded: AtomicU64,
+    /// While set, the acceptor closes every new connection at once.
+    refusing: AtomicBool,
+    /// Connections closed at once while refusing.
+    refused: AtomicU64,
 }
 
 /// A proxy on an ephemeral 127.0.0.1 port in front of `upstream` (`host:port`).
@@ -59,6 +64,24 @@ impl CutProxy {
         let open = self.shared.open.load(Ordering::SeqCst);
         self.shared.cuts.send_modify(|cuts| *cuts += 1);
         open
+    }
+
+    /// [`cut`](Self::cut), and from now on closes every new connection as soon as it is
+    /// accepted (the client sees the server go away mid-handshake), until
+    /// [`restore`](Self::restore): a broker that is down for a while.
+    pub fn cut_and_refuse(&self) -> u64 {
+        self.shared.refusing.store(true, Ordering::SeqCst);
+        self.cut()
+    }
+
+    /// Forwards new connections again after [`cut_and_refuse`](Self::cut_and_refuse).
+    pub fn restore(&self) {
+        self.shared.refusing.store(false, Ordering::SeqCst);
+    }
+
+    /// How many connections were refused: the clients' attempts during the outage.
+    pub fn refused(&self) -> u64 {
+        self.shared.refused.load(Ordering::SeqCst)
     }
 }
 
@@ -108,6 +131,11 @@ fn reroute(url: &str, port: u16) -> (String, String) {
 
 async fn accept(listener: TcpListener, upstream: String, shared: Arc<Shared>) {
     while let Ok((client, _)) = listener.accept().await {
+        if shared.refusing.load(Ordering::SeqCst) {
+            shared.refused.fetch_add(1, Ordering::SeqCst);
+            drop(client);
+            continue;
+        }
         let cut = shared.cuts.subscribe();
         let Ok(server) = TcpStream::connect(&upstream).await else {
             // The client sees its connection closed, as with the server down.

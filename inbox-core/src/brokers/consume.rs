@@ -285,6 +285,20 @@ enum Ended {
 }
 
 #[cfg(any(feature = "lapin", feature = "async-nats"))]
+impl Ended {
+    /// The `outcome` field of the loop's per-delivery event.
+    fn label(&self) -> &'static str {
+        match self {
+            Self::Processed => "processed",
+            Self::Duplicate => "duplicate",
+            Self::Refused => "refused",
+            Self::Failed => "failed",
+            Self::Unmappable => "unmappable",
+        }
+    }
+}
+
+#[cfg(any(feature = "lapin", feature = "async-nats"))]
 struct Tally {
     ended: Ended,
     settlement: Settlement,
@@ -555,6 +569,14 @@ where
             false
         }
     };
+    span.in_scope(|| {
+        tracing::debug!(
+            outcome = ended.label(),
+            ?settlement,
+            settled,
+            "the loop settled the delivery"
+        )
+    });
     Tally {
         ended,
         settlement,

@@ -28,20 +28,21 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// The longest any wait of these tests may take; they normally take a few seconds.
 const DEADLINE: Duration = Duration::from_secs(30);
 
-fn env(var: &str) -> String {
+pub(crate) fn env(var: &str) -> String {
     std::env::var(var).unwrap_or_else(|_| panic!("set {var} to run the example loop tests"))
 }
 
-/// A quorum queue of the test's own, declared as the examples declare theirs.
-struct Queue {
-    url: String,
+/// A quorum queue of the test's own, declared as the examples declare theirs (also the
+/// queue of `loop_faults`).
+pub(crate) struct Queue {
+    pub(crate) url: String,
     connection: lapin::Connection,
     channel: lapin::Channel,
-    topology: QuorumQueue,
+    pub(crate) topology: QuorumQueue,
 }
 
 impl Queue {
-    async fn declare() -> Self {
+    pub(crate) async fn declare() -> Self {
         let url = env("INBOX_TEST_AMQP_URL");
         let connection = lapin::Connection::connect(&url, amqp_properties())
             .await
@@ -59,7 +60,7 @@ impl Queue {
         }
     }
 
-    async fn publish(&self, message_id: &str) {
+    pub(crate) async fn publish(&self, message_id: &str) {
         self.channel
             .basic_publish(
                 "",
@@ -74,7 +75,7 @@ impl Queue {
             .expect("published");
     }
 
-    async fn count(&self, queue: &str) -> u32 {
+    pub(crate) async fn count(&self, queue: &str) -> u32 {
         let passive = QueueDeclareOptions {
             passive: true,
             ..QueueDeclareOptions::default()
@@ -86,11 +87,11 @@ impl Queue {
             .message_count()
     }
 
-    async fn dead_letters(&self) -> u32 {
+    pub(crate) async fn dead_letters(&self) -> u32 {
         self.count(&self.topology.dead_letter_queue).await
     }
 
-    async fn delete(self) {
+    pub(crate) async fn delete(self) {
         for queue in [&self.topology.queue, &self.topology.dead_letter_queue] {
             self.channel
                 .queue_delete(queue, QueueDeleteOptions::default())
@@ -106,19 +107,21 @@ impl Queue {
 }
 
 /// A stream and durable consumer of the test's own, created as the examples create theirs,
-/// with a count of the consumer's `MSG_TERMINATED` advisories.
-struct Stream {
+/// with a count of the consumer's `MSG_TERMINATED` advisories (also the stream of
+/// `loop_faults`).
+pub(crate) struct Stream {
     client: async_nats::Client,
-    js: async_nats::jetstream::Context,
-    name: String,
+    pub(crate) js: async_nats::jetstream::Context,
+    pub(crate) name: String,
     subject: String,
     terminated: Arc<AtomicU32>,
 }
 
-const CONSUMER: &str = "loop";
+/// The durable consumer of every [`Stream`].
+pub(crate) const CONSUMER: &str = "loop";
 
 impl Stream {
-    async fn create() -> Self {
+    pub(crate) async fn create() -> Self {
         let url = env("INBOX_TEST_NATS_URL");
         let client = async_nats::connect(&url)
             .await
@@ -151,7 +154,7 @@ impl Stream {
         }
     }
 
-    async fn publish(&self, message_id: &str) {
+    pub(crate) async fn publish(&self, message_id: &str) {
         let publish = async_nats::jetstream::message::PublishMessage::build()
             .payload("credit 1".into())
             .message_id(message_id);
@@ -163,11 +166,11 @@ impl Stream {
             .expect("stored");
     }
 
-    fn terminated(&self) -> u32 {
+    pub(crate) fn terminated(&self) -> u32 {
         self.terminated.load(Ordering::SeqCst)
     }
 
-    async fn delete(self) {
+    pub(crate) async fn delete(self) {
         self.js.delete_stream(&self.name).await.ok();
     }
 }
@@ -275,7 +278,7 @@ fn start_nats(
 }
 
 /// Waits until `done()` holds; fails the test with `what` after [`DEADLINE`].
-async fn wait_for(what: &str, mut done: impl AsyncFnMut() -> bool) {
+pub(crate) async fn wait_for(what: &str, mut done: impl AsyncFnMut() -> bool) {
     let waited = tokio::time::timeout(DEADLINE, async {
         while !done().await {
             tokio::time::sleep(Duration::from_millis(50)).await;

@@ -23,6 +23,7 @@ mod keys;
 mod lease;
 mod localized;
 mod lock_wait;
+mod loop_faults;
 mod lost_reply;
 mod migration;
 mod migrators;
