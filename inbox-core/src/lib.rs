@@ -40,6 +40,8 @@ pub use backend::{
     CLAIM_TRANSACTION, DbErrorKind, classify, classify_in, is_inbox_duplicate,
     is_inbox_duplicate_in, timestamp_value,
 };
+#[cfg(any(feature = "lapin", feature = "async-nats"))]
+pub use brokers::Received;
 #[cfg(feature = "async-nats")]
 pub use brokers::jetstream;
 #[cfg(feature = "rdkafka")]
@@ -47,8 +49,8 @@ pub use brokers::kafka;
 #[cfg(feature = "lapin")]
 pub use brokers::rabbitmq;
 pub use brokers::{BoxError, PublishError, Publisher};
-#[cfg(any(feature = "lapin", feature = "async-nats"))]
-pub use brokers::{ConsumerError, ConsumerOptions, ConsumerSummary, Received};
+#[cfg(any(feature = "lapin", feature = "async-nats", feature = "rdkafka"))]
+pub use brokers::{ConsumerError, ConsumerOptions, ConsumerSummary};
 pub use cause::{Permanent, Transient};
 pub use claim::{BatchClaim, Claim, ClaimedMessage, InboxTransactionExt, MAX_CLAIM_BATCH};
 pub use error::{ErrorKind, InboxError};

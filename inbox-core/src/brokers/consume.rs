@@ -4,21 +4,29 @@
 //! the broker or the connection is lost; a graceful shutdown that stops taking
 //! deliveries, lets the ones in flight finish within a grace period and returns a
 //! [`ConsumerSummary`]. The adapters supply only the connection and the message mapping.
+//! Kafka's loop (`kafka::KafkaGroupConsumer`, feature `rdkafka`) keeps a partition's
+//! records in order, so it runs a task per partition instead, with the same options,
+//! summary and error.
 //!
 //! [`rabbitmq::RabbitMqConsumer`]: crate::rabbitmq::RabbitMqConsumer
 //! [`jetstream::JetStreamConsumer`]: crate::jetstream::JetStreamConsumer
 
-use crate::{
-    BoxError, Delivery, HandlerFuture, Inbox, InboxError, MessageId, NackDelay,
-    ObservedTransaction, Outcome, Settlement,
-};
+use crate::{BoxError, InboxError, NackDelay};
+#[cfg(any(feature = "lapin", feature = "async-nats"))]
+use crate::{Delivery, HandlerFuture, Inbox, MessageId, ObservedTransaction, Outcome, Settlement};
+#[cfg(any(feature = "lapin", feature = "async-nats"))]
 use sea_orm::DatabaseConnection;
 use std::fmt;
+#[cfg(any(feature = "lapin", feature = "async-nats"))]
 use std::future::Future;
+#[cfg(any(feature = "lapin", feature = "async-nats"))]
 use std::sync::Arc;
 use std::time::Duration;
+#[cfg(any(feature = "lapin", feature = "async-nats"))]
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+#[cfg(any(feature = "lapin", feature = "async-nats"))]
 use tokio::task::JoinSet;
+#[cfg(any(feature = "lapin", feature = "async-nats"))]
 use tracing::Instrument;
 
 /// Why a consumer loop did not start.
@@ -28,10 +36,10 @@ pub enum ConsumerError {
     /// The first connection failed: the loop reconnects after losses, but a target that
     /// never answered is more likely a wrong address, credentials or name than an outage.
     #[error(
-        "could not start consuming from {broker}: {source}; check the address, the credentials and that the queue (JetStream: the stream and its durable consumer) exists, then start the consumer again"
+        "could not start consuming from {broker}: {source}; check the address, the credentials and that the queue (JetStream: the stream and its durable consumer; Kafka: the client settings and topics) exists, then start the consumer again"
     )]
     Connect {
-        /// `RabbitMQ` or `JetStream`.
+        /// `RabbitMQ`, `JetStream` or `Kafka`.
         broker: &'static str,
         /// The broker client's error.
         #[source]
@@ -39,6 +47,7 @@ pub enum ConsumerError {
     },
 }
 
+#[cfg(any(feature = "lapin", feature = "async-nats"))]
 /// One delivery as the handler of a consumer loop sees it, beside the transaction.
 #[derive(Clone, Debug)]
 pub struct Received {
@@ -56,6 +65,7 @@ pub struct Received {
     pub delivery_count: u32,
 }
 
+#[cfg(any(feature = "lapin", feature = "async-nats"))]
 impl Received {
     /// The first value of header `name`, if the message carries it.
     pub fn header(&self, name: &str) -> Option<&str> {
@@ -189,6 +199,7 @@ impl ConsumerOptions {
         self.grace
     }
 
+    #[cfg(any(feature = "lapin", feature = "async-nats"))]
     fn reconnect_pause(&self, failures: u32) -> Duration {
         let doublings = failures.saturating_sub(1).min(31);
         self.reconnect_first
@@ -213,9 +224,9 @@ pub struct ConsumerSummary {
     pub failed: u64,
     /// Deliveries without a usable message id, dead-lettered without running the handler.
     pub unmappable: u64,
-    /// Deliveries acknowledged.
+    /// Deliveries acknowledged (Kafka: records whose stored offset advanced).
     pub acked: u64,
-    /// Deliveries nacked for a redelivery.
+    /// Deliveries nacked for a redelivery (Kafka: failed records read again).
     pub nacked: u64,
     /// Deliveries dead-lettered (RabbitMQ `basic.reject` without requeue, JetStream `term`).
     pub dead_lettered: u64,
@@ -227,13 +238,22 @@ pub struct ConsumerSummary {
     pub abandoned: u64,
     /// Connections re-opened after a loss.
     pub reconnects: u64,
+    /// Kafka: records whose stored offset had moved (another consumer took the partition
+    /// in a rebalance): rolled back, nothing applied.
+    pub fenced: u64,
+    /// Kafka: rebalances this consumer took part in (assignments and revocations).
+    pub rebalances: u64,
+    /// Kafka: partitions paused because their records waiting reached the prefetch.
+    pub pauses: u64,
+    /// Kafka: seeks to a stored offset (after an assignment) or back to a failed record.
+    pub seeks: u64,
 }
 
 impl fmt::Display for ConsumerSummary {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "received {}, processed {}, duplicates {}, refused {}, failed {}, unmappable {}; acked {}, nacked {}, dead-lettered {}, settle failures {}, abandoned {}, reconnects {}",
+            "received {}, processed {}, duplicates {}, refused {}, failed {}, unmappable {}; acked {}, nacked {}, dead-lettered {}, settle failures {}, abandoned {}, reconnects {}; fenced {}, rebalances {}, pauses {}, seeks {}",
             self.received,
             self.processed,
             self.duplicates,
@@ -245,11 +265,16 @@ impl fmt::Display for ConsumerSummary {
             self.dead_lettered,
             self.settle_failures,
             self.abandoned,
-            self.reconnects
+            self.reconnects,
+            self.fenced,
+            self.rebalances,
+            self.pauses,
+            self.seeks
         )
     }
 }
 
+#[cfg(any(feature = "lapin", feature = "async-nats"))]
 /// What became of one delivery.
 enum Ended {
     Processed,
@@ -259,6 +284,7 @@ enum Ended {
     Unmappable,
 }
 
+#[cfg(any(feature = "lapin", feature = "async-nats"))]
 impl Ended {
     /// The `outcome` field of the loop's per-delivery event.
     fn label(&self) -> &'static str {
@@ -272,12 +298,14 @@ impl Ended {
     }
 }
 
+#[cfg(any(feature = "lapin", feature = "async-nats"))]
 struct Tally {
     ended: Ended,
     settlement: Settlement,
     settled: bool,
 }
 
+#[cfg(any(feature = "lapin", feature = "async-nats"))]
 impl ConsumerSummary {
     fn count(&mut self, tally: Tally) {
         let ended = match tally.ended {
@@ -301,6 +329,7 @@ impl ConsumerSummary {
     }
 }
 
+#[cfg(any(feature = "lapin", feature = "async-nats"))]
 /// A broker message as the loop handles it.
 pub(crate) trait Incoming: Send + 'static {
     /// The message's [`Delivery`], or why it has none (dead-lettered).
@@ -316,6 +345,7 @@ pub(crate) trait Incoming: Send + 'static {
     fn settle(&self, settlement: Settlement) -> impl Future<Output = Result<(), BoxError>> + Send;
 }
 
+#[cfg(any(feature = "lapin", feature = "async-nats"))]
 /// One connection's stream of deliveries.
 pub(crate) trait Session: Send {
     type Message: Incoming;
@@ -326,6 +356,7 @@ pub(crate) trait Session: Send {
     fn close(self) -> impl Future<Output = ()> + Send;
 }
 
+#[cfg(any(feature = "lapin", feature = "async-nats"))]
 /// Opens sessions: the first at the start, more after a loss.
 pub(crate) trait Connect: Send {
     type Session: Session;
@@ -334,6 +365,7 @@ pub(crate) trait Connect: Send {
     fn connect(&mut self) -> impl Future<Output = Result<Self::Session, BoxError>> + Send;
 }
 
+#[cfg(any(feature = "lapin", feature = "async-nats"))]
 /// What the delivery tasks share.
 struct Shared<H> {
     inbox: Inbox,
@@ -342,6 +374,7 @@ struct Shared<H> {
     nack_delay: NackDelay,
 }
 
+#[cfg(any(feature = "lapin", feature = "async-nats"))]
 /// Runs the loop until `shutdown` completes; the first connection's failure is returned.
 pub(crate) async fn run<C, H, T, E>(
     mut connector: C,
@@ -458,6 +491,7 @@ where
     Ok(summary)
 }
 
+#[cfg(any(feature = "lapin", feature = "async-nats"))]
 fn count_joined(summary: &mut ConsumerSummary, joined: Result<Tally, tokio::task::JoinError>) {
     match joined {
         Ok(tally) => summary.count(tally),
@@ -468,6 +502,7 @@ fn count_joined(summary: &mut ConsumerSummary, joined: Result<Tally, tokio::task
     }
 }
 
+#[cfg(any(feature = "lapin", feature = "async-nats"))]
 /// Processes and settles one delivery; `_permit` frees its slot when the task ends.
 async fn handle<M, H, T, E>(
     mut message: M,
@@ -553,6 +588,7 @@ where
 mod tests {
     use super::*;
 
+    #[cfg(any(feature = "lapin", feature = "async-nats"))]
     #[test]
     fn reconnect_pauses_double_up_to_the_longest() {
         let options = ConsumerOptions::default()

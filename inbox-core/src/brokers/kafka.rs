@@ -20,6 +20,10 @@
 //!   offset and seeks there. Kafka's own offset commit comes after the database commit and
 //!   is only a hint (for lag monitoring, and where no stored offset exists yet).
 //!
+//! - [`KafkaGroupConsumer`] is the loop to run: partitions in parallel, each in order, with
+//!   back-pressure, revocations and a graceful shutdown; [`KafkaInbox::run`] processes one
+//!   record at a time.
+//!
 //! See the guide's Kafka chapter ([`crate::guide`]) for what a rebalance does and where
 //! Tansu, the broker the tests run on, differs from Apache Kafka.
 //!
@@ -50,6 +54,10 @@
 //! println!("{} processed", report.processed);
 //! # Ok(()) }
 //! ```
+
+mod consumer;
+
+pub use consumer::{GroupContext, KafkaGroupConsumer};
 
 use super::BoxError;
 use crate::{CLAIM_TRANSACTION, Delivery, Inbox, InboxError, MessageId, ObservedTransaction};

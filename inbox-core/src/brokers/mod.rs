@@ -2,7 +2,7 @@
 //! settlement, publisher, consumer loop, topology), and the [`Publisher`] trait they
 //! implement for the outbox.
 
-#[cfg(any(feature = "lapin", feature = "async-nats"))]
+#[cfg(any(feature = "lapin", feature = "async-nats", feature = "rdkafka"))]
 mod consume;
 #[cfg(feature = "async-nats")]
 pub mod jetstream;
@@ -13,5 +13,7 @@ mod publisher;
 pub mod rabbitmq;
 
 #[cfg(any(feature = "lapin", feature = "async-nats"))]
-pub use consume::{ConsumerError, ConsumerOptions, ConsumerSummary, Received};
+pub use consume::Received;
+#[cfg(any(feature = "lapin", feature = "async-nats", feature = "rdkafka"))]
+pub use consume::{ConsumerError, ConsumerOptions, ConsumerSummary};
 pub use publisher::{BoxError, PublishError, Publisher};

@@ -1,0 +1,696 @@
+//! The Kafka consumer loop (`sea_orm_inbox::kafka::KafkaGroupConsumer`, issue 31) against
+//! a real Kafka-protocol broker (Tansu, `tests/cluster/kafka.sh`): two consumer processes
+//! in one group, one SIGKILLed mid-handler, and a database cut while consuming.
+//!
+//! Each test has a topic and a group of its own; they need `INBOX_TEST_KAFKA_BOOTSTRAP`
+//! at build time.
+
+use futures_util::future::join_all;
+use inbox_tests::{
+    Backend, ProxiedDb, TestDb, connect_url, run, scalar_i64, stmt, with_migrated_db,
+    with_proxied_db,
+};
+use rdkafka::ClientConfig;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::{Header, Headers, OwnedHeaders, OwnedMessage};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::{Message, Offset, TopicPartitionList};
+use sea_orm::{ConnectionTrait, DatabaseConnection};
+use sea_orm_inbox::kafka::{self, KafkaGroupConsumer, KafkaInbox, stored_offset};
+use sea_orm_inbox::{ConsumerOptions, ConsumerSummary, HandlerFuture, Inbox, ObservedTransaction};
+use sea_orm_migration::MigratorTrait;
+use sea_orm_migration::prelude::*;
+use std::io::{BufRead, Write};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+const PARTITIONS: i32 = 4;
+/// The name of the child consumer test, which the two-process test runs in processes of
+/// their own.
+const CHILD_TEST: &str = "kafka_group::child_consumer";
+/// The child's settings, in its environment.
+const CHILD_DB_URL: &str = "INBOX_KAFKA_CHILD_DB_URL";
+const CHILD_TOPIC: &str = "INBOX_KAFKA_CHILD_TOPIC";
+/// How many records the doomed child handles before its handler hangs.
+const CHILD_HANG_AFTER: &str = "INBOX_KAFKA_CHILD_HANG_AFTER";
+/// The line the doomed child prints when its handler hangs, mid-transaction.
+const HUNG: &str = "kafka child: handler hung";
+/// The line the child prints when it stops: its summary follows.
+const SUMMARY: &str = "kafka child summary: ";
+
+/// A migrator with the opt-in Kafka offset table, as an application adds it.
+struct KafkaMigrator;
+
+impl MigratorTrait for KafkaMigrator {
+    fn migrations() -> Vec<Box<dyn MigrationTrait>> {
+        vec![Box::new(sea_orm_inbox_migration::CreateKafkaOffsets)]
+    }
+
+    fn migration_table_name() -> DynIden {
+        "seaql_migrations_kafka".into_iden()
+    }
+}
+
+/// The offset table and an `effect` table the handler appends to (no unique key: a record
+/// applied twice shows as two rows).
+async fn prepare(conn: &DatabaseConnection) {
+    KafkaMigrator::up(conn, None)
+        .await
+        .expect("run CreateKafkaOffsets");
+    run(
+        conn,
+        "CREATE TABLE effect (message_key VARCHAR(100) NOT NULL, kafka_offset BIGINT NOT NULL)",
+    )
+    .await;
+}
+
+fn bootstrap() -> String {
+    std::env::var("INBOX_TEST_KAFKA_BOOTSTRAP")
+        .expect("set INBOX_TEST_KAFKA_BOOTSTRAP (tests/cluster/kafka.sh start prints it)")
+}
+
+fn client_config() -> ClientConfig {
+    let mut config = ClientConfig::new();
+    config.set("bootstrap.servers", bootstrap());
+    config
+}
+
+/// The loop's consumer settings: Tansu with librdkafka's default session timeout delivered
+/// nothing for 20 s; 6 s gives the first record within seconds, and a killed consumer's
+/// partitions move after 6 s.
+fn consumer_config() -> ClientConfig {
+    let mut config = client_config();
+    config
+        .set("auto.offset.reset", "earliest")
+        .set("session.timeout.ms", "6000")
+        .set("heartbeat.interval.ms", "500");
+    config
+}
+
+async fn create_topic(topic: &str) {
+    let admin: AdminClient<DefaultClientContext> = client_config().create().expect("admin client");
+    let results = admin
+        .create_topics(
+            &[NewTopic::new(topic, PARTITIONS, TopicReplication::Fixed(1))],
+            &AdminOptions::new(),
+        )
+        .await
+        .expect("create topic");
+    for result in results {
+        result.expect("topic created");
+    }
+}
+
+/// Produces `m-0`..`m-{count}` each twice, as a producer without idempotence that retried
+/// after a lost acknowledgement does; the key spreads them over the partitions.
+async fn produce_twice(topic: &str, count: u32) {
+    let producer: FutureProducer = client_config()
+        .set("enable.idempotence", "false")
+        .set("acks", "all")
+        // One record per batch: after multi-record batches Tansu 0.6.0 reported high
+        // watermarks below the records it then delivered (125 for 150 records).
+        .set("batch.num.messages", "1")
+        .create()
+        .expect("producer");
+    for chunk in (0..count).collect::<Vec<_>>().chunks(250) {
+        let sends = chunk.iter().flat_map(|id| {
+            let name = format!("m-{id}");
+            let producer = &producer;
+            (0..2).map(move |_| {
+                let name = name.clone();
+                async move {
+                    producer
+                        .send(
+                            FutureRecord::to(topic).key(&name).payload("{}").headers(
+                                OwnedHeaders::new().insert(Header {
+                                    key: kafka::DEFAULT_ID_HEADER,
+                                    value: Some(&name),
+                                }),
+                            ),
+                            Duration::from_secs(30),
+                        )
+                        .await
+                        .map_err(|(err, _)| err)
+                        .expect("produce");
+                }
+            })
+        });
+        join_all(sends).await;
+    }
+}
+
+/// The high watermark of each partition, once they add up to `records`: right after the
+/// producer's last delivery report Tansu may still answer with an older one.
+async fn end_offsets_of(topic: &str, records: i64) -> Vec<i64> {
+    let started = Instant::now();
+    loop {
+        let ends = end_offsets(topic);
+        if ends.iter().sum::<i64>() == records {
+            return ends;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the partitions' ends {ends:?} do not add up to the {records} records produced"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The high watermark of each partition.
+fn end_offsets(topic: &str) -> Vec<i64> {
+    let reader: BaseConsumer = client_config()
+        .set("group.id", "watermarks")
+        .create()
+        .expect("reader");
+    (0..PARTITIONS)
+        .map(|partition| {
+            reader
+                .fetch_watermarks(topic, partition, Duration::from_secs(10))
+                .expect("watermarks")
+                .1
+        })
+        .collect()
+}
+
+async fn stored_offsets(conn: &DatabaseConnection, group: &str, topic: &str) -> Vec<i64> {
+    let mut offsets = Vec::new();
+    for partition in 0..PARTITIONS {
+        offsets.push(
+            stored_offset(conn, group, topic, partition)
+                .await
+                .expect("read the stored offset")
+                .unwrap_or(0),
+        );
+    }
+    offsets
+}
+
+/// The offsets the group committed to Kafka (0 where none), read by a client that does not
+/// join the group.
+fn committed_offsets(group: &str, topic: &str) -> Vec<i64> {
+    let reader: BaseConsumer = client_config()
+        .set("group.id", group)
+        .create()
+        .expect("reader");
+    let mut wanted = TopicPartitionList::new();
+    for partition in 0..PARTITIONS {
+        wanted.add_partition(topic, partition);
+    }
+    let committed = reader
+        .committed_offsets(wanted, Duration::from_secs(10))
+        .expect("the group's committed offsets");
+    (0..PARTITIONS)
+        .map(|partition| {
+            match committed
+                .find_partition(topic, partition)
+                .map(|element| element.offset())
+            {
+                Some(Offset::Offset(offset)) => offset,
+                _ => 0,
+            }
+        })
+        .collect()
+}
+
+/// Waits until the stored offsets reach `ends`; panics after `limit`.
+async fn wait_for_ends(
+    conn: &DatabaseConnection,
+    group: &str,
+    topic: &str,
+    ends: &[i64],
+    limit: Duration,
+) {
+    let started = Instant::now();
+    loop {
+        let stored = stored_offsets(conn, group, topic).await;
+        if stored == ends {
+            return;
+        }
+        assert!(
+            started.elapsed() < limit,
+            "the stored offsets {stored:?} did not reach the ends {ends:?} within {limit:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// The record's id header, as the producer set it.
+fn message_key(record: &OwnedMessage) -> String {
+    record
+        .headers()
+        .and_then(|headers| {
+            headers
+                .iter()
+                .find(|header| header.key == kafka::DEFAULT_ID_HEADER)
+        })
+        .and_then(|header| header.value)
+        .map(|value| String::from_utf8_lossy(value).into_owned())
+        .unwrap_or_default()
+}
+
+/// Inserts the record's `effect` row through the transaction.
+async fn insert_effect(txn: &ObservedTransaction, record: &OwnedMessage) -> Result<(), BoxError> {
+    txn.execute_raw(stmt(
+        txn.get_database_backend(),
+        "INSERT INTO effect (message_key, kafka_offset) VALUES (?, ?)",
+        vec![message_key(record).into(), record.offset().into()],
+    ))
+    .await?;
+    Ok(())
+}
+
+/// The handler: one `effect` row per record, keyed by its id header, then a pause inside
+/// the transaction (the handler's work). With `hang_after`, the handler of that many-th
+/// record prints [`HUNG`] after its insert and never returns: a kill then lands mid-handler.
+fn effect_then_pause(
+    pause: Duration,
+    hang_after: Option<u64>,
+) -> impl for<'t> Fn(&'t ObservedTransaction, Arc<OwnedMessage>) -> HandlerFuture<'t, (), BoxError>
++ Send
++ Sync
++ 'static {
+    let handled = Arc::new(AtomicU64::new(0));
+    move |txn, record| {
+        let handled = Arc::clone(&handled);
+        Box::pin(async move {
+            insert_effect(txn, &record).await?;
+            if hang_after == Some(handled.fetch_add(1, Ordering::SeqCst) + 1) {
+                {
+                    let mut out = std::io::stdout().lock();
+                    writeln!(out, "{HUNG}")?;
+                    out.flush()?;
+                }
+                std::future::pending::<()>().await;
+            }
+            tokio::time::sleep(pause).await;
+            Ok(())
+        })
+    }
+}
+
+/// Every produced message applied exactly once: as many effect rows as messages, each
+/// message among them once.
+async fn assert_each_once(conn: &DatabaseConnection, messages: u32) {
+    let rows = scalar_i64(conn, "SELECT COUNT(*) FROM effect").await;
+    let distinct = scalar_i64(conn, "SELECT COUNT(DISTINCT message_key) FROM effect").await;
+    let twice = scalar_i64(
+        conn,
+        "SELECT COUNT(*) FROM (SELECT message_key FROM effect GROUP BY message_key HAVING COUNT(*) > 1) twice",
+    )
+    .await;
+    let messages = i64::from(messages);
+    assert_eq!(
+        (distinct, twice),
+        (messages, 0),
+        "lost {} message(s), applied {twice} twice",
+        messages - distinct
+    );
+    assert_eq!(rows, messages, "effect rows");
+}
+
+/// The child consumer process of [`two_consumers_one_killed`]: runs the loop on the database
+/// and topic its environment names until its stdin closes, then prints its summary. Only
+/// that test runs it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "the Kafka group test's child consumer: that test runs it in a process of its own"]
+async fn child_consumer() {
+    let (url, topic) = match (std::env::var(CHILD_DB_URL), std::env::var(CHILD_TOPIC)) {
+        (Ok(url), Ok(topic)) => (url, topic),
+        _ => panic!("{CHILD_TEST} is a child process of the Kafka group test: only it runs it"),
+    };
+    let hang_after = std::env::var(CHILD_HANG_AFTER)
+        .ok()
+        .map(|count| count.parse().expect("a record count"));
+    let db = connect_url(&url, 8).await;
+    let (closed, stdin_closed) = tokio::sync::oneshot::channel::<()>();
+    std::thread::spawn(move || {
+        // The parent closes our stdin to stop us gracefully.
+        let _ = std::io::copy(&mut std::io::stdin().lock(), &mut std::io::sink());
+        let _ = closed.send(());
+    });
+    let kafka = KafkaInbox::new(Inbox::new("billing").unwrap(), group_of(&topic))
+        .unwrap()
+        .with_retry_delay(Duration::from_millis(100));
+    let summary = KafkaGroupConsumer::new(kafka, &consumer_config(), [topic.as_str()])
+        .run(
+            db,
+            effect_then_pause(Duration::from_millis(2), hang_after),
+            stdin_closed,
+        )
+        .await
+        .expect("the consumer loop");
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{SUMMARY}{summary}").expect("print the summary");
+}
+
+fn group_of(topic: &str) -> String {
+    format!("g-{topic}")
+}
+
+/// A child consumer process in the group of `topic` on `db`, its handler hanging after
+/// `hang_after` records if set.
+fn spawn_child(db: &TestDb, topic: &str, hang_after: Option<u64>) -> std::process::Child {
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let mut command = std::process::Command::new(exe);
+    command
+        .args([CHILD_TEST, "--exact", "--ignored", "--nocapture"])
+        .env(CHILD_DB_URL, db.url())
+        .env(CHILD_TOPIC, topic)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped());
+    if let Some(count) = hang_after {
+        command.env(CHILD_HANG_AFTER, count.to_string());
+    }
+    command.spawn().expect("start a child consumer")
+}
+
+/// Waits until the child's handler hung (it printed [`HUNG`]); panics after `limit`.
+async fn wait_until_hung(child: &mut std::process::Child, limit: Duration) {
+    let stdout = child.stdout.take().expect("the child's stdout");
+    let (hung, hung_seen) = tokio::sync::oneshot::channel();
+    std::thread::spawn(move || {
+        let mut lines = std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok);
+        if lines.any(|line| line == HUNG) {
+            let _ = hung.send(());
+        }
+        lines.for_each(drop); // keep reading until the kill: a closed pipe fails the child
+    });
+    tokio::time::timeout(limit, hung_seen)
+        .await
+        .unwrap_or_else(|_| panic!("the doomed consumer's handler did not hang within {limit:?}"))
+        .expect("the doomed consumer ended before its handler hung");
+}
+
+/// Closes the child's stdin (it stops gracefully) and returns its summary line.
+fn stop_child(mut child: std::process::Child) -> String {
+    drop(child.stdin.take());
+    let stdout = child.stdout.take().expect("the child's stdout");
+    // Read to the end: a closed pipe would fail the child's last lines.
+    let lines: Vec<String> = std::io::BufReader::new(stdout)
+        .lines()
+        .map_while(Result::ok)
+        .collect();
+    let summary = lines
+        .iter()
+        .find_map(|line| line.strip_prefix(SUMMARY).map(str::to_owned));
+    let status = child.wait().expect("reap the child consumer");
+    assert!(status.success(), "the child consumer failed: {status}");
+    summary.unwrap_or_else(|| panic!("the child consumer printed no summary ({status})"))
+}
+
+/// The messages of the two-process test, each produced twice over 4 partitions.
+const GROUP_MESSAGES: u32 = 1_000;
+/// The records the doomed consumer's handler runs for before it hangs, mid-transaction.
+const DOOMED_HANGS_AFTER: u64 = 150;
+
+/// Two consumer processes in one group (separate pools, as two replicas), every message
+/// produced twice; one process is SIGKILLed mid-handler (its 150th handler hangs after its
+/// write, inside the transaction, until the kill), and a third process joins: every message applied once, none lost, the stored
+/// offsets at the partitions' ends.
+async fn two_consumers_one_killed(backend: Backend) {
+    with_migrated_db(backend, async |db| {
+        let conn = db.connect().await;
+        prepare(&conn).await;
+        let topic = format!("grp-{}", uuid::Uuid::new_v4().simple());
+        let group = group_of(&topic);
+        create_topic(&topic).await;
+        produce_twice(&topic, GROUP_MESSAGES).await;
+        let total = i64::from(GROUP_MESSAGES) * 2;
+        let ends = end_offsets_of(&topic, total).await;
+
+        let started = Instant::now();
+        let mut doomed = spawn_child(db, &topic, Some(DOOMED_HANGS_AFTER));
+        let survivor = spawn_child(db, &topic, None);
+        wait_until_hung(&mut doomed, Duration::from_secs(90)).await;
+        doomed.kill().expect("SIGKILL a consumer");
+        doomed.wait().expect("reap the killed consumer");
+        let killed_at = started.elapsed();
+        let joiner = spawn_child(db, &topic, None);
+
+        wait_for_ends(&conn, &group, &topic, &ends, Duration::from_secs(120)).await;
+        let finished = started.elapsed();
+        let summaries = [stop_child(survivor), stop_child(joiner)];
+        eprintln!(
+            "{backend:?}: {total} records, killed at {killed_at:?}, all stored at {finished:?}; {summaries:?}"
+        );
+        assert_each_once(&conn, GROUP_MESSAGES).await;
+        assert_eq!(stored_offsets(&conn, &group, &topic).await, ends);
+        assert_eq!(
+            scalar_i64(&conn, "SELECT COUNT(*) FROM inbox").await,
+            i64::from(GROUP_MESSAGES),
+            "inbox markers"
+        );
+        conn.close().await.ok();
+    })
+    .await
+}
+
+/// The messages of the database-cut test, each produced twice.
+const CUT_MESSAGES: u32 = 300;
+/// How long the database stays unreachable.
+const CUT: Duration = Duration::from_secs(5);
+
+/// The database unreachable for 5 s (a proxy between the consumer's pool and the server
+/// drops everything, then cuts every connection) while the loop consumes: Kafka's committed
+/// offsets never run ahead of the database's, and nothing is lost once it is back.
+async fn database_cut_commits_nothing_ahead(backend: Backend) {
+    with_proxied_db(backend, async |fixture: &ProxiedDb| {
+        let conn = &fixture.direct;
+        prepare(conn).await;
+        let topic = format!("cut-{}", uuid::Uuid::new_v4().simple());
+        let group = group_of(&topic);
+        create_topic(&topic).await;
+        produce_twice(&topic, CUT_MESSAGES).await;
+        let total = i64::from(CUT_MESSAGES) * 2;
+        let ends = end_offsets_of(&topic, total).await;
+
+        let kafka = KafkaInbox::new(Inbox::new("billing").unwrap(), &group)
+            .unwrap()
+            .with_retry_delay(Duration::from_millis(200));
+        let options = ConsumerOptions::default()
+            .with_prefetch(8)
+            .expect("a prefetch above 0");
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let consumer = tokio::spawn(
+            KafkaGroupConsumer::new(kafka, &consumer_config(), [topic.as_str()])
+                .with_options(options)
+                .run(
+                    fixture.through_proxy.clone(),
+                    effect_then_pause(Duration::from_millis(10), None),
+                    stopped,
+                ),
+        );
+        let started = Instant::now();
+        while stored_offsets(conn, &group, &topic).await.iter().sum::<i64>() < total / 4 {
+            assert!(
+                started.elapsed() < Duration::from_secs(60),
+                "the consumer processed less than a quarter of {total} records in 60 s"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+
+        fixture.proxy.partition();
+        let cut_at = Instant::now();
+        let mut compared = 0;
+        let mut stored_early_in_cut = None;
+        while cut_at.elapsed() < CUT {
+            let committed = committed_offsets(&group, &topic);
+            let stored = stored_offsets(conn, &group, &topic).await;
+            assert!(
+                committed.iter().zip(&stored).all(|(kafka, db)| kafka <= db),
+                "Kafka's committed offsets {committed:?} ran ahead of the database's {stored:?} while it was unreachable"
+            );
+            compared += u32::from(committed.iter().any(|offset| *offset > 0));
+            if cut_at.elapsed() > Duration::from_secs(1) && stored_early_in_cut.is_none() {
+                stored_early_in_cut = Some(stored);
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        let stored_during_cut = stored_offsets(conn, &group, &topic).await;
+        fixture.proxy.heal();
+        assert!(
+            compared > 0,
+            "no committed offset to compare during the cut"
+        );
+
+        wait_for_ends(conn, &group, &topic, &ends, Duration::from_secs(90)).await;
+        stop.send(()).expect("the consumer runs");
+        let summary: ConsumerSummary = consumer
+            .await
+            .expect("the consumer's task")
+            .expect("the consumer loop");
+        eprintln!(
+            "{backend:?}: {total} records, stored {stored_during_cut:?} during the cut; {summary}"
+        );
+        // The inbox retried the transactions the heal cut; the cut showed as no progress.
+        assert_eq!(
+            stored_early_in_cut.as_ref(),
+            Some(&stored_during_cut),
+            "the stored offsets moved while the database was unreachable: the cut missed the consumer"
+        );
+        assert!(
+            stored_during_cut.iter().sum::<i64>() < total,
+            "the consumer was done before the cut"
+        );
+        assert_each_once(conn, CUT_MESSAGES).await;
+        assert_eq!(stored_offsets(conn, &group, &topic).await, ends);
+        let committed = committed_offsets(&group, &topic);
+        assert!(
+            committed.iter().zip(&ends).all(|(kafka, end)| kafka <= end),
+            "committed {committed:?} beyond the ends {ends:?}"
+        );
+    })
+    .await
+}
+
+/// The messages of the shutdown test, each produced twice.
+const SHUTDOWN_MESSAGES: u32 = 20;
+
+/// A handler whose first run inserts its effect, tells `entered` and then waits `hold`
+/// (forever if `None`) inside the transaction; later runs just insert.
+fn first_run_held(
+    entered: Arc<tokio::sync::Notify>,
+    hold: Option<Duration>,
+) -> impl for<'t> Fn(&'t ObservedTransaction, Arc<OwnedMessage>) -> HandlerFuture<'t, (), BoxError>
++ Send
++ Sync
++ 'static {
+    let runs = Arc::new(AtomicU64::new(0));
+    move |txn, record| {
+        let (runs, entered) = (Arc::clone(&runs), Arc::clone(&entered));
+        Box::pin(async move {
+            insert_effect(txn, &record).await?;
+            if runs.fetch_add(1, Ordering::SeqCst) == 0 {
+                entered.notify_one();
+                match hold {
+                    Some(hold) => tokio::time::sleep(hold).await,
+                    None => std::future::pending::<()>().await,
+                }
+            }
+            Ok(())
+        })
+    }
+}
+
+/// Runs the loop with `handler` and `grace` until the handler's first run is inside its
+/// transaction, then shuts it down.
+async fn shut_down_mid_handler(
+    kafka: &KafkaInbox,
+    topic: &str,
+    conn: &DatabaseConnection,
+    grace: Duration,
+    hold: Option<Duration>,
+) -> ConsumerSummary {
+    let entered = Arc::new(tokio::sync::Notify::new());
+    let shutdown = {
+        let entered = Arc::clone(&entered);
+        async move {
+            tokio::time::timeout(Duration::from_secs(60), entered.notified())
+                .await
+                .expect("the handler ran within 60 s");
+        }
+    };
+    KafkaGroupConsumer::new(kafka.clone(), &consumer_config(), [topic])
+        .with_options(ConsumerOptions::default().with_grace(grace))
+        .run(conn.clone(), first_run_held(entered, hold), shutdown)
+        .await
+        .expect("the consumer loop")
+}
+
+/// A shutdown while a handler is in its transaction: past the grace period the record is
+/// abandoned (rolled back: its effect gone with its marker and offset), within it the
+/// record finishes and commits; a consumer started afterwards applies every message once.
+async fn shutdown_finishes_or_abandons(backend: Backend) {
+    with_migrated_db(backend, async |db| {
+        let conn = db.connect().await;
+        prepare(&conn).await;
+        let topic = format!("stop-{}", uuid::Uuid::new_v4().simple());
+        let group = group_of(&topic);
+        create_topic(&topic).await;
+        produce_twice(&topic, SHUTDOWN_MESSAGES).await;
+        let ends = end_offsets_of(&topic, i64::from(SHUTDOWN_MESSAGES) * 2).await;
+        let kafka = KafkaInbox::new(Inbox::new("billing").unwrap(), &group).unwrap();
+        let markers = "SELECT COUNT(*) FROM inbox";
+        let effects = "SELECT COUNT(*) FROM effect";
+
+        let abandoned =
+            shut_down_mid_handler(&kafka, &topic, &conn, Duration::from_millis(300), None).await;
+        // At least the held record; on SQLite (one connection per pool) also the other
+        // partitions' records, waiting for that connection.
+        assert!(abandoned.abandoned >= 1, "{abandoned}");
+        assert_eq!(
+            scalar_i64(&conn, effects).await,
+            scalar_i64(&conn, markers).await,
+            "an effect without its marker, or a marker without its effect ({abandoned})"
+        );
+        assert_eq!(
+            scalar_i64(&conn, effects).await,
+            abandoned.processed as i64,
+            "{abandoned}"
+        );
+
+        let finished = shut_down_mid_handler(
+            &kafka,
+            &topic,
+            &conn,
+            Duration::from_secs(30),
+            Some(Duration::from_millis(500)),
+        )
+        .await;
+        assert_eq!(finished.abandoned, 0, "{finished}");
+        assert!(finished.processed >= 1, "{finished}");
+        assert_eq!(
+            scalar_i64(&conn, effects).await,
+            (abandoned.processed + finished.processed) as i64,
+            "{finished}"
+        );
+
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let rest = tokio::spawn(
+            KafkaGroupConsumer::new(kafka.clone(), &consumer_config(), [topic.as_str()]).run(
+                conn.clone(),
+                effect_then_pause(Duration::ZERO, None),
+                stopped,
+            ),
+        );
+        wait_for_ends(&conn, &group, &topic, &ends, Duration::from_secs(60)).await;
+        stop.send(()).expect("the consumer runs");
+        rest.await
+            .expect("the consumer's task")
+            .expect("the consumer loop");
+        assert_each_once(&conn, SHUTDOWN_MESSAGES).await;
+        conn.close().await.ok();
+    })
+    .await
+}
+
+mod shutdown {
+    use super::shutdown_finishes_or_abandons;
+    inbox_tests::on_every_backend!(
+        needs(inbox_kafka, "set INBOX_TEST_KAFKA_BOOTSTRAP (tests/cluster/kafka.sh start)");
+        shutdown_finishes_or_abandons
+    );
+}
+
+mod group {
+    use super::two_consumers_one_killed;
+    inbox_tests::on_every_backend!(
+        needs(inbox_kafka, "set INBOX_TEST_KAFKA_BOOTSTRAP (tests/cluster/kafka.sh start)");
+        two_consumers_one_killed
+    );
+}
+
+mod cut {
+    use super::database_cut_commits_nothing_ahead;
+    inbox_tests::on_server_backends!(
+        needs(inbox_kafka, "set INBOX_TEST_KAFKA_BOOTSTRAP (tests/cluster/kafka.sh start)");
+        database_cut_commits_nothing_ahead
+    );
+}
