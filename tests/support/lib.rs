@@ -50,6 +50,7 @@ use std::time::Duration;
 
 mod cut_proxy;
 mod galera;
+pub mod kafka;
 mod outbox;
 mod proxy;
 pub mod scenario;

@@ -18,6 +18,7 @@ mod faults;
 mod galera;
 mod input;
 mod kafka;
+mod kafka_dead_letter;
 mod keys;
 mod lease;
 mod localized;
