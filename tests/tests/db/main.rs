@@ -19,6 +19,7 @@ mod galera;
 mod input;
 mod kafka;
 mod kafka_dead_letter;
+mod kafka_end_to_end;
 mod kafka_outbox;
 mod keys;
 mod lease;
