@@ -11,13 +11,13 @@
 
 use super::{BoxError, Target, median};
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
-use rdkafka::message::{Header, OwnedHeaders, OwnedMessage};
+use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{ClientConfig, Message};
 use sea_orm::sea_query::{Alias, Query};
 use sea_orm::{ConnectionTrait, DatabaseConnection, TransactionTrait};
+use sea_orm_inbox::Inbox;
 use sea_orm_inbox::kafka::{self, KafkaInbox, stored_offset};
-use sea_orm_inbox::{HandlerFuture, Inbox, ObservedTransaction};
 use sea_orm_inbox_migration::{CreateKafkaOffsets, MigratorTrait};
 use sea_orm_migration::{MigrationTrait, SchemaManager};
 use std::sync::{Arc, OnceLock};
@@ -89,12 +89,6 @@ async fn library_run(
     consumer.subscribe(&[topic])?;
     let first = Arc::new(OnceLock::new());
     let started = Arc::clone(&first);
-    let handler = move |txn: &ObservedTransaction,
-                        record: Arc<OwnedMessage>|
-          -> HandlerFuture<'_, (), BoxError> {
-        started.get_or_init(Instant::now);
-        Box::pin(async move { business_write(txn, record.offset()).await })
-    };
     let (watcher, watched_topic) = (db.clone(), topic.to_owned());
     let end = records as i64;
     let done = tokio::spawn(async move {
@@ -110,11 +104,19 @@ async fn library_run(
     let finished = Arc::new(OnceLock::new());
     let finished_at = Arc::clone(&finished);
     let report = kafka
-        .run(&consumer, db, handler, async move {
-            if let Ok(at) = done.await {
-                finished_at.get_or_init(|| at);
-            }
-        })
+        .run(
+            &consumer,
+            db,
+            move |txn, record| {
+                started.get_or_init(Instant::now);
+                Box::pin(async move { business_write(txn, record.offset()).await })
+            },
+            async move {
+                if let Ok(at) = done.await {
+                    finished_at.get_or_init(|| at);
+                }
+            },
+        )
         .await?;
     if report.processed != records as u64 {
         return Err(format!("the library's loop processed {report:?} of {records}").into());
