@@ -24,6 +24,27 @@ pub fn kafka_config() -> ClientConfig {
     config
 }
 
+/// [`kafka_config`] for a consumer of a group: from the earliest record when the group has
+/// no offset, and a session timeout Tansu lets join within seconds (with librdkafka's
+/// default a subscriber received nothing for 20 s).
+pub fn kafka_consumer_config() -> ClientConfig {
+    let mut config = kafka_config();
+    config
+        .set("auto.offset.reset", "earliest")
+        .set("session.timeout.ms", "6000")
+        .set("heartbeat.interval.ms", "500");
+    config
+}
+
+/// A pool to `db` with the opt-in offset table migrated.
+pub async fn connect_with_offsets(db: &crate::TestDb) -> sea_orm::DatabaseConnection {
+    let conn = db.connect().await;
+    KafkaMigrator::up(&conn, None)
+        .await
+        .expect("run CreateKafkaOffsets");
+    conn
+}
+
 /// A topic name no other test uses, starting with `prefix`.
 pub fn unique_topic(prefix: &str) -> String {
     format!("{prefix}-{}", uuid::Uuid::new_v4().simple())

@@ -4,13 +4,14 @@
 //! advances, and the records after it on its partition are processed.
 
 use inbox_tests::kafka::{
-    KafkaMigrator, create_topic, end_offset, header, kafka_config, read_topic, unique_topic,
+    connect_with_offsets, create_topic, end_offset, header, kafka_config, kafka_consumer_config,
+    read_topic, unique_topic,
 };
 use inbox_tests::{Backend, on_every_backend, run, scalar_i64, stmt, with_migrated_db};
+use rdkafka::Message;
 use rdkafka::consumer::Consumer;
 use rdkafka::message::{Header, OwnedHeaders, OwnedMessage};
 use rdkafka::producer::{FutureProducer, FutureRecord};
-use rdkafka::{ClientConfig, Message};
 use sea_orm::ConnectionTrait;
 use sea_orm_inbox::kafka::{
     self, DEAD_LETTER_ERROR_HEADER, DEAD_LETTER_MESSAGE_ID_HEADER, DEAD_LETTER_OFFSET_HEADER,
@@ -21,7 +22,6 @@ use sea_orm_inbox::{
     AdmissionFloor, HandlerFuture, Inbox, MessageId, ObservedTransaction, Permanent,
     RetentionPolicy,
 };
-use sea_orm_migration::MigratorTrait;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -81,10 +81,7 @@ async fn produce(topic: &str) {
 
 async fn poison_goes_to_the_dead_letter_topic_once(backend: Backend) {
     with_migrated_db(backend, async |db| {
-        let conn = db.connect().await;
-        KafkaMigrator::up(&conn, None)
-            .await
-            .expect("run CreateKafkaOffsets");
+        let conn = connect_with_offsets(db).await;
         run(&conn, "CREATE TABLE effect (kafka_offset BIGINT NOT NULL)").await;
         let topic = unique_topic("dl");
         let dead_letters = format!("{topic}{}", kafka::DEAD_LETTER_SUFFIX);
@@ -102,15 +99,7 @@ async fn poison_goes_to_the_dead_letter_topic_once(backend: Backend) {
         .unwrap()
         .with_retry_delay(Duration::from_millis(100))
         .with_dead_letter(DeadLetterTopic::new(&kafka_config()).unwrap());
-        let consumer = kafka
-            .consumer(
-                ClientConfig::new()
-                    .set("bootstrap.servers", inbox_tests::kafka::kafka_bootstrap())
-                    .set("auto.offset.reset", "earliest")
-                    .set("session.timeout.ms", "6000")
-                    .set("heartbeat.interval.ms", "500"),
-            )
-            .unwrap();
+        let consumer = kafka.consumer(&kafka_consumer_config()).unwrap();
         consumer.subscribe(&[topic.as_str()]).unwrap();
         let watcher = conn.clone();
         let (watched_group, watched_topic) = (group.clone(), topic.clone());

@@ -14,13 +14,13 @@
 //! downstream effect, however many copies `<run>-out` holds.
 
 use inbox_tests::kafka::{
-    KafkaMigrator, create_topic, end_offset, header, kafka_bootstrap, kafka_config, unique_topic,
+    connect_with_offsets, create_topic, end_offset, header, kafka_config, kafka_consumer_config,
+    unique_topic,
 };
 use inbox_tests::{
     Backend, StopsAfterConfirms, TestDb, connect_url, on_server_backends, run,
     run_and_kill_child_relay, scalar_i64, stmt, with_migrated_outbox_db,
 };
-use rdkafka::ClientConfig;
 use rdkafka::Message;
 use rdkafka::consumer::Consumer;
 use rdkafka::message::{Header, OwnedHeaders, OwnedMessage};
@@ -30,7 +30,6 @@ use sea_orm_inbox::kafka::{self, KafkaConsumer, KafkaInbox, KafkaPublisher, stor
 use sea_orm_inbox::{
     HandlerFuture, Inbox, ObservedTransaction, OutboxExt, OutgoingMessage, Relay, RelayOptions,
 };
-use sea_orm_migration::MigratorTrait;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -130,15 +129,7 @@ async fn child_relay() {
 }
 
 fn consumer(kafka: &KafkaInbox, topic: &str) -> KafkaConsumer {
-    let consumer = kafka
-        .consumer(
-            ClientConfig::new()
-                .set("bootstrap.servers", kafka_bootstrap())
-                .set("auto.offset.reset", "earliest")
-                .set("session.timeout.ms", "6000")
-                .set("heartbeat.interval.ms", "500"),
-        )
-        .expect("consumer");
+    let consumer = kafka.consumer(&kafka_consumer_config()).expect("consumer");
     consumer.subscribe(&[topic]).expect("subscribe");
     consumer
 }
@@ -215,10 +206,7 @@ async fn kill_child_relay(db: &TestDb) {
 
 async fn exactly_once_through_a_killed_relay(backend: Backend) {
     with_migrated_outbox_db(backend, async |db| {
-        let conn = db.connect().await;
-        KafkaMigrator::up(&conn, None)
-            .await
-            .expect("run CreateKafkaOffsets");
+        let conn = connect_with_offsets(db).await;
         run(&conn, "CREATE TABLE e2e_order (input_id VARCHAR(40) NOT NULL)").await;
         run(&conn, "CREATE TABLE e2e_effect (input_id VARCHAR(40) NOT NULL)").await;
         let input = unique_topic("e2e");
