@@ -8,8 +8,8 @@
 //!     --postgres postgres://postgres@127.0.0.1:5432/test \
 //!     --mysql mysql://root@127.0.0.1:3306/test --rounds 5 --messages 400
 //! cargo run --release -p inbox-bench --bin outbox-bench -- --latency     # + commit-to-publish
-//! cargo run --release -p inbox-bench --bin outbox-bench -- --kafka 127.0.0.1:9092 \
-//!     --postgres postgres://postgres@127.0.0.1:5432/test               # the Kafka consumer only
+//! cargo run --release -p inbox-bench --bin outbox-bench --features kafka -- \
+//!     --kafka 127.0.0.1:9092 --postgres postgres://postgres@127.0.0.1:5432/test  # Kafka only
 //! cargo build --release --manifest-path bench/obix/Cargo.toml           # + obix beside ours:
 //! cargo run --release -p inbox-bench --bin outbox-bench -- --latency \
 //!     --postgres postgres://postgres@127.0.0.1:5432/test \
@@ -39,6 +39,7 @@ use sea_orm_inbox_migration::{MigratorTrait, MigratorWithOutbox};
 use std::time::{Duration, Instant};
 
 mod outbox_enqueue;
+#[cfg(feature = "kafka")]
 mod outbox_kafka;
 mod outbox_latency;
 mod outbox_obix;
@@ -448,7 +449,13 @@ async fn kafka_table(bootstrap: &str, args: &Args) -> Result<(), BoxError> {
         targets.push(Target::sqlite()?);
     }
     for target in targets {
+        #[cfg(feature = "kafka")]
         let result = outbox_kafka::bench(&target, bootstrap, args.rounds, args.messages).await;
+        #[cfg(not(feature = "kafka"))]
+        let result: Result<String, BoxError> = Err(format!(
+            "--kafka {bootstrap} needs the Kafka consumer compiled in: build with --features kafka"
+        )
+        .into());
         target.drop_database().await?;
         rows.push(result?);
     }
