@@ -1,5 +1,6 @@
 //! The Kafka dead-letter topic (`KafkaInbox::with_dead_letter`): a record no redelivery can
-//! fix (the handler's `Permanent` error, the admission floor's refusal) is produced once to
+//! fix (the handler's `Permanent` error, the admission floor's refusal, an id header that
+//! is not text) is produced once to
 //! `<topic>.dead-letter` with its error and original position in headers, its offset
 //! advances, and the records after it on its partition are processed.
 
@@ -33,6 +34,10 @@ const RECORDS: i64 = 10;
 const POISON: i64 = 3;
 /// The offset of the record sent before the admission floor.
 const STALE: i64 = 6;
+/// The offset of the record whose id header is not UTF-8.
+const NOT_TEXT: i64 = 8;
+/// The records that go to the dead-letter topic.
+const DEAD: i64 = 3;
 
 /// One `effect` row per record, or `Permanent` for the poison payload.
 fn effect_or_poison<'t>(
@@ -54,19 +59,25 @@ fn effect_or_poison<'t>(
 }
 
 /// Produces [`RECORDS`] records with ids `m-0..`: the poison payload at [`POISON`], a
-/// timestamp from 2001 at [`STALE`].
+/// timestamp from 2001 at [`STALE`], an id header of bytes that are not UTF-8 at
+/// [`NOT_TEXT`].
 async fn produce(topic: &str) {
     let producer: FutureProducer = kafka_config().create().expect("producer");
     for offset in 0..RECORDS {
         let id = format!("m-{offset}");
         let payload = if offset == POISON { "poison" } else { "{}" };
+        let id_bytes: &[u8] = if offset == NOT_TEXT {
+            &[0xff, 0xfe]
+        } else {
+            id.as_bytes()
+        };
         let mut record =
             FutureRecord::to(topic)
                 .key(&id)
                 .payload(payload)
                 .headers(OwnedHeaders::new().insert(Header {
                     key: kafka::DEFAULT_ID_HEADER,
-                    value: Some(&id),
+                    value: Some(id_bytes),
                 }));
         if offset == STALE {
             record = record.timestamp(1_000_000_000_000);
@@ -127,7 +138,7 @@ async fn poison_goes_to_the_dead_letter_topic_once(backend: Backend) {
         );
         assert_eq!(
             scalar_i64(&conn, "SELECT COUNT(*) FROM effect").await,
-            RECORDS - 2,
+            RECORDS - DEAD,
             "{report:?}"
         );
         assert_eq!(
@@ -136,22 +147,25 @@ async fn poison_goes_to_the_dead_letter_topic_once(backend: Backend) {
                 &format!("SELECT COUNT(*) FROM effect WHERE kafka_offset > {POISON}")
             )
             .await,
-            RECORDS - POISON - 2,
+            RECORDS - POISON - DEAD,
             "the records after the poison were not all processed: {report:?}"
         );
         assert_eq!(
             (report.processed, report.dead_lettered),
-            (8, 2),
+            ((RECORDS - DEAD) as u64, DEAD as u64),
             "{report:?}"
         );
 
-        assert_eq!(end_offset(&dead_letters, 0), 2, "{report:?}");
+        assert_eq!(end_offset(&dead_letters, 0), DEAD, "{report:?}");
         let dead = read_topic(&dead_letters, 1).await;
         let offsets: Vec<String> = dead
             .iter()
             .map(|record| header(record, DEAD_LETTER_OFFSET_HEADER).unwrap())
             .collect();
-        assert_eq!(offsets, [POISON.to_string(), STALE.to_string()]);
+        assert_eq!(
+            offsets,
+            [POISON.to_string(), STALE.to_string(), NOT_TEXT.to_string()]
+        );
         let poison = &dead[0];
         assert_eq!(poison.payload(), Some(b"poison".as_slice()));
         assert_eq!(poison.key(), Some(format!("m-{POISON}").as_bytes()));
@@ -180,6 +194,17 @@ async fn poison_goes_to_the_dead_letter_topic_once(backend: Backend) {
         assert!(error.contains("the payload is poison"), "{error}");
         let refusal = header(&dead[1], DEAD_LETTER_ERROR_HEADER).unwrap();
         assert!(refusal.contains("admission floor"), "{refusal}");
+        let not_text = header(&dead[2], DEAD_LETTER_ERROR_HEADER).unwrap();
+        assert!(not_text.contains("not UTF-8"), "{not_text}");
+        assert_eq!(
+            header(&dead[2], DEAD_LETTER_MESSAGE_ID_HEADER),
+            Some(
+                MessageId::from_kafka(&topic, 0, NOT_TEXT)
+                    .unwrap()
+                    .to_string()
+            ),
+            "a record without a usable id is named by its position"
+        );
     })
     .await
 }
