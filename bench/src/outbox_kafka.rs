@@ -20,6 +20,7 @@ use sea_orm_inbox::Inbox;
 use sea_orm_inbox::kafka::{self, KafkaInbox, stored_offset};
 use sea_orm_inbox_migration::{CreateKafkaOffsets, MigratorTrait};
 use sea_orm_migration::{MigrationTrait, SchemaManager};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -89,16 +90,23 @@ async fn library_run(
     consumer.subscribe(&[topic])?;
     let first = Arc::new(OnceLock::new());
     let started = Arc::clone(&first);
+    // Counted by the handler, so the watcher reads the database only at the end: a query
+    // every few milliseconds through the run would slow the loop it measures.
+    let handled = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&handled);
     let (watcher, watched_topic) = (db.clone(), topic.to_owned());
     let end = records as i64;
     let done = tokio::spawn(async move {
         let begun = Instant::now();
+        while handled.load(Ordering::SeqCst) < records && begun.elapsed() < DEADLINE {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
         loop {
             let stored = stored_offset(&watcher, &group, &watched_topic, 0).await;
             if matches!(stored, Ok(Some(stored)) if stored == end) || begun.elapsed() > DEADLINE {
                 return Instant::now();
             }
-            tokio::time::sleep(Duration::from_millis(10)).await;
+            tokio::time::sleep(Duration::from_millis(1)).await;
         }
     });
     let finished = Arc::new(OnceLock::new());
@@ -109,7 +117,12 @@ async fn library_run(
             db,
             move |txn, record| {
                 started.get_or_init(Instant::now);
-                Box::pin(async move { business_write(txn, record.offset()).await })
+                let counted = Arc::clone(&counted);
+                Box::pin(async move {
+                    business_write(txn, record.offset()).await?;
+                    counted.fetch_add(1, Ordering::SeqCst);
+                    Ok(())
+                })
             },
             async move {
                 if let Ok(at) = done.await {
