@@ -8,6 +8,8 @@
 //!     --postgres postgres://postgres@127.0.0.1:5432/test \
 //!     --mysql mysql://root@127.0.0.1:3306/test --rounds 5 --messages 400
 //! cargo run --release -p inbox-bench --bin outbox-bench -- --latency     # + commit-to-publish
+//! cargo run --release -p inbox-bench --bin outbox-bench --features kafka -- \
+//!     --kafka 127.0.0.1:9092 --postgres postgres://postgres@127.0.0.1:5432/test  # Kafka only
 //! cargo build --release --manifest-path bench/obix/Cargo.toml           # + obix beside ours:
 //! cargo run --release -p inbox-bench --bin outbox-bench -- --latency \
 //!     --postgres postgres://postgres@127.0.0.1:5432/test \
@@ -37,6 +39,8 @@ use sea_orm_inbox_migration::{MigratorTrait, MigratorWithOutbox};
 use std::time::{Duration, Instant};
 
 mod outbox_enqueue;
+#[cfg(feature = "kafka")]
+mod outbox_kafka;
 mod outbox_latency;
 mod outbox_obix;
 
@@ -66,6 +70,9 @@ struct Args {
     enqueue_seconds: f64,
     /// The `obix-bench` binary, to measure obix beside ours on PostgreSQL (`--obix`).
     obix: Option<std::path::PathBuf>,
+    /// A Kafka-protocol broker's bootstrap address: measure only the Kafka consumer
+    /// (`--kafka`, see `outbox_kafka`).
+    kafka: Option<String>,
 }
 
 fn args() -> Result<Args, BoxError> {
@@ -77,6 +84,7 @@ fn args() -> Result<Args, BoxError> {
         latency: false,
         enqueue_seconds: 1.0,
         obix: None,
+        kafka: None,
     };
     let mut iter = std::env::args().skip(1);
     while let Some(flag) = iter.next() {
@@ -89,6 +97,7 @@ fn args() -> Result<Args, BoxError> {
             "--latency" => args.latency = true,
             "--enqueue-seconds" => args.enqueue_seconds = value()?.parse()?,
             "--obix" => args.obix = Some(outbox_obix::binary(&value()?)?),
+            "--kafka" => args.kafka = Some(value()?),
             other => return Err(format!("unknown flag {other}; see the module docs").into()),
         }
     }
@@ -421,6 +430,45 @@ async fn bench(target: &Target, args: &Args) -> Result<(), BoxError> {
     Ok(())
 }
 
+/// `--kafka`: the Kafka consumer's table alone, on the server targets given (SQLite too
+/// when none is).
+async fn kafka_table(bootstrap: &str, args: &Args) -> Result<(), BoxError> {
+    println!(
+        "{} rounds of {} records per mode; medians\n",
+        args.rounds, args.messages
+    );
+    let mut rows = Vec::new();
+    let mut targets = Vec::new();
+    if let Some(url) = &args.postgres {
+        targets.push(Target::server("postgres", url).await?);
+    }
+    if let Some(url) = &args.mysql {
+        targets.push(Target::server("mysql", url).await?);
+    }
+    if targets.is_empty() {
+        targets.push(Target::sqlite()?);
+    }
+    for target in targets {
+        #[cfg(feature = "kafka")]
+        let result = outbox_kafka::bench(&target, bootstrap, args.rounds, args.messages).await;
+        #[cfg(not(feature = "kafka"))]
+        let result: Result<String, BoxError> = Err(format!(
+            "--kafka {bootstrap} needs the Kafka consumer compiled in: build with --features kafka"
+        )
+        .into());
+        target.drop_database().await?;
+        rows.push(result?);
+    }
+    println!(
+        "\n| backend | records | KafkaInbox::run records/s | hand-written consumer records/s | ratio |"
+    );
+    println!("| --- | ---: | ---: | ---: | ---: |");
+    for row in rows {
+        println!("{row}");
+    }
+    Ok(())
+}
+
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
     // The cross-process latency mode re-executes this binary as its relay.
@@ -430,6 +478,9 @@ async fn main() -> Result<(), BoxError> {
         return outbox_latency::child(&url).await;
     }
     let args = args()?;
+    if let Some(bootstrap) = &args.kafka {
+        return kafka_table(bootstrap, &args).await;
+    }
     println!(
         "{} rounds; {} messages per process mode, {} rows per relay mode; medians\n",
         args.rounds,

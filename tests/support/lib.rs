@@ -48,12 +48,15 @@ use sea_orm_migration::MigratorTrait;
 use std::panic::AssertUnwindSafe;
 use std::time::Duration;
 
+mod child_relay;
 mod cut_proxy;
 mod galera;
+pub mod kafka;
 mod outbox;
 mod proxy;
 pub mod scenario;
 mod stream;
+pub use child_relay::{StopsAfterConfirms, run_and_kill_child_relay};
 pub use cut_proxy::CutProxy;
 pub use galera::{GALERA_URLS_VAR, GaleraDb, galera_script, migrated_galera_db, with_galera_db};
 pub use outbox::RecordingPublisher;

@@ -58,10 +58,19 @@
 mod consumer;
 
 pub use consumer::{GroupContext, KafkaGroupConsumer};
+mod dead_letter;
+mod publisher;
+
+pub use dead_letter::{
+    DEAD_LETTER_ERROR_HEADER, DEAD_LETTER_MESSAGE_ID_HEADER, DEAD_LETTER_OFFSET_HEADER,
+    DEAD_LETTER_PARTITION_HEADER, DEAD_LETTER_SUFFIX, DEAD_LETTER_TOPIC_HEADER, DeadLetterTopic,
+};
+use publisher::idempotent_producer;
+pub use publisher::{KafkaPublisher, SENT_AT_HEADER};
 
 use super::BoxError;
 use crate::{CLAIM_TRANSACTION, Delivery, Inbox, InboxError, MessageId, ObservedTransaction};
-use crate::{HandlerFuture, Outcome, ProcessError};
+use crate::{ErrorKind, HandlerFuture, Outcome, ProcessError, Settlement};
 use chrono::DateTime;
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{
@@ -157,6 +166,18 @@ pub enum KafkaError {
     /// The Kafka client failed (a seek, the subscription, the consumer's creation).
     #[error("the Kafka client failed: {0}")]
     Client(#[from] rdkafka::error::KafkaError),
+    /// A record for the dead-letter topic got no delivery report: its offset did not
+    /// advance, and the record is read again after the retry delay.
+    #[error(
+        "the dead-letter topic {topic:?} did not take the record ({source}): does the topic exist, and is the broker reachable?"
+    )]
+    DeadLetter {
+        /// The dead-letter topic.
+        topic: String,
+        /// The producer's error.
+        #[source]
+        source: rdkafka::error::KafkaError,
+    },
 }
 
 /// The key of `record`: the producer's id header `id_header` when present, else a
@@ -331,8 +352,13 @@ pub enum RecordOutcome {
     Processed,
     /// The marker existed; the offset was advanced in a transaction of its own.
     Duplicate,
-    /// The admission floor refused it; the offset was advanced past it (logged at WARN).
+    /// The admission floor refused it and no dead-letter topic is configured; the offset
+    /// was advanced past it (logged at WARN).
     Refused,
+    /// No redelivery can fix it (the handler's [`Permanent`](crate::Permanent) error, an
+    /// input error, the admission floor's refusal, an id header that is not text): it was
+    /// produced to the [`DeadLetterTopic`], then the offset was advanced past it.
+    DeadLettered,
     /// The stored offset had moved: nothing was applied; seek to the stored offset.
     OffsetMoved,
 }
@@ -346,6 +372,8 @@ pub struct RunReport {
     pub duplicates: u64,
     /// Records the admission floor refused (their offsets advanced).
     pub refused: u64,
+    /// Records sent to the dead-letter topic (their offsets advanced).
+    pub dead_lettered: u64,
     /// Records whose offset advance found the stored offset moved (nothing applied).
     pub offsets_moved: u64,
     /// Failed attempts, each followed by a seek back to the record.
@@ -380,6 +408,7 @@ pub struct KafkaInbox {
     group: String,
     id_header: String,
     retry_delay: Duration,
+    dead_letter: Option<DeadLetterTopic>,
 }
 
 impl KafkaInbox {
@@ -395,12 +424,22 @@ impl KafkaInbox {
             group,
             id_header: DEFAULT_ID_HEADER.to_owned(),
             retry_delay: Duration::from_secs(1),
+            dead_letter: None,
         })
     }
 
     /// Reads the message id from header `name` instead of [`DEFAULT_ID_HEADER`].
     pub fn with_id_header(mut self, name: impl Into<String>) -> Self {
         self.id_header = name.into();
+        self
+    }
+
+    /// Sends a record no redelivery can fix to `topic` (see [`RecordOutcome::DeadLettered`])
+    /// and moves on, instead of reading it again after the retry delay, which holds up its
+    /// partition until someone fixes it (without a dead-letter topic, a refused record is
+    /// skipped with a WARN event).
+    pub fn with_dead_letter(mut self, topic: DeadLetterTopic) -> Self {
+        self.dead_letter = Some(topic);
         self
     }
 
@@ -430,7 +469,8 @@ impl KafkaInbox {
     /// Processes `record` once: claims it in the inbox, runs `handler` and advances the
     /// stored offset from `expected` past the record, all in one transaction (with the
     /// inbox's retries of transient failures). A duplicate or a refused record only
-    /// advances the offset.
+    /// advances the offset; with a [`DeadLetterTopic`], a record no redelivery can fix is
+    /// produced there first (see [`RecordOutcome::DeadLettered`]).
     pub async fn process_record<F>(
         &self,
         db: &DatabaseConnection,
@@ -445,9 +485,31 @@ impl KafkaInbox {
             ) -> HandlerFuture<'t, (), BoxError>
             + Send,
     {
-        let delivery = delivery(record.as_ref(), &self.id_header)?;
         let (topic, partition, next) = (record.topic(), record.partition(), record.offset() + 1);
-        let outcome = self
+        let delivery =
+            match delivery(record.as_ref(), &self.id_header) {
+                Ok(delivery) => delivery,
+                // An id header that is not text, or empty, stays so on every read.
+                Err(err @ (KafkaError::HeaderNotUtf8 { .. } | KafkaError::Key { .. })) => {
+                    let Some(dead_letter) = &self.dead_letter else {
+                        return Err(err);
+                    };
+                    let position = MessageId::from_kafka(topic, partition, record.offset())
+                        .map_err(|source| KafkaError::Key {
+                            topic: topic.to_owned(),
+                            partition,
+                            offset: record.offset(),
+                            source: Box::new(source),
+                        })?;
+                    let reason = err.to_string();
+                    return self
+                        .dead_letter(db, dead_letter, record, position, &reason, expected)
+                        .await;
+                }
+                Err(err) => return Err(err),
+            };
+        let message_id = delivery.message_id();
+        let result = self
             .inbox
             .process(db, delivery, |txn| {
                 let business = handler(txn, Arc::clone(record));
@@ -459,7 +521,14 @@ impl KafkaInbox {
                 })
             })
             .await;
-        let outcome = match outcome {
+        if let Some(dead_letter) = &self.dead_letter
+            && let Some(reason) = dead_letter_reason(&result)
+        {
+            return self
+                .dead_letter(db, dead_letter, record, message_id, &reason, expected)
+                .await;
+        }
+        let outcome = match result {
             Ok(Outcome::Processed(())) => return Ok(RecordOutcome::Processed),
             Ok(Outcome::Duplicate) => RecordOutcome::Duplicate,
             Ok(Outcome::Refused(refusal)) => {
@@ -483,8 +552,46 @@ impl KafkaInbox {
                 });
             }
         };
+        self.advance_past(db, record, expected, outcome).await
+    }
+
+    /// Produces `record` to `dead_letter` and waits for its delivery report, then advances
+    /// the stored offset past it: produce before commit, so a crash in between produces it
+    /// again (a repeat with the same [`DEAD_LETTER_MESSAGE_ID_HEADER`]), never loses it.
+    async fn dead_letter(
+        &self,
+        db: &DatabaseConnection,
+        dead_letter: &DeadLetterTopic,
+        record: &OwnedMessage,
+        message_id: MessageId,
+        reason: &str,
+        expected: Option<i64>,
+    ) -> Result<RecordOutcome, KafkaError> {
+        dead_letter.send(record, message_id, reason).await?;
+        tracing::warn!(
+            topic = record.topic(),
+            partition = record.partition(),
+            offset = record.offset(),
+            dead_letter_topic = dead_letter.topic_for(record.topic()),
+            error = reason,
+            "record dead-lettered: no redelivery can fix it"
+        );
+        self.advance_past(db, record, expected, RecordOutcome::DeadLettered)
+            .await
+    }
+
+    /// Advances the stored offset past `record` in a transaction of its own: `outcome`,
+    /// or [`RecordOutcome::OffsetMoved`] when another consumer moved it first.
+    async fn advance_past(
+        &self,
+        db: &DatabaseConnection,
+        record: &OwnedMessage,
+        expected: Option<i64>,
+        outcome: RecordOutcome,
+    ) -> Result<RecordOutcome, KafkaError> {
+        let next = record.offset() + 1;
         match self
-            .advance_alone(db, topic, partition, expected, next)
+            .advance_alone(db, record.topic(), record.partition(), expected, next)
             .await
         {
             Ok(()) => Ok(outcome),
@@ -519,7 +626,8 @@ impl KafkaInbox {
     /// back) before `run` returns; nothing is half done either way.
     ///
     /// A failed record is read again after the retry delay (a seek back to it), so its
-    /// partition waits for it; there is no dead-letter topic yet.
+    /// partition waits for it, unless no redelivery can fix it and a dead-letter topic is
+    /// configured ([`with_dead_letter`](Self::with_dead_letter)).
     pub async fn run<F, S>(
         &self,
         consumer: &KafkaConsumer,
@@ -586,6 +694,7 @@ impl KafkaInbox {
                     match outcome {
                         RecordOutcome::Processed => report.processed += 1,
                         RecordOutcome::Duplicate => report.duplicates += 1,
+                        RecordOutcome::DeadLettered => report.dead_lettered += 1,
                         _ => report.refused += 1,
                     }
                     expected.insert(key, Some(record.offset() + 1));
@@ -629,5 +738,23 @@ impl KafkaInbox {
         if let Err(err) = added.and_then(|()| consumer.commit(&offsets, CommitMode::Async)) {
             tracing::debug!(error = %err, "Kafka offset commit (a hint) failed");
         }
+    }
+}
+
+/// Why the record of `result` goes to the dead-letter topic, or `None` when it does not:
+/// what [`Settlement::of`] dead-letters, except a failure of the setup (a missing
+/// migration, the offset table unreadable), which would send every record there; those
+/// are read again until the setup is fixed.
+fn dead_letter_reason(result: &Result<Outcome<()>, ProcessError<BoxError>>) -> Option<String> {
+    if Settlement::of(result) != Settlement::DeadLetter {
+        return None;
+    }
+    match result {
+        Ok(Outcome::Refused(refusal)) => Some(format!("refused by the admission floor: {refusal}")),
+        Err(ProcessError::Handler(err)) if err.downcast_ref::<KafkaError>().is_some() => None,
+        Err(ProcessError::Handler(err)) => Some(crate::cause::reported_text(err)),
+        Err(ProcessError::Inbox(err)) if err.kind() == ErrorKind::Configuration => None,
+        Err(err) => Some(err.to_string()),
+        Ok(_) => None,
     }
 }

@@ -37,9 +37,10 @@ pub enum PublishError {
 /// [`OutboxMessage::first_published_at`] as its send time (a Kafka record's timestamp), so
 /// a consumer's admission floor sees every copy as sent when the first one was.
 ///
-/// Ready implementations: `rabbitmq::RabbitMqPublisher` (feature `lapin`) and
-/// `jetstream::JetStreamPublisher` (feature `async-nats`). A Kafka producer fits the same shape: `destination` is the
-/// topic, `key` the record key (which picks the partition), `headers` the record headers.
+/// Ready implementations: `rabbitmq::RabbitMqPublisher` (feature `lapin`),
+/// `jetstream::JetStreamPublisher` (feature `async-nats`) and `kafka::KafkaPublisher`
+/// (feature `rdkafka`: `destination` is the topic, `key` the record key, which picks the
+/// partition, `headers` the record headers).
 ///
 /// ```
 /// use sea_orm_inbox::{OutboxMessage, PublishError, Publisher};

@@ -35,8 +35,8 @@
 
 use futures_util::StreamExt;
 use inbox_tests::{
-    Backend, CutProxy, LostReplyProxy, TestDb, append_to_soak_report, connect_url, run, scalar_i64,
-    stmt, with_migrated_outbox_db,
+    Backend, CutProxy, LostReplyProxy, StopsAfterConfirms, append_to_soak_report, connect_url, run,
+    run_and_kill_child_relay, scalar_i64, stmt, with_migrated_outbox_db,
 };
 use lapin::options::{
     BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions,
@@ -53,7 +53,6 @@ use sea_orm_inbox::{
     RelayOptions, Settlement, jetstream, list_dead_messages, rabbitmq,
 };
 use std::collections::HashMap;
-use std::io::{BufRead, Write};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -79,8 +78,6 @@ const CHILD_CONFIRMS: usize = 5;
 const CHILD_DB_URL: &str = "INBOX_OUTBOX_SOAK_CHILD_DB_URL";
 /// The child relay's test, as the child process's filter names it.
 const CHILD_TEST: &str = "outbox_soak::child_relay";
-/// The child relay's stdout line for each confirmed publish, followed by the message id.
-const CONFIRMED: &str = "outbox-soak child relay confirmed ";
 /// The JetStream subjects start with this; every other destination is a RabbitMQ queue.
 const SUBJECT_PREFIX: &str = "outbox-soak.";
 /// The queue that refuses every message (the poison's destination) starts with this.
@@ -272,30 +269,6 @@ impl Publisher for Routed<'_> {
     }
 }
 
-/// The child relay's publisher: says on stdout what the broker confirmed, and after the
-/// [`CHILD_CONFIRMS`]th confirmation stops before returning, that is before its relay can
-/// mark anything sent, until the parent kills the process.
-struct StopsAfterConfirms<'t> {
-    inner: Routed<'t>,
-    confirmed: AtomicU64,
-}
-
-impl Publisher for StopsAfterConfirms<'_> {
-    async fn publish(&self, message: &OutboxMessage) -> Result<(), PublishError> {
-        self.inner.publish(message).await?;
-        let mut stdout = std::io::stdout().lock();
-        writeln!(stdout, "{CONFIRMED}{}", message.message_id).expect("write to stdout");
-        stdout.flush().expect("flush stdout");
-        drop(stdout);
-        if self.confirmed.fetch_add(1, Ordering::SeqCst) + 1 >= CHILD_CONFIRMS as u64 {
-            // Blocks the worker thread, not just this future: the relay's publish timeout
-            // cannot fire, so nothing of the batch is ever marked, whenever the kill comes.
-            std::thread::sleep(Duration::from_secs(3600));
-        }
-        Ok(())
-    }
-}
-
 /// Relay options with a short lease and fast retries, so the faults resolve within the
 /// run.
 fn relay_options(child: bool) -> RelayOptions {
@@ -321,59 +294,14 @@ async fn child_relay() {
     });
     let db = connect_url(&url, 2).await;
     let tally = Tally::default();
-    let publisher = StopsAfterConfirms {
-        inner: Routed::connect(&env("INBOX_TEST_AMQP_URL"), &tally, None).await,
-        confirmed: AtomicU64::new(0),
-    };
+    let publisher = StopsAfterConfirms::new(
+        Routed::connect(&env("INBOX_TEST_AMQP_URL"), &tally, None).await,
+        CHILD_CONFIRMS,
+    );
     let relay = Relay::new(publisher)
         .with_options(relay_options(true))
         .expect("valid options");
     relay.run(&db, std::future::pending()).await;
-}
-
-/// Starts [`child_relay`] in a process of its own on `db`, waits until it printed
-/// [`CHILD_CONFIRMS`] confirmations, and kills it with SIGKILL: returns the ids the broker
-/// confirmed to it.
-async fn run_and_kill_child_relay(db: &TestDb) -> Vec<Uuid> {
-    let exe = std::env::current_exe().expect("the test binary's path");
-    let mut child = std::process::Command::new(exe)
-        .args([CHILD_TEST, "--exact", "--ignored", "--nocapture"])
-        .env(CHILD_DB_URL, db.url())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .expect("start the child relay");
-    let stdout = child.stdout.take().expect("the child's stdout");
-    let (lines, mut confirmations) = tokio::sync::mpsc::unbounded_channel();
-    std::thread::spawn(move || {
-        for line in std::io::BufReader::new(stdout).lines() {
-            let Ok(line) = line else { break };
-            if let Some(id) = line.strip_prefix(CONFIRMED) {
-                let id = Uuid::parse_str(id.trim()).expect("a message id");
-                if lines.send(id).is_err() {
-                    break;
-                }
-            }
-        }
-    });
-    let mut confirmed = Vec::new();
-    let waited = tokio::time::timeout(Duration::from_secs(30), async {
-        while confirmed.len() < CHILD_CONFIRMS {
-            match confirmations.recv().await {
-                Some(id) => confirmed.push(id),
-                None => break,
-            }
-        }
-    })
-    .await;
-    // Stopped inside its publisher: the 5th message confirmed, none of the batch marked.
-    child.kill().expect("SIGKILL the child relay");
-    let status = child.wait().expect("reap the child relay");
-    assert!(
-        waited.is_ok() && confirmed.len() == CHILD_CONFIRMS,
-        "the child relay confirmed {} publishes before it ended ({status}); expected {CHILD_CONFIRMS}",
-        confirmed.len()
-    );
-    confirmed
 }
 
 /// Declares a queue of the run's own with `arguments` (and an expiry).
@@ -752,7 +680,9 @@ async fn outbox_soak(backend: Backend) {
                 tally.processed.load(Ordering::Relaxed) >= MESSAGES as u64 / 4
             })
             .await;
-            child_confirmed = run_and_kill_child_relay(db).await;
+            child_confirmed =
+                run_and_kill_child_relay(CHILD_TEST, &[(CHILD_DB_URL, db.url())], CHILD_CONFIRMS)
+                    .await;
             for id in &child_confirmed {
                 tally.record_publish(*id);
             }
