@@ -47,8 +47,10 @@ pub use brokers::jetstream;
 pub use brokers::kafka;
 #[cfg(feature = "lapin")]
 pub use brokers::rabbitmq;
+#[cfg(feature = "aws-sdk-sqs")]
+pub use brokers::sqs;
 pub use brokers::{BoxError, PublishError, Publisher};
-#[cfg(any(feature = "lapin", feature = "async-nats"))]
+#[cfg(any(feature = "lapin", feature = "async-nats", feature = "aws-sdk-sqs"))]
 pub use brokers::{ConsumerError, ConsumerOptions, ConsumerSummary, Received};
 pub use cause::{Permanent, Transient};
 pub use claim::{BatchClaim, Claim, ClaimedMessage, InboxTransactionExt, MAX_CLAIM_BATCH};

@@ -13,6 +13,7 @@ use crate::{
     ObservedTransaction, Outcome, Settlement,
 };
 use sea_orm::DatabaseConnection;
+use std::convert::Infallible;
 use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
@@ -222,6 +223,10 @@ pub struct ConsumerSummary {
     /// Settlements the broker could not be told (the connection was lost): it redelivers
     /// those messages.
     pub settle_failures: u64,
+    /// Settlements the broker refused because the delivery was no longer this consumer's
+    /// (SQS: the receipt handle expired, the message was delivered again meanwhile): not a
+    /// failure of the handler; the later delivery settles the message.
+    pub stale_settlements: u64,
     /// Deliveries in flight past the shutdown's grace period, or whose handler panicked:
     /// rolled back and left unsettled, so the broker redelivers them.
     pub abandoned: u64,
@@ -233,7 +238,7 @@ impl fmt::Display for ConsumerSummary {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "received {}, processed {}, duplicates {}, refused {}, failed {}, unmappable {}; acked {}, nacked {}, dead-lettered {}, settle failures {}, abandoned {}, reconnects {}",
+            "received {}, processed {}, duplicates {}, refused {}, failed {}, unmappable {}; acked {}, nacked {}, dead-lettered {}, settle failures {}, stale settlements {}, abandoned {}, reconnects {}",
             self.received,
             self.processed,
             self.duplicates,
@@ -244,6 +249,7 @@ impl fmt::Display for ConsumerSummary {
             self.nacked,
             self.dead_lettered,
             self.settle_failures,
+            self.stale_settlements,
             self.abandoned,
             self.reconnects
         )
@@ -259,10 +265,20 @@ enum Ended {
     Unmappable,
 }
 
+/// Whether the broker was told a delivery's settlement.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Told {
+    Yes,
+    /// The broker could not be reached.
+    Failed,
+    /// The delivery was no longer this consumer's ([`Incoming::is_stale`]).
+    Stale,
+}
+
 struct Tally {
     ended: Ended,
     settlement: Settlement,
-    settled: bool,
+    told: Told,
 }
 
 impl ConsumerSummary {
@@ -275,9 +291,16 @@ impl ConsumerSummary {
             Ended::Unmappable => &mut self.unmappable,
         };
         *ended += 1;
-        if !tally.settled {
-            self.settle_failures += 1;
-            return;
+        match tally.told {
+            Told::Yes => {}
+            Told::Failed => {
+                self.settle_failures += 1;
+                return;
+            }
+            Told::Stale => {
+                self.stale_settlements += 1;
+                return;
+            }
         }
         let settled = match tally.settlement {
             Settlement::Ack => &mut self.acked,
@@ -301,6 +324,16 @@ pub(crate) trait Incoming: Send + 'static {
     fn received(&mut self, message_id: MessageId) -> Received;
     /// Tells the broker `settlement`.
     fn settle(&self, settlement: Settlement) -> impl Future<Output = Result<(), BoxError>> + Send;
+    /// Whether `error`, from [`settle`](Self::settle), says the delivery was no longer
+    /// this consumer's to settle (SQS's expired receipt handle) rather than a failure.
+    fn is_stale(&self, _error: &BoxError) -> bool {
+        false
+    }
+    /// Runs beside the handler and never completes: SQS extends the message's visibility
+    /// timeout from it while the handler runs. Nothing by default.
+    fn keep_alive(&self) -> impl Future<Output = Infallible> + Send {
+        std::future::pending()
+    }
 }
 
 /// One connection's stream of deliveries.
@@ -488,13 +521,17 @@ where
                 message_id = %received.message_id,
                 delivery_count = count,
             );
-            let result = shared
+            let process = shared
                 .inbox
                 .process(&shared.db, delivery, |txn| {
                     (shared.handler)(txn, Arc::clone(&received))
                 })
-                .instrument(span.clone())
-                .await;
+                .instrument(span.clone());
+            let keep_alive = message.keep_alive().instrument(span.clone());
+            let result = tokio::select! {
+                result = process => result,
+                never = keep_alive => match never {},
+            };
             let settlement = shared.nack_delay.settle(&result, count);
             let ended = match &result {
                 Ok(Outcome::Processed(_)) => Ended::Processed,
@@ -514,17 +551,21 @@ where
         // The broker would drop it silently after this nack: dead-letter it instead.
         settlement = Settlement::DeadLetter;
     }
-    let settled = match message.settle(settlement).await {
-        Ok(()) => true,
+    let told = match message.settle(settlement).await {
+        Ok(()) => Told::Yes,
+        Err(err) if message.is_stale(&err) => {
+            span.in_scope(|| tracing::info!(error = %err, ?settlement, "the delivery was no longer this consumer's to settle; the broker delivered the message again, and that delivery settles it"));
+            Told::Stale
+        }
         Err(err) => {
             span.in_scope(|| tracing::warn!(error = %err, ?settlement, "settling failed; the broker redelivers the message"));
-            false
+            Told::Failed
         }
     };
     Tally {
         ended,
         settlement,
-        settled,
+        told,
     }
 }
 

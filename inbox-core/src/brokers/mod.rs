@@ -2,7 +2,7 @@
 //! settlement, publisher, consumer loop, topology), and the [`Publisher`] trait they
 //! implement for the outbox.
 
-#[cfg(any(feature = "lapin", feature = "async-nats"))]
+#[cfg(any(feature = "lapin", feature = "async-nats", feature = "aws-sdk-sqs"))]
 mod consume;
 #[cfg(feature = "async-nats")]
 pub mod jetstream;
@@ -11,7 +11,9 @@ pub mod kafka;
 mod publisher;
 #[cfg(feature = "lapin")]
 pub mod rabbitmq;
+#[cfg(feature = "aws-sdk-sqs")]
+pub mod sqs;
 
-#[cfg(any(feature = "lapin", feature = "async-nats"))]
+#[cfg(any(feature = "lapin", feature = "async-nats", feature = "aws-sdk-sqs"))]
 pub use consume::{ConsumerError, ConsumerOptions, ConsumerSummary, Received};
 pub use publisher::{BoxError, PublishError, Publisher};
