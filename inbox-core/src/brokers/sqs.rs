@@ -54,8 +54,8 @@ use crate::{
 use aws_sdk_sqs::Client;
 use aws_sdk_sqs::error::{DisplayErrorContext, ProvideErrorMetadata};
 use aws_sdk_sqs::types::{
-    Message, MessageAttributeValue, MessageSystemAttributeName, QueueAttributeName,
-    SendMessageBatchRequestEntry,
+    BatchResultErrorEntry, Message, MessageAttributeValue, MessageSystemAttributeName,
+    QueueAttributeName, SendMessageBatchRequestEntry,
 };
 use chrono::{DateTime, SecondsFormat, Utc};
 use sea_orm::DatabaseConnection;
@@ -587,28 +587,35 @@ impl SqsPublisher {
                     results[index] = Err(PublishError::Transient(text.clone().into()));
                 }
             }
-            Ok(answer) => {
-                for failed in answer.failed() {
-                    let Ok(index) = failed.id().parse::<usize>() else {
-                        continue;
-                    };
-                    let error: BoxError = format!(
-                        "SQS refused the entry ({}): {}",
-                        failed.code(),
-                        failed.message().unwrap_or_default()
-                    )
-                    .into();
-                    if let Some(result) = results.get_mut(index) {
-                        *result = Err(if failed.sender_fault() {
-                            PublishError::Rejected(error)
-                        } else {
-                            PublishError::Transient(error)
-                        });
-                    }
-                }
-            }
+            Ok(answer) => settle_entries(&mut results, answer.failed()),
         }
         results
+    }
+}
+
+/// Fails each entry SQS refused alone, by its id (its index in `results`):
+/// [`PublishError::Rejected`] when SQS says the sender is at fault, else transiently.
+fn settle_entries(results: &mut [Result<(), PublishError>], failed: &[BatchResultErrorEntry]) {
+    for failed in failed {
+        let Some(result) = failed
+            .id()
+            .parse::<usize>()
+            .ok()
+            .and_then(|index| results.get_mut(index))
+        else {
+            continue;
+        };
+        let error: BoxError = format!(
+            "SQS refused the entry ({}): {}",
+            failed.code(),
+            failed.message().unwrap_or_default()
+        )
+        .into();
+        *result = Err(if failed.sender_fault() {
+            PublishError::Rejected(error)
+        } else {
+            PublishError::Transient(error)
+        });
     }
 }
 
@@ -1059,5 +1066,44 @@ impl Incoming for SqsMessage {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refused(id: &str, sender_fault: bool) -> BatchResultErrorEntry {
+        BatchResultErrorEntry::builder()
+            .id(id)
+            .sender_fault(sender_fault)
+            .code("InvalidMessageContents")
+            .build()
+            .expect("an error entry")
+    }
+
+    #[test]
+    fn each_refused_entry_fails_alone_by_whose_fault() {
+        let mut results: Vec<Result<(), PublishError>> = (0..4).map(|_| Ok(())).collect();
+        settle_entries(
+            &mut results,
+            &[refused("1", true), refused("3", false), refused("9", true)],
+        );
+        assert!(results[0].is_ok() && results[2].is_ok());
+        assert!(matches!(results[1], Err(PublishError::Rejected(_))));
+        assert!(matches!(results[3], Err(PublishError::Transient(_))));
+    }
+
+    #[test]
+    fn delays_are_whole_seconds_rounded_up_and_capped() {
+        let cap = Duration::from_secs(43_200);
+        assert_eq!(whole_seconds(Duration::ZERO, cap), 0);
+        assert_eq!(whole_seconds(Duration::from_millis(500), cap), 1);
+        assert_eq!(whole_seconds(Duration::from_millis(2_001), cap), 3);
+        assert_eq!(whole_seconds(Duration::from_secs(50_000), cap), 43_200);
+        assert_eq!(
+            whole_seconds(Duration::from_secs(60), Duration::from_millis(30_500)),
+            30
+        );
     }
 }

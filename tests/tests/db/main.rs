@@ -49,5 +49,6 @@ mod retention;
 mod round_trips;
 mod schema;
 mod soak;
+mod sqs;
 mod table_name;
 mod upgrade;
