@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 /// A running SQS consumer: the broker-neutral loop of [`ConsumerOptions`] (a task per
-/// delivery behind a semaphore, [`delivery`], `Inbox::process`, [`SqsQueue::settle`]; a
+/// delivery behind a semaphore, [`delivery`](super::delivery), `Inbox::process`, [`SqsQueue::settle`]; a
 /// message without a usable id is dead-lettered without running the handler) over long
 /// polling `ReceiveMessage` calls.
 ///

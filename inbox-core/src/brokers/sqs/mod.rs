@@ -65,7 +65,7 @@ use std::time::{Duration, Instant};
 pub const DEFAULT_ID_ATTRIBUTE: &str = "message-id";
 
 /// The message attribute carrying an outbox message's send time, its
-/// [first publish time](OutboxMessage::first_published_at) in RFC 3339 with microseconds,
+/// [first publish time](crate::OutboxMessage::first_published_at) in RFC 3339 with microseconds,
 /// which [`delivery`] prefers to SQS's `SentTimestamp`: a republished row gets a new
 /// `SentTimestamp`, and the admission floor must see every copy as sent when the first was.
 pub const SENT_AT_ATTRIBUTE: &str = "Outbox-Sent-At";
