@@ -19,8 +19,8 @@ use inbox_tests::{
 use sea_orm::{DatabaseConnection, DbErr, TransactionTrait};
 use sea_orm_inbox::sqs::{self, SettleError, SqsConsumer, SqsPublisher, SqsQueue};
 use sea_orm_inbox::{
-    ConsumerOptions, ConsumerSummary, Inbox, MessageId, NackDelay, OutboxExt, OutgoingMessage,
-    Permanent, Received, Relay, Settlement,
+    ConsumerOptions, ConsumerSummary, Inbox, MessageId, NackDelay, OutboxExt, OutboxMessage,
+    OutgoingMessage, Permanent, PublishError, Publisher, Received, Relay, Settlement,
 };
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -324,7 +324,7 @@ fn credit_handler(
                 .and_then(|id| id.strip_prefix("order-"))
                 .and_then(|n| n.parse().ok())
                 .unwrap_or(1);
-            if n % SLOW_EVERY == 0 {
+            if n.is_multiple_of(SLOW_EVERY) {
                 tokio::time::sleep(SLOW_HANDLER).await;
             }
             credit(txn, 1).await.map_err(BoxError::from)
@@ -750,4 +750,73 @@ async fn a_refused_batch_entry_fails_alone() {
         .send()
         .await
         .expect("delete the queue");
+}
+
+/// Records the size of each batch the relay hands the SQS publisher.
+struct CountingBatches {
+    publisher: SqsPublisher,
+    batches: Mutex<Vec<usize>>,
+}
+
+impl Publisher for CountingBatches {
+    async fn publish(&self, message: &OutboxMessage) -> Result<(), PublishError> {
+        self.publish_batch(&[message])
+            .await
+            .pop()
+            .expect("one result")
+    }
+
+    fn batch_limit(&self) -> usize {
+        self.publisher.batch_limit()
+    }
+
+    async fn publish_batch(&self, messages: &[&OutboxMessage]) -> Vec<Result<(), PublishError>> {
+        if let Ok(mut batches) = self.batches.lock() {
+            batches.push(messages.len());
+        }
+        self.publisher.publish_batch(messages).await
+    }
+}
+
+/// The relay hands the SQS publisher up to 10 messages at once, and a message that cannot
+/// be sent (not UTF-8) is parked as dead alone while the rest of its batch is sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[cfg_attr(not(inbox_sqs), ignore = "set INBOX_TEST_SQS_ENDPOINT")]
+async fn the_relay_sends_batches_of_ten_and_parks_a_refused_message_alone() {
+    with_migrated_outbox_db(Backend::Sqlite, async |db| {
+        let conn = db.connect().await;
+        let client = client();
+        let url = create_queue(&client, &unique("relayed"), &[]).await;
+        let txn = conn.begin().await.expect("begin");
+        for n in 0..25 {
+            let payload: Vec<u8> = if n == 12 {
+                vec![0xff, 0xfe]
+            } else {
+                format!("credit {n}").into_bytes()
+            };
+            txn.enqueue(OutgoingMessage::new(&url, payload))
+                .await
+                .expect("enqueue");
+        }
+        txn.commit().await.expect("commit");
+        let publisher = Arc::new(CountingBatches {
+            publisher: SqsPublisher::new(client.clone()),
+            batches: Mutex::default(),
+        });
+        let report = Relay::new(Arc::clone(&publisher))
+            .drain(&conn)
+            .await
+            .expect("relay");
+        assert_eq!((report.published, report.dead), (24, 1), "{report:?}");
+        let batches = publisher.batches.lock().expect("not poisoned").clone();
+        assert_eq!(batches, [10, 10, 5]);
+        assert_eq!(drain(&client, &url).await.len(), 24);
+        client
+            .delete_queue()
+            .queue_url(&url)
+            .send()
+            .await
+            .expect("delete the queue");
+    })
+    .await;
 }

@@ -11,8 +11,9 @@ use aws_sdk_sqs::types::{BatchResultErrorEntry, SendMessageBatchRequestEntry};
 use chrono::SecondsFormat;
 
 /// Publishes outbox messages to SQS queues: a [`Publisher`] for a
-/// [`Relay`](crate::Relay), and [`publish_batch`](Self::publish_batch) for up to
-/// [`MAX_BATCH`] messages in one `SendMessageBatch`.
+/// [`Relay`](crate::Relay), which hands it up to [`MAX_BATCH`] messages at once
+/// ([`Publisher::batch_limit`]), sent in one `SendMessageBatch` per queue
+/// ([`publish_batch`](Self::publish_batch)).
 ///
 /// The destination is the queue's URL. The message id goes out as the
 /// [`DEFAULT_ID_ATTRIBUTE`] message attribute, the send time as [`SENT_AT_ATTRIBUTE`], the
@@ -42,42 +43,57 @@ impl SqsPublisher {
         Self { client }
     }
 
-    /// Sends `messages` (all to one queue, at most [`MAX_BATCH`]) in one
-    /// `SendMessageBatch` and returns each one's result, in order: an entry SQS refused
-    /// fails alone, [`PublishError::Rejected`] when SQS says the sender is at fault (a
-    /// message that can never be sent as it is), else [`PublishError::Transient`]; a call
-    /// that fails as a whole fails every entry transiently.
+    /// Sends `messages` in `SendMessageBatch` calls, one per queue and [`MAX_BATCH`]
+    /// messages, and returns each one's result, in order: an entry SQS refused fails
+    /// alone, [`PublishError::Rejected`] when SQS says the sender is at fault (a message
+    /// that can never be sent as it is), else [`PublishError::Transient`]; a call that
+    /// fails as a whole fails its entries transiently.
     pub async fn publish_batch(
         &self,
         messages: &[&OutboxMessage],
     ) -> Vec<Result<(), PublishError>> {
-        let mut results: Vec<Result<(), PublishError>> = Vec::with_capacity(messages.len());
-        let mut entries = Vec::with_capacity(messages.len());
-        let mut sent = Vec::with_capacity(messages.len());
-        let mut destination = None;
-        for (index, message) in messages.iter().enumerate() {
-            let entry = match destination {
-                Some(url) if url != message.destination.as_str() => Err(PublishError::Transient(
-                    "a batch for SQS holds messages of one queue: publish the others apart".into(),
-                )),
-                _ if entries.len() >= MAX_BATCH => Err(PublishError::Transient(
-                    format!("a batch for SQS holds at most {MAX_BATCH} messages").into(),
-                )),
-                _ => entry(message, index),
-            };
-            match entry {
-                Ok(entry) => {
-                    destination = Some(message.destination.as_str());
-                    entries.push(entry);
-                    sent.push(index);
-                    results.push(Ok(()));
-                }
-                Err(err) => results.push(Err(err)),
+        let mut results: Vec<Result<(), PublishError>> = messages.iter().map(|_| Ok(())).collect();
+        let mut queues: Vec<&str> = Vec::new();
+        for message in messages {
+            if !queues.contains(&message.destination.as_str()) {
+                queues.push(&message.destination);
             }
         }
-        let Some(queue_url) = destination else {
-            return results;
-        };
+        for queue_url in queues {
+            let of_queue: Vec<usize> = (0..messages.len())
+                .filter(|&index| messages[index].destination == queue_url)
+                .collect();
+            for chunk in of_queue.chunks(MAX_BATCH) {
+                self.send_batch(queue_url, chunk, messages, &mut results)
+                    .await;
+            }
+        }
+        results
+    }
+
+    /// One `SendMessageBatch` to `queue_url` of the `messages` at `indices`, whose entry
+    /// ids are those indices.
+    async fn send_batch(
+        &self,
+        queue_url: &str,
+        indices: &[usize],
+        messages: &[&OutboxMessage],
+        results: &mut [Result<(), PublishError>],
+    ) {
+        let mut entries = Vec::with_capacity(indices.len());
+        let mut sent = Vec::with_capacity(indices.len());
+        for &index in indices {
+            match entry(messages[index], index) {
+                Ok(entry) => {
+                    entries.push(entry);
+                    sent.push(index);
+                }
+                Err(err) => results[index] = Err(err),
+            }
+        }
+        if entries.is_empty() {
+            return;
+        }
         let answer = self
             .client
             .send_message_batch()
@@ -92,9 +108,8 @@ impl SqsPublisher {
                     results[index] = Err(PublishError::Transient(text.clone().into()));
                 }
             }
-            Ok(answer) => settle_entries(&mut results, answer.failed()),
+            Ok(answer) => settle_entries(results, answer.failed()),
         }
-        results
     }
 }
 
@@ -176,10 +191,18 @@ fn entry(
 
 impl Publisher for SqsPublisher {
     async fn publish(&self, message: &OutboxMessage) -> Result<(), PublishError> {
-        self.publish_batch(&[message])
+        SqsPublisher::publish_batch(self, &[message])
             .await
             .pop()
             .unwrap_or_else(|| Err(PublishError::Transient("SQS gave no result".into())))
+    }
+
+    fn batch_limit(&self) -> usize {
+        MAX_BATCH
+    }
+
+    async fn publish_batch(&self, messages: &[&OutboxMessage]) -> Vec<Result<(), PublishError>> {
+        SqsPublisher::publish_batch(self, messages).await
     }
 }
 
