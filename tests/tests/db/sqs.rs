@@ -85,6 +85,23 @@ async fn queue_arn(client: &Client, url: &str) -> String {
         .expect("an ARN")
 }
 
+async fn delete_queue(client: &Client, url: &str) {
+    client
+        .delete_queue()
+        .queue_url(url)
+        .send()
+        .await
+        .expect("delete the queue");
+}
+
+/// The ordering key a message carries (its `Outbox-Key` attribute).
+fn key_of(message: &Message) -> Option<&str> {
+    message
+        .message_attributes()
+        .and_then(|attributes| attributes.get(sqs::KEY_ATTRIBUTE))
+        .and_then(|value| value.string_value())
+}
+
 /// A queue and its dead-letter queue, whose redrive policy moves a message after
 /// `max_receive_count` receives.
 async fn queue_with_redrive(client: &Client, max_receive_count: u32) -> (String, String) {
@@ -267,12 +284,7 @@ async fn an_expired_receipt_handle_is_reported_as_such() {
         .await
         .expect_err("the first receipt handle is stale");
     assert!(matches!(err, SettleError::ReceiptExpired { .. }), "{err}");
-    client
-        .delete_queue()
-        .queue_url(&url)
-        .send()
-        .await
-        .expect("delete the queue");
+    delete_queue(&client, &url).await;
 }
 
 // --- The consumer loop ------------------------------------------------------------------------
@@ -437,7 +449,7 @@ async fn two_replicas(messages: usize, heartbeat: bool) -> u64 {
             drain(&client, &url).await.is_empty(),
             "a message left in the queue (heartbeat {heartbeat})"
         );
-        client.delete_queue().queue_url(&url).send().await.expect("delete the queue");
+        delete_queue(&client, &url).await;
         let redeliveries = total.received - (2 * messages) as u64;
         println!(
             "sqs two replicas, heartbeat {heartbeat}: {messages} messages x2, received {}, redeliveries {redeliveries}, acked {}, failed {}, settle failures {}, stale settlements {}",
@@ -562,8 +574,8 @@ async fn nack_delays_follow_the_receive_count_then_the_redrive_policy_dead_lette
         dead_ids.sort_unstable();
         assert_eq!(dead_ids, ["order-permanent", "order-transient"]);
         assert_eq!((summary.nacked, summary.dead_lettered), (3, 1), "{summary}");
-        for queue in [url, dead] {
-            client.delete_queue().queue_url(queue).send().await.expect("delete the queue");
+        for queue in [&url, &dead] {
+            delete_queue(&client, queue).await;
         }
     })
     .await;
@@ -688,13 +700,7 @@ async fn the_outbox_to_a_fifo_queue_keeps_key_order_and_deduplicates_resends() {
         for key in 0..KEYS {
             let order: Vec<usize> = received
                 .iter()
-                .filter(|message| {
-                    message
-                        .message_attributes()
-                        .and_then(|attributes| attributes.get(sqs::KEY_ATTRIBUTE))
-                        .and_then(|value| value.string_value())
-                        == Some(format!("customer-{key}").as_str())
-                })
+                .filter(|message| key_of(message) == Some(format!("customer-{key}").as_str()))
                 .filter_map(|message| {
                     let body: serde_json::Value = serde_json::from_str(message.body()?).ok()?;
                     body["n"].as_u64().map(|n| n as usize)
@@ -706,12 +712,7 @@ async fn the_outbox_to_a_fifo_queue_keeps_key_order_and_deduplicates_resends() {
                 "customer-{key}'s messages in enqueue order"
             );
         }
-        client
-            .delete_queue()
-            .queue_url(&url)
-            .send()
-            .await
-            .expect("delete the queue");
+        delete_queue(&client, &url).await;
     })
     .await;
 }
@@ -744,12 +745,7 @@ async fn a_refused_batch_entry_fails_alone() {
         "{results:?}"
     );
     assert_eq!(drain(&client, &url).await.len(), 2);
-    client
-        .delete_queue()
-        .queue_url(&url)
-        .send()
-        .await
-        .expect("delete the queue");
+    delete_queue(&client, &url).await;
 }
 
 /// Records the size of each batch the relay hands the SQS publisher.
@@ -811,12 +807,7 @@ async fn the_relay_sends_batches_of_ten_and_parks_a_refused_message_alone() {
         let batches = publisher.batches.lock().expect("not poisoned").clone();
         assert_eq!(batches, [10, 10, 5]);
         assert_eq!(drain(&client, &url).await.len(), 24);
-        client
-            .delete_queue()
-            .queue_url(&url)
-            .send()
-            .await
-            .expect("delete the queue");
+        delete_queue(&client, &url).await;
     })
     .await;
 }

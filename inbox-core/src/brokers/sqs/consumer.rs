@@ -179,26 +179,35 @@ impl SqsConsumer {
         let connector = SqsConnect {
             queue: self.queue,
             resolved: None,
-            visibility_timeout: self.visibility_timeout,
-            wait_time: self.wait_time,
-            heartbeat: self.heartbeat,
-            concurrency: self.options.concurrency(),
-            prefetch: usize::from(self.options.prefetch()).min(MAX_BATCH),
+            receiving: Receiving {
+                visibility_timeout: self.visibility_timeout,
+                wait_time: self.wait_time,
+                heartbeat: self.heartbeat,
+                concurrency: self.options.concurrency(),
+                prefetch: usize::from(self.options.prefetch()).min(MAX_BATCH),
+            },
             in_flight: Arc::default(),
         };
         consume::run(connector, self.options, inbox, db, handler, shutdown).await
     }
 }
 
-struct SqsConnect {
-    queue: SqsQueue,
-    /// The queue with its dead-letter queue looked up, after the first connect.
-    resolved: Option<Arc<SqsQueue>>,
+/// How a session receives: the consumer's settings.
+#[derive(Clone, Copy)]
+struct Receiving {
     visibility_timeout: Duration,
     wait_time: Duration,
     heartbeat: Option<Duration>,
     concurrency: usize,
+    /// The most messages one receive asks for.
     prefetch: usize,
+}
+
+struct SqsConnect {
+    queue: SqsQueue,
+    /// The queue with its dead-letter queue looked up, after the first connect.
+    resolved: Option<Arc<SqsQueue>>,
+    receiving: Receiving,
     in_flight: Arc<AtomicUsize>,
 }
 
@@ -220,11 +229,7 @@ impl Connect for SqsConnect {
         Ok(SqsSession {
             queue,
             buffered: VecDeque::new(),
-            visibility_timeout: self.visibility_timeout,
-            wait_time: self.wait_time,
-            heartbeat: self.heartbeat,
-            concurrency: self.concurrency,
-            prefetch: self.prefetch,
+            receiving: self.receiving,
             in_flight: Arc::clone(&self.in_flight),
         })
     }
@@ -233,11 +238,7 @@ impl Connect for SqsConnect {
 struct SqsSession {
     queue: Arc<SqsQueue>,
     buffered: VecDeque<SqsMessage>,
-    visibility_timeout: Duration,
-    wait_time: Duration,
-    heartbeat: Option<Duration>,
-    concurrency: usize,
-    prefetch: usize,
+    receiving: Receiving,
     /// Messages handed to the loop and not yet settled: a receive asks for no more than
     /// the slots left.
     in_flight: Arc<AtomicUsize>,
@@ -245,18 +246,22 @@ struct SqsSession {
 
 impl SqsSession {
     async fn receive(&mut self) -> Result<(), BoxError> {
-        let free = self
+        let receiving = self.receiving;
+        let free = receiving
             .concurrency
             .saturating_sub(self.in_flight.load(Ordering::Acquire))
-            .clamp(1, self.prefetch.max(1));
+            .clamp(1, receiving.prefetch.max(1));
         let mut receive = self
             .queue
             .client
             .receive_message()
             .queue_url(&self.queue.url)
             .max_number_of_messages(i32::try_from(free).unwrap_or(1))
-            .wait_time_seconds(whole_seconds(self.wait_time, Self::wait_cap()))
-            .visibility_timeout(whole_seconds(self.visibility_timeout, MAX_VISIBILITY))
+            .wait_time_seconds(whole_seconds(
+                receiving.wait_time,
+                SqsConsumer::MAX_WAIT_TIME,
+            ))
+            .visibility_timeout(whole_seconds(receiving.visibility_timeout, MAX_VISIBILITY))
             .message_attribute_names("All");
         for name in SYSTEM_ATTRIBUTES {
             receive = receive.message_system_attribute_names(name);
@@ -274,16 +279,12 @@ impl SqsSession {
                 message: message.clone(),
                 queue: Arc::clone(&self.queue),
                 received_at,
-                visibility_timeout: self.visibility_timeout,
-                heartbeat: self.heartbeat,
+                visibility_timeout: receiving.visibility_timeout,
+                heartbeat: receiving.heartbeat,
                 in_flight: None,
             });
         }
         Ok(())
-    }
-
-    fn wait_cap() -> Duration {
-        SqsConsumer::MAX_WAIT_TIME
     }
 }
 
