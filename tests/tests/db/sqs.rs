@@ -491,10 +491,11 @@ async fn two_replicas_with_the_heartbeat_see_no_redelivery_and_apply_each_once()
 /// The handler runs seen by [`failing_handler`]: the id, the receive count, when.
 type Seen = Arc<Mutex<Vec<(String, u32, Instant)>>>;
 
-/// Fails `order-permanent` permanently and every other message transiently, noting each
-/// run in `seen`.
+/// Fails `order-permanent` permanently and every other message transiently, after
+/// `pause`, noting each run in `seen`.
 fn failing_handler(
     seen: Seen,
+    pause: Duration,
 ) -> impl for<'t> Fn(
     &'t sea_orm_inbox::ObservedTransaction,
     Arc<Received>,
@@ -508,6 +509,7 @@ fn failing_handler(
             seen.push((id.clone(), message.delivery_count, Instant::now()));
         }
         Box::pin(async move {
+            tokio::time::sleep(pause).await;
             if id == "order-permanent" {
                 Err(Permanent::new("the order names no product").into())
             } else {
@@ -537,7 +539,7 @@ async fn nack_delays_follow_the_receive_count_then_the_redrive_policy_dead_lette
         let delay = NackDelay::new(Duration::from_secs(1), Duration::from_secs(4)).expect("a delay");
         let options = ConsumerOptions::default().with_nack_delay(delay);
         let seen: Seen = Arc::default();
-        let handler = failing_handler(Arc::clone(&seen));
+        let handler = failing_handler(Arc::clone(&seen), Duration::ZERO);
         let consumer = SqsConsumer::new(client.clone(), &url)
             .with_options(options)
             .with_wait_time(Duration::from_secs(1))
@@ -577,6 +579,64 @@ async fn nack_delays_follow_the_receive_count_then_the_redrive_policy_dead_lette
         for queue in [&url, &dead] {
             delete_queue(&client, queue).await;
         }
+    })
+    .await;
+}
+
+/// The loop's nack of a message whose visibility ran out while its (slow, failing) handler
+/// ran, and which another consumer received and deleted meanwhile, is a stale settlement,
+/// not a settle failure: the summary says which.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[cfg_attr(not(inbox_sqs), ignore = "set INBOX_TEST_SQS_ENDPOINT")]
+#[cfg_attr(
+    all(inbox_sqs, not(inbox_postgres)),
+    ignore = "set INBOX_TEST_POSTGRES_URL"
+)]
+async fn the_loop_counts_a_settlement_with_an_expired_receipt_as_stale() {
+    with_migrated_db(Backend::Postgres, async |db| {
+        let conn = db.connect().await;
+        let client = client();
+        let url = create_queue(&client, &unique("stale"), &[]).await;
+        send_ids(&client, &url, &["order-slow".to_owned()]).await;
+        let inbox = Inbox::new("sqs.stale").expect("a consumer name");
+        let seen: Seen = Arc::default();
+        let slow_failure = failing_handler(Arc::clone(&seen), Duration::from_secs(4));
+        // One delivery at a time: this loop does not receive the message again itself.
+        let one_at_a_time = ConsumerOptions::default()
+            .with_concurrency(1)
+            .expect("a concurrency");
+        let consumer = SqsConsumer::new(client.clone(), &url)
+            .with_options(one_at_a_time)
+            .with_visibility_timeout(Duration::from_secs(1))
+            .expect("a visibility timeout")
+            .with_heartbeat(None)
+            .expect("no heartbeat")
+            .with_wait_time(Duration::from_secs(1))
+            .expect("a long poll");
+        let running = start(consumer, &inbox, &conn, slow_failure);
+        wait_for("the handler started", Duration::from_secs(20), async || {
+            !seen.lock().expect("not poisoned").is_empty()
+        })
+        .await;
+        // The visibility ends while the handler runs: another consumer takes the message.
+        let taken = drain_deleting(&client, &url).await;
+        assert_eq!(taken.len(), 1);
+        wait_for("the handler failed", Duration::from_secs(20), async || {
+            inbox.metrics().snapshot().handler_errors >= 1
+        })
+        .await;
+        // The stop waits for the delivery's settlement.
+        let summary = running.stop().await;
+        assert_eq!(
+            (
+                summary.stale_settlements,
+                summary.settle_failures,
+                summary.nacked
+            ),
+            (1, 0, 0),
+            "{summary}"
+        );
+        delete_queue(&client, &url).await;
     })
     .await;
 }
