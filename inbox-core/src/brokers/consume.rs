@@ -1,5 +1,5 @@
 //! The consumer loop every broker adapter runs ([`rabbitmq::RabbitMqConsumer`],
-//! [`jetstream::JetStreamConsumer`]): a task per delivery behind a semaphore, each through
+//! [`jetstream::JetStreamConsumer`], `sqs::SqsConsumer`): a task per delivery behind a semaphore, each through
 //! [`Inbox::process`] and settled by [`NackDelay::settle`]; a reconnect with backoff after
 //! the broker or the connection is lost; a graceful shutdown that stops taking
 //! deliveries, lets the ones in flight finish within a grace period and returns a
@@ -32,7 +32,7 @@ pub enum ConsumerError {
         "could not start consuming from {broker}: {source}; check the address, the credentials and that the queue (JetStream: the stream and its durable consumer) exists, then start the consumer again"
     )]
     Connect {
-        /// `RabbitMQ` or `JetStream`.
+        /// `RabbitMQ`, `JetStream` or `SQS`.
         broker: &'static str,
         /// The broker client's error.
         #[source]
