@@ -38,6 +38,10 @@ const GATES: &[Gate] = &[
         var: "INBOX_TEST_KAFKA_BOOTSTRAP",
         cfg: "inbox_kafka",
     },
+    Gate {
+        var: "INBOX_TEST_SQS_ENDPOINT",
+        cfg: "inbox_sqs",
+    },
 ];
 
 fn main() {

@@ -26,6 +26,7 @@ macro_rules! chapter_links {
          [tests]: crate::guide::tests\n\
          [outbox]: crate::guide::outbox\n\
          [kafka]: crate::guide::kafka\n\
+         [sqs]: crate::guide::sqs\n\
          [fault-tolerance#lost-replies]: crate::guide::fault_tolerance#lost-replies\n\
          [retention#table-growth-at-scale]: crate::guide::retention#table-growth-at-scale\n"
     };
@@ -90,6 +91,10 @@ pub mod outbox {}
 #[doc = chapter_links!()]
 #[doc = include_str!("../docs/guide/kafka.md")]
 pub mod kafka {}
+
+#[doc = chapter_links!()]
+#[doc = include_str!("../docs/guide/sqs.md")]
+pub mod sqs {}
 
 #[doc = chapter_links!()]
 #[doc = include_str!("../docs/guide/tests.md")]

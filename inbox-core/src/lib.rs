@@ -40,7 +40,7 @@ pub use backend::{
     CLAIM_TRANSACTION, DbErrorKind, classify, classify_in, is_inbox_duplicate,
     is_inbox_duplicate_in, timestamp_value,
 };
-#[cfg(any(feature = "lapin", feature = "async-nats"))]
+#[cfg(any(feature = "lapin", feature = "async-nats", feature = "aws-sdk-sqs"))]
 pub use brokers::Received;
 #[cfg(feature = "async-nats")]
 pub use brokers::jetstream;
@@ -48,8 +48,15 @@ pub use brokers::jetstream;
 pub use brokers::kafka;
 #[cfg(feature = "lapin")]
 pub use brokers::rabbitmq;
+#[cfg(feature = "aws-sdk-sqs")]
+pub use brokers::sqs;
 pub use brokers::{BoxError, PublishError, Publisher};
-#[cfg(any(feature = "lapin", feature = "async-nats", feature = "rdkafka"))]
+#[cfg(any(
+    feature = "lapin",
+    feature = "async-nats",
+    feature = "rdkafka",
+    feature = "aws-sdk-sqs"
+))]
 pub use brokers::{ConsumerError, ConsumerOptions, ConsumerSummary};
 pub use cause::{Permanent, Transient};
 pub use claim::{BatchClaim, Claim, ClaimedMessage, InboxTransactionExt, MAX_CLAIM_BATCH};

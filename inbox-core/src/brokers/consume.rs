@@ -1,5 +1,5 @@
 //! The consumer loop every broker adapter runs ([`rabbitmq::RabbitMqConsumer`],
-//! [`jetstream::JetStreamConsumer`]): a task per delivery behind a semaphore, each through
+//! [`jetstream::JetStreamConsumer`], `sqs::SqsConsumer`): a task per delivery behind a semaphore, each through
 //! [`Inbox::process`] and settled by [`NackDelay::settle`]; a reconnect with backoff after
 //! the broker or the connection is lost; a graceful shutdown that stops taking
 //! deliveries, lets the ones in flight finish within a grace period and returns a
@@ -12,21 +12,22 @@
 //! [`jetstream::JetStreamConsumer`]: crate::jetstream::JetStreamConsumer
 
 use crate::{BoxError, InboxError, NackDelay};
-#[cfg(any(feature = "lapin", feature = "async-nats"))]
+#[cfg(any(feature = "lapin", feature = "async-nats", feature = "aws-sdk-sqs"))]
 use crate::{Delivery, HandlerFuture, Inbox, MessageId, ObservedTransaction, Outcome, Settlement};
-#[cfg(any(feature = "lapin", feature = "async-nats"))]
+#[cfg(any(feature = "lapin", feature = "async-nats", feature = "aws-sdk-sqs"))]
 use sea_orm::DatabaseConnection;
+use std::convert::Infallible;
 use std::fmt;
-#[cfg(any(feature = "lapin", feature = "async-nats"))]
+#[cfg(any(feature = "lapin", feature = "async-nats", feature = "aws-sdk-sqs"))]
 use std::future::Future;
-#[cfg(any(feature = "lapin", feature = "async-nats"))]
+#[cfg(any(feature = "lapin", feature = "async-nats", feature = "aws-sdk-sqs"))]
 use std::sync::Arc;
 use std::time::Duration;
-#[cfg(any(feature = "lapin", feature = "async-nats"))]
+#[cfg(any(feature = "lapin", feature = "async-nats", feature = "aws-sdk-sqs"))]
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
-#[cfg(any(feature = "lapin", feature = "async-nats"))]
+#[cfg(any(feature = "lapin", feature = "async-nats", feature = "aws-sdk-sqs"))]
 use tokio::task::JoinSet;
-#[cfg(any(feature = "lapin", feature = "async-nats"))]
+#[cfg(any(feature = "lapin", feature = "async-nats", feature = "aws-sdk-sqs"))]
 use tracing::Instrument;
 
 /// Why a consumer loop did not start.
@@ -39,7 +40,7 @@ pub enum ConsumerError {
         "could not start consuming from {broker}: {source}; check the address, the credentials and that the queue (JetStream: the stream and its durable consumer; Kafka: the client settings and topics) exists, then start the consumer again"
     )]
     Connect {
-        /// `RabbitMQ`, `JetStream` or `Kafka`.
+        /// `RabbitMQ`, `JetStream`, `Kafka` or `SQS`.
         broker: &'static str,
         /// The broker client's error.
         #[source]
@@ -47,7 +48,7 @@ pub enum ConsumerError {
     },
 }
 
-#[cfg(any(feature = "lapin", feature = "async-nats"))]
+#[cfg(any(feature = "lapin", feature = "async-nats", feature = "aws-sdk-sqs"))]
 /// One delivery as the handler of a consumer loop sees it, beside the transaction.
 #[derive(Clone, Debug)]
 pub struct Received {
@@ -65,7 +66,7 @@ pub struct Received {
     pub delivery_count: u32,
 }
 
-#[cfg(any(feature = "lapin", feature = "async-nats"))]
+#[cfg(any(feature = "lapin", feature = "async-nats", feature = "aws-sdk-sqs"))]
 impl Received {
     /// The first value of header `name`, if the message carries it.
     pub fn header(&self, name: &str) -> Option<&str> {
@@ -199,7 +200,7 @@ impl ConsumerOptions {
         self.grace
     }
 
-    #[cfg(any(feature = "lapin", feature = "async-nats"))]
+    #[cfg(any(feature = "lapin", feature = "async-nats", feature = "aws-sdk-sqs"))]
     fn reconnect_pause(&self, failures: u32) -> Duration {
         let doublings = failures.saturating_sub(1).min(31);
         self.reconnect_first
@@ -233,6 +234,10 @@ pub struct ConsumerSummary {
     /// Settlements the broker could not be told (the connection was lost): it redelivers
     /// those messages.
     pub settle_failures: u64,
+    /// Settlements the broker refused because the delivery was no longer this consumer's
+    /// (SQS: the receipt handle expired, the message was delivered again meanwhile): not a
+    /// failure of the handler; the later delivery settles the message.
+    pub stale_settlements: u64,
     /// Deliveries in flight past the shutdown's grace period, or whose handler panicked:
     /// rolled back and left unsettled, so the broker redelivers them.
     pub abandoned: u64,
@@ -253,7 +258,7 @@ impl fmt::Display for ConsumerSummary {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "received {}, processed {}, duplicates {}, refused {}, failed {}, unmappable {}; acked {}, nacked {}, dead-lettered {}, settle failures {}, abandoned {}, reconnects {}; fenced {}, rebalances {}, pauses {}, seeks {}",
+            "received {}, processed {}, duplicates {}, refused {}, failed {}, unmappable {}; acked {}, nacked {}, dead-lettered {}, settle failures {}, stale settlements {}, abandoned {}, reconnects {}; fenced {}, rebalances {}, pauses {}, seeks {}",
             self.received,
             self.processed,
             self.duplicates,
@@ -264,6 +269,7 @@ impl fmt::Display for ConsumerSummary {
             self.nacked,
             self.dead_lettered,
             self.settle_failures,
+            self.stale_settlements,
             self.abandoned,
             self.reconnects,
             self.fenced,
@@ -274,7 +280,7 @@ impl fmt::Display for ConsumerSummary {
     }
 }
 
-#[cfg(any(feature = "lapin", feature = "async-nats"))]
+#[cfg(any(feature = "lapin", feature = "async-nats", feature = "aws-sdk-sqs"))]
 /// What became of one delivery.
 enum Ended {
     Processed,
@@ -284,7 +290,7 @@ enum Ended {
     Unmappable,
 }
 
-#[cfg(any(feature = "lapin", feature = "async-nats"))]
+#[cfg(any(feature = "lapin", feature = "async-nats", feature = "aws-sdk-sqs"))]
 impl Ended {
     /// The `outcome` field of the loop's per-delivery event.
     fn label(&self) -> &'static str {
@@ -298,14 +304,25 @@ impl Ended {
     }
 }
 
-#[cfg(any(feature = "lapin", feature = "async-nats"))]
+#[cfg(any(feature = "lapin", feature = "async-nats", feature = "aws-sdk-sqs"))]
+/// Whether the broker was told a delivery's settlement.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Told {
+    Yes,
+    /// The broker could not be reached.
+    Failed,
+    /// The delivery was no longer this consumer's ([`Incoming::is_stale`]).
+    Stale,
+}
+
+#[cfg(any(feature = "lapin", feature = "async-nats", feature = "aws-sdk-sqs"))]
 struct Tally {
     ended: Ended,
     settlement: Settlement,
-    settled: bool,
+    told: Told,
 }
 
-#[cfg(any(feature = "lapin", feature = "async-nats"))]
+#[cfg(any(feature = "lapin", feature = "async-nats", feature = "aws-sdk-sqs"))]
 impl ConsumerSummary {
     fn count(&mut self, tally: Tally) {
         let ended = match tally.ended {
@@ -316,9 +333,16 @@ impl ConsumerSummary {
             Ended::Unmappable => &mut self.unmappable,
         };
         *ended += 1;
-        if !tally.settled {
-            self.settle_failures += 1;
-            return;
+        match tally.told {
+            Told::Yes => {}
+            Told::Failed => {
+                self.settle_failures += 1;
+                return;
+            }
+            Told::Stale => {
+                self.stale_settlements += 1;
+                return;
+            }
         }
         let settled = match tally.settlement {
             Settlement::Ack => &mut self.acked,
@@ -329,7 +353,7 @@ impl ConsumerSummary {
     }
 }
 
-#[cfg(any(feature = "lapin", feature = "async-nats"))]
+#[cfg(any(feature = "lapin", feature = "async-nats", feature = "aws-sdk-sqs"))]
 /// A broker message as the loop handles it.
 pub(crate) trait Incoming: Send + 'static {
     /// The message's [`Delivery`], or why it has none (dead-lettered).
@@ -343,9 +367,19 @@ pub(crate) trait Incoming: Send + 'static {
     fn received(&mut self, message_id: MessageId) -> Received;
     /// Tells the broker `settlement`.
     fn settle(&self, settlement: Settlement) -> impl Future<Output = Result<(), BoxError>> + Send;
+    /// Whether `error`, from [`settle`](Self::settle), says the delivery was no longer
+    /// this consumer's to settle (SQS's expired receipt handle) rather than a failure.
+    fn is_stale(&self, _error: &BoxError) -> bool {
+        false
+    }
+    /// Runs beside the handler and never completes: SQS extends the message's visibility
+    /// timeout from it while the handler runs. Nothing by default.
+    fn keep_alive(&self) -> impl Future<Output = Infallible> + Send {
+        std::future::pending()
+    }
 }
 
-#[cfg(any(feature = "lapin", feature = "async-nats"))]
+#[cfg(any(feature = "lapin", feature = "async-nats", feature = "aws-sdk-sqs"))]
 /// One connection's stream of deliveries.
 pub(crate) trait Session: Send {
     type Message: Incoming;
@@ -356,7 +390,7 @@ pub(crate) trait Session: Send {
     fn close(self) -> impl Future<Output = ()> + Send;
 }
 
-#[cfg(any(feature = "lapin", feature = "async-nats"))]
+#[cfg(any(feature = "lapin", feature = "async-nats", feature = "aws-sdk-sqs"))]
 /// Opens sessions: the first at the start, more after a loss.
 pub(crate) trait Connect: Send {
     type Session: Session;
@@ -365,7 +399,7 @@ pub(crate) trait Connect: Send {
     fn connect(&mut self) -> impl Future<Output = Result<Self::Session, BoxError>> + Send;
 }
 
-#[cfg(any(feature = "lapin", feature = "async-nats"))]
+#[cfg(any(feature = "lapin", feature = "async-nats", feature = "aws-sdk-sqs"))]
 /// What the delivery tasks share.
 struct Shared<H> {
     inbox: Inbox,
@@ -374,7 +408,7 @@ struct Shared<H> {
     nack_delay: NackDelay,
 }
 
-#[cfg(any(feature = "lapin", feature = "async-nats"))]
+#[cfg(any(feature = "lapin", feature = "async-nats", feature = "aws-sdk-sqs"))]
 /// Runs the loop until `shutdown` completes; the first connection's failure is returned.
 pub(crate) async fn run<C, H, T, E>(
     mut connector: C,
@@ -491,7 +525,7 @@ where
     Ok(summary)
 }
 
-#[cfg(any(feature = "lapin", feature = "async-nats"))]
+#[cfg(any(feature = "lapin", feature = "async-nats", feature = "aws-sdk-sqs"))]
 fn count_joined(summary: &mut ConsumerSummary, joined: Result<Tally, tokio::task::JoinError>) {
     match joined {
         Ok(tally) => summary.count(tally),
@@ -502,7 +536,7 @@ fn count_joined(summary: &mut ConsumerSummary, joined: Result<Tally, tokio::task
     }
 }
 
-#[cfg(any(feature = "lapin", feature = "async-nats"))]
+#[cfg(any(feature = "lapin", feature = "async-nats", feature = "aws-sdk-sqs"))]
 /// Processes and settles one delivery; `_permit` frees its slot when the task ends.
 async fn handle<M, H, T, E>(
     mut message: M,
@@ -536,13 +570,17 @@ where
                 message_id = %received.message_id,
                 delivery_count = count,
             );
-            let result = shared
+            let process = shared
                 .inbox
                 .process(&shared.db, delivery, |txn| {
                     (shared.handler)(txn, Arc::clone(&received))
                 })
-                .instrument(span.clone())
-                .await;
+                .instrument(span.clone());
+            let keep_alive = message.keep_alive().instrument(span.clone());
+            let result = tokio::select! {
+                result = process => result,
+                never = keep_alive => match never {},
+            };
             let settlement = shared.nack_delay.settle(&result, count);
             let ended = match &result {
                 Ok(Outcome::Processed(_)) => Ended::Processed,
@@ -562,25 +600,30 @@ where
         // The broker would drop it silently after this nack: dead-letter it instead.
         settlement = Settlement::DeadLetter;
     }
-    let settled = match message.settle(settlement).await {
-        Ok(()) => true,
+    let told = match message.settle(settlement).await {
+        Ok(()) => Told::Yes,
+        Err(err) if message.is_stale(&err) => {
+            span.in_scope(|| tracing::info!(error = %err, ?settlement, "the delivery was no longer this consumer's to settle; the broker delivered the message again, and that delivery settles it"));
+            Told::Stale
+        }
         Err(err) => {
             span.in_scope(|| tracing::warn!(error = %err, ?settlement, "settling failed; the broker redelivers the message"));
-            false
+            Told::Failed
         }
     };
     span.in_scope(|| {
         tracing::debug!(
             outcome = ended.label(),
             ?settlement,
-            settled,
+            settled = told == Told::Yes,
+            stale = told == Told::Stale,
             "the loop settled the delivery"
         )
     });
     Tally {
         ended,
         settlement,
-        settled,
+        told,
     }
 }
 
@@ -588,7 +631,7 @@ where
 mod tests {
     use super::*;
 
-    #[cfg(any(feature = "lapin", feature = "async-nats"))]
+    #[cfg(any(feature = "lapin", feature = "async-nats", feature = "aws-sdk-sqs"))]
     #[test]
     fn reconnect_pauses_double_up_to_the_longest() {
         let options = ConsumerOptions::default()

@@ -2,7 +2,12 @@
 //! settlement, publisher, consumer loop, topology), and the [`Publisher`] trait they
 //! implement for the outbox.
 
-#[cfg(any(feature = "lapin", feature = "async-nats", feature = "rdkafka"))]
+#[cfg(any(
+    feature = "lapin",
+    feature = "async-nats",
+    feature = "rdkafka",
+    feature = "aws-sdk-sqs"
+))]
 mod consume;
 #[cfg(feature = "async-nats")]
 pub mod jetstream;
@@ -11,9 +16,16 @@ pub mod kafka;
 mod publisher;
 #[cfg(feature = "lapin")]
 pub mod rabbitmq;
+#[cfg(feature = "aws-sdk-sqs")]
+pub mod sqs;
 
-#[cfg(any(feature = "lapin", feature = "async-nats"))]
+#[cfg(any(feature = "lapin", feature = "async-nats", feature = "aws-sdk-sqs"))]
 pub use consume::Received;
-#[cfg(any(feature = "lapin", feature = "async-nats", feature = "rdkafka"))]
+#[cfg(any(
+    feature = "lapin",
+    feature = "async-nats",
+    feature = "rdkafka",
+    feature = "aws-sdk-sqs"
+))]
 pub use consume::{ConsumerError, ConsumerOptions, ConsumerSummary};
 pub use publisher::{BoxError, PublishError, Publisher};

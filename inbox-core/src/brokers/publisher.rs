@@ -70,6 +70,29 @@ pub trait Publisher: Send + Sync {
         &self,
         message: &OutboxMessage,
     ) -> impl Future<Output = Result<(), PublishError>> + Send;
+
+    /// The most messages [`publish_batch`](Self::publish_batch) takes in one call: 1 by
+    /// default, more for a broker with a batch call (SQS's `SendMessageBatch`: 10). The
+    /// relay hands it that many messages of a claimed batch at once.
+    fn batch_limit(&self) -> usize {
+        1
+    }
+
+    /// Publishes `messages` (at most [`batch_limit`](Self::batch_limit)) and returns one
+    /// result per message, in their order: each succeeds or fails alone. By default one
+    /// [`publish`](Self::publish) after the other.
+    fn publish_batch(
+        &self,
+        messages: &[&OutboxMessage],
+    ) -> impl Future<Output = Vec<Result<(), PublishError>>> + Send {
+        async move {
+            let mut results = Vec::with_capacity(messages.len());
+            for message in messages {
+                results.push(self.publish(message).await);
+            }
+            results
+        }
+    }
 }
 
 /// A publisher shared by several relays (or kept by the caller to inspect) publishes as
@@ -80,5 +103,16 @@ impl<P: Publisher> Publisher for Arc<P> {
         message: &OutboxMessage,
     ) -> impl Future<Output = Result<(), PublishError>> + Send {
         P::publish(self, message)
+    }
+
+    fn batch_limit(&self) -> usize {
+        P::batch_limit(self)
+    }
+
+    fn publish_batch(
+        &self,
+        messages: &[&OutboxMessage],
+    ) -> impl Future<Output = Vec<Result<(), PublishError>>> + Send {
+        P::publish_batch(self, messages)
     }
 }

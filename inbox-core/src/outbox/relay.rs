@@ -49,8 +49,9 @@ pub struct RelayOptions {
     /// of its lease is left and hands the rest back. Relays' clocks must agree to well
     /// within it.
     pub lease: Duration,
-    /// The longest one publish may wait for the broker (default 10 s); past it the publish
-    /// counts as failed. Shorter than `lease`.
+    /// The longest one publish (one [`Publisher::publish_batch`] call, for a publisher
+    /// that batches) may wait for the broker (default 10 s); past it the publish counts as
+    /// failed. Shorter than `lease`.
     pub publish_timeout: Duration,
     /// How many attempts a message gets before it is parked as dead (default 10).
     pub max_attempts: u32,
@@ -554,36 +555,53 @@ impl<P: Publisher> Relay<P> {
     async fn publish(&self, batch: &ClaimedBatch) -> Settlement {
         let mut outcomes = Vec::with_capacity(batch.rows.len() + batch.unreadable.len());
         let mut unpublished = Vec::new();
-        for (id, message) in &batch.rows {
+        // One message at a time, or as many as the publisher takes in one call.
+        for chunk in batch.rows.chunks(self.publisher.batch_limit().max(1)) {
             let lease_left = batch.lease.until - Utc::now();
             if lease_left.to_std().unwrap_or_default() <= self.options.publish_timeout {
-                unpublished.push(*id);
+                unpublished.extend(chunk.iter().map(|(id, _)| *id));
                 continue;
             }
-            let outcome = match tokio::time::timeout(
+            let messages: Vec<&OutboxMessage> = chunk.iter().map(|(_, message)| message).collect();
+            let failed_alike = |error: String| -> Vec<Published> {
+                chunk
+                    .iter()
+                    .map(|_| Published::Failed {
+                        error: error.clone(),
+                        permanent: false,
+                    })
+                    .collect()
+            };
+            let published = match tokio::time::timeout(
                 self.options.publish_timeout,
-                PanicCaught(Box::pin(self.publisher.publish(message))),
+                PanicCaught(Box::pin(self.publisher.publish_batch(&messages))),
             )
             .await
             {
-                Ok(Ok(Ok(()))) => Published::Confirmed,
-                Ok(Ok(Err(err))) => Published::Failed {
-                    permanent: matches!(err, PublishError::Rejected(_)),
-                    error: err.to_string(),
-                },
-                Ok(Err(panic)) => Published::Failed {
-                    error: format!("the publisher panicked: {panic}"),
-                    permanent: false,
-                },
-                Err(_) => Published::Failed {
-                    error: format!(
-                        "the broker did not confirm within {:?}",
-                        self.options.publish_timeout
-                    ),
-                    permanent: false,
-                },
+                Ok(Ok(results)) if results.len() == chunk.len() => results
+                    .into_iter()
+                    .map(|result| match result {
+                        Ok(()) => Published::Confirmed,
+                        Err(err) => Published::Failed {
+                            permanent: matches!(err, PublishError::Rejected(_)),
+                            error: err.to_string(),
+                        },
+                    })
+                    .collect(),
+                Ok(Ok(results)) => failed_alike(format!(
+                    "the publisher returned {} results for {} messages",
+                    results.len(),
+                    chunk.len()
+                )),
+                Ok(Err(panic)) => failed_alike(format!("the publisher panicked: {panic}")),
+                Err(_) => failed_alike(format!(
+                    "the broker did not confirm within {:?}",
+                    self.options.publish_timeout
+                )),
             };
-            outcomes.push((*id, message.attempt, outcome));
+            for ((id, message), outcome) in chunk.iter().zip(published) {
+                outcomes.push((*id, message.attempt, outcome));
+            }
         }
         for (id, error) in &batch.unreadable {
             outcomes.push((
@@ -1043,10 +1061,10 @@ async fn bounded_by<T, F: Future<Output = Result<T, DbErr>>>(
 /// attempt like any other failure, counted against `max_attempts`, instead of unwinding
 /// through the relay, whose task would end with the row leased, and which would meet the
 /// same row first again after a restart, every time.
-struct PanicCaught<'a>(Pin<Box<dyn Future<Output = Result<(), PublishError>> + Send + 'a>>);
+struct PanicCaught<'a, T>(Pin<Box<dyn Future<Output = T> + Send + 'a>>);
 
-impl Future for PanicCaught<'_> {
-    type Output = Result<Result<(), PublishError>, String>;
+impl<T> Future for PanicCaught<'_, T> {
+    type Output = Result<T, String>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let publish = self.0.as_mut();

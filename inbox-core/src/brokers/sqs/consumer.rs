@@ -1,0 +1,415 @@
+//! [`SqsConsumer`]: the shared consumer loop over long-polling receives, with the
+//! visibility heartbeat.
+
+use super::{
+    MAX_BATCH, MAX_VISIBILITY, SYSTEM_ATTRIBUTES, SettleError, SqsQueue, broker_id, delivery_count,
+    sqs_id, whole_seconds,
+};
+use crate::brokers::consume::{self, Connect, Incoming, Session};
+use crate::{
+    BoxError, ConsumerError, ConsumerOptions, ConsumerSummary, Delivery, HandlerFuture, Inbox,
+    InboxError, MessageId, ObservedTransaction, Received, Settlement,
+};
+use aws_sdk_sqs::Client;
+use aws_sdk_sqs::error::DisplayErrorContext;
+use aws_sdk_sqs::types::Message;
+use sea_orm::DatabaseConnection;
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+/// A running SQS consumer: the broker-neutral loop of [`ConsumerOptions`] (a task per
+/// delivery behind a semaphore, [`delivery`](super::delivery), `Inbox::process`, [`SqsQueue::settle`]; a
+/// message without a usable id is dead-lettered without running the handler) over long
+/// polling `ReceiveMessage` calls.
+///
+/// - Each receive asks for no more messages than there are free task slots (at most the
+///   [prefetch](ConsumerOptions::with_prefetch) and [`MAX_BATCH`]), so no message waits
+///   unseen in memory while its visibility timeout runs.
+/// - Receives use this consumer's [visibility timeout](Self::with_visibility_timeout)
+///   (default 30 s). While a handler runs, a heartbeat extends the message's visibility by
+///   the timeout again every [heartbeat interval](Self::with_heartbeat) (default a third of
+///   the timeout), so a long handler does not see its message delivered to another replica
+///   meanwhile. When that happens anyway (a stalled replica, the heartbeat off), the inbox
+///   decides: the second delivery waits for the first's claim and becomes a duplicate.
+/// - Dead letters go to the configured dead-letter queue, else to the target of the
+///   queue's redrive policy, else are hidden for 12 h (see [`SqsQueue`]).
+/// - A settlement whose receipt handle expired counts in
+///   [`ConsumerSummary::stale_settlements`], not as a failure.
+///
+/// ```no_run
+/// use sea_orm::{ConnectionTrait, DbErr};
+/// use sea_orm_inbox::{Inbox, sqs::SqsConsumer};
+///
+/// # async fn run(client: aws_sdk_sqs::Client, db: sea_orm::DatabaseConnection, ctrl_c: std::future::Pending<()>) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// let summary = SqsConsumer::new(client, "https://sqs.eu-west-1.amazonaws.com/123456789012/payments")
+///     .run(Inbox::new("billing.credit")?, db, |txn, message| {
+///         let amount = message.payload.len() as i64; // parse the payload here
+///         Box::pin(async move {
+///             txn.execute_unprepared(&format!("UPDATE account SET balance = balance + {amount}")).await?;
+///             Ok::<_, DbErr>(())
+///         })
+///     }, ctrl_c) // tokio::signal::ctrl_c() in a service
+///     .await?;
+/// println!("{summary}");
+/// # Ok(()) }
+/// ```
+#[derive(Clone, Debug)]
+pub struct SqsConsumer {
+    queue: SqsQueue,
+    options: ConsumerOptions,
+    visibility_timeout: Duration,
+    wait_time: Duration,
+    heartbeat: Option<Duration>,
+}
+
+impl SqsConsumer {
+    /// The longest long poll SQS allows.
+    pub const MAX_WAIT_TIME: Duration = Duration::from_secs(20);
+
+    /// A consumer of the queue at `url` through `client`, with the default
+    /// [`ConsumerOptions`], a 30 s visibility timeout, the heartbeat every 10 s, and
+    /// 20 s long polls.
+    pub fn new(client: Client, url: impl Into<String>) -> Self {
+        Self::of(SqsQueue::new(client, url))
+    }
+
+    /// A consumer of `queue` (its id attribute and dead-letter queue).
+    pub fn of(queue: SqsQueue) -> Self {
+        let visibility_timeout = Duration::from_secs(30);
+        Self {
+            queue,
+            options: ConsumerOptions::default(),
+            visibility_timeout,
+            wait_time: Self::MAX_WAIT_TIME,
+            heartbeat: Some(visibility_timeout / 3),
+        }
+    }
+
+    /// Replaces the loop's settings; the prefetch caps one receive (with [`MAX_BATCH`]).
+    pub fn with_options(mut self, options: ConsumerOptions) -> Self {
+        self.options = options;
+        self
+    }
+
+    /// The visibility timeout of each receive, in whole seconds; the heartbeat, if on,
+    /// becomes a third of it.
+    ///
+    /// # Errors
+    /// [`InboxError::OutOfRange`] below 1 s or above 12 h.
+    pub fn with_visibility_timeout(mut self, timeout: Duration) -> Result<Self, InboxError> {
+        if timeout < Duration::from_secs(1) || timeout > MAX_VISIBILITY {
+            return Err(InboxError::out_of_range(
+                "the SQS visibility timeout",
+                timeout,
+                Duration::from_secs(1)..=MAX_VISIBILITY,
+                "choose one longer than most handlers run (the heartbeat covers the rest)",
+            ));
+        }
+        self.visibility_timeout = timeout;
+        self.heartbeat = self.heartbeat.map(|_| timeout / 3);
+        Ok(self)
+    }
+
+    /// Extends a running handler's message visibility every `interval` (`None`: never).
+    ///
+    /// # Errors
+    /// [`InboxError::OutOfRange`] for an interval of zero or not shorter than the
+    /// visibility timeout (the extension would come too late).
+    pub fn with_heartbeat(mut self, interval: Option<Duration>) -> Result<Self, InboxError> {
+        if let Some(interval) = interval
+            && (interval.is_zero() || interval >= self.visibility_timeout)
+        {
+            return Err(InboxError::out_of_range(
+                "the SQS heartbeat interval",
+                interval,
+                Duration::from_millis(1)..=self.visibility_timeout,
+                "choose an interval well below the visibility timeout (a third of it by default)",
+            ));
+        }
+        self.heartbeat = interval;
+        Ok(self)
+    }
+
+    /// How long one receive waits for messages (long polling; at most 20 s).
+    ///
+    /// # Errors
+    /// [`InboxError::OutOfRange`] above [`MAX_WAIT_TIME`](Self::MAX_WAIT_TIME).
+    pub fn with_wait_time(mut self, wait: Duration) -> Result<Self, InboxError> {
+        if wait > Self::MAX_WAIT_TIME {
+            return Err(InboxError::out_of_range(
+                "the SQS long poll",
+                wait,
+                Duration::ZERO..=Self::MAX_WAIT_TIME,
+                "SQS waits at most 20 s per receive",
+            ));
+        }
+        self.wait_time = wait;
+        Ok(self)
+    }
+
+    /// Consumes until `shutdown` completes, then stops receiving, waits for the deliveries
+    /// in flight up to the [grace period](ConsumerOptions::with_grace) and returns what it
+    /// did. A long poll in progress is dropped: messages it would have returned come back
+    /// after their visibility timeout. `handler` gets the transaction and the
+    /// [`Received`] message (headers: the message's string attributes).
+    ///
+    /// # Errors
+    /// [`ConsumerError::Connect`] when the queue's attributes cannot be read (a wrong URL,
+    /// credentials, an endpoint not answering). Later failures of a receive are retried
+    /// after a pause, logged at WARN and counted in [`ConsumerSummary::reconnects`].
+    pub async fn run<H, T, E>(
+        self,
+        inbox: Inbox,
+        db: DatabaseConnection,
+        handler: H,
+        shutdown: impl Future + Send,
+    ) -> Result<ConsumerSummary, ConsumerError>
+    where
+        H: for<'t> Fn(&'t ObservedTransaction, Arc<Received>) -> HandlerFuture<'t, T, E>
+            + Send
+            + Sync
+            + 'static,
+        T: Send + 'static,
+        E: std::fmt::Display + Send + 'static,
+    {
+        let connector = SqsConnect {
+            queue: self.queue,
+            resolved: None,
+            receiving: Receiving {
+                visibility_timeout: self.visibility_timeout,
+                wait_time: self.wait_time,
+                heartbeat: self.heartbeat,
+                concurrency: self.options.concurrency(),
+                prefetch: usize::from(self.options.prefetch()).min(MAX_BATCH),
+            },
+            in_flight: Arc::default(),
+        };
+        consume::run(connector, self.options, inbox, db, handler, shutdown).await
+    }
+}
+
+/// How a session receives: the consumer's settings.
+#[derive(Clone, Copy)]
+struct Receiving {
+    visibility_timeout: Duration,
+    wait_time: Duration,
+    heartbeat: Option<Duration>,
+    concurrency: usize,
+    /// The most messages one receive asks for.
+    prefetch: usize,
+}
+
+struct SqsConnect {
+    queue: SqsQueue,
+    /// The queue with its dead-letter queue looked up, after the first connect.
+    resolved: Option<Arc<SqsQueue>>,
+    receiving: Receiving,
+    in_flight: Arc<AtomicUsize>,
+}
+
+impl Connect for SqsConnect {
+    type Session = SqsSession;
+    const BROKER: &'static str = "SQS";
+
+    async fn connect(&mut self) -> Result<SqsSession, BoxError> {
+        let queue = match &self.resolved {
+            Some(queue) => Arc::clone(queue),
+            None => {
+                let mut queue = self.queue.clone();
+                queue.use_redrive_policy().await?;
+                let queue = Arc::new(queue);
+                self.resolved = Some(Arc::clone(&queue));
+                queue
+            }
+        };
+        Ok(SqsSession {
+            queue,
+            buffered: VecDeque::new(),
+            receiving: self.receiving,
+            in_flight: Arc::clone(&self.in_flight),
+        })
+    }
+}
+
+struct SqsSession {
+    queue: Arc<SqsQueue>,
+    buffered: VecDeque<SqsMessage>,
+    receiving: Receiving,
+    /// Messages handed to the loop and not yet settled: a receive asks for no more than
+    /// the slots left.
+    in_flight: Arc<AtomicUsize>,
+}
+
+impl SqsSession {
+    async fn receive(&mut self) -> Result<(), BoxError> {
+        let receiving = self.receiving;
+        let free = receiving
+            .concurrency
+            .saturating_sub(self.in_flight.load(Ordering::Acquire))
+            .clamp(1, receiving.prefetch.max(1));
+        let mut receive = self
+            .queue
+            .client
+            .receive_message()
+            .queue_url(&self.queue.url)
+            .max_number_of_messages(i32::try_from(free).unwrap_or(1))
+            .wait_time_seconds(whole_seconds(
+                receiving.wait_time,
+                SqsConsumer::MAX_WAIT_TIME,
+            ))
+            .visibility_timeout(whole_seconds(receiving.visibility_timeout, MAX_VISIBILITY))
+            .message_attribute_names("All");
+        for name in SYSTEM_ATTRIBUTES {
+            receive = receive.message_system_attribute_names(name);
+        }
+        // SQS starts the visibility timeout somewhere between the request and the
+        // response: the heartbeat and the 12 h cap count from the request, the safe bound
+        // (a slow response would otherwise eat the heartbeat's margin).
+        let received_at = Instant::now();
+        let answer = receive
+            .send()
+            .await
+            .map_err(|err| BoxError::from(DisplayErrorContext(err).to_string()))?;
+        for message in answer.messages() {
+            self.buffered.push_back(SqsMessage {
+                message: message.clone(),
+                queue: Arc::clone(&self.queue),
+                received_at,
+                visibility_timeout: receiving.visibility_timeout,
+                heartbeat: receiving.heartbeat,
+                in_flight: None,
+            });
+        }
+        Ok(())
+    }
+}
+
+impl Session for SqsSession {
+    type Message = SqsMessage;
+
+    async fn next(&mut self) -> Option<Result<SqsMessage, BoxError>> {
+        loop {
+            if let Some(mut message) = self.buffered.pop_front() {
+                message.in_flight = Some(InFlight::new(&self.in_flight));
+                return Some(Ok(message));
+            }
+            if let Err(err) = self.receive().await {
+                return Some(Err(err));
+            }
+        }
+    }
+
+    async fn close(self) {}
+}
+
+/// Counts a message in its session's in-flight messages until dropped.
+struct InFlight(Arc<AtomicUsize>);
+
+impl InFlight {
+    fn new(count: &Arc<AtomicUsize>) -> Self {
+        count.fetch_add(1, Ordering::AcqRel);
+        Self(Arc::clone(count))
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+struct SqsMessage {
+    message: Message,
+    queue: Arc<SqsQueue>,
+    received_at: Instant,
+    visibility_timeout: Duration,
+    heartbeat: Option<Duration>,
+    in_flight: Option<InFlight>,
+}
+
+impl Incoming for SqsMessage {
+    fn delivery(&self) -> Result<Delivery, InboxError> {
+        self.queue.delivery(&self.message)
+    }
+
+    fn delivery_count(&self) -> u32 {
+        delivery_count(&self.message)
+    }
+
+    fn last_delivery(&self) -> bool {
+        // A nack never drops a message: the redrive policy moves it after its last
+        // receive, and without one it stays until the retention period.
+        false
+    }
+
+    fn received(&mut self, message_id: MessageId) -> Received {
+        let headers = self
+            .message
+            .message_attributes()
+            .map(|attributes| {
+                attributes
+                    .iter()
+                    .filter_map(|(name, value)| {
+                        Some((name.clone(), value.string_value()?.to_owned()))
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        Received {
+            payload: self.message.body().unwrap_or_default().as_bytes().to_vec(),
+            headers,
+            broker_id: broker_id(&self.message, &self.queue.id_attribute).to_owned(),
+            message_id,
+            delivery_count: delivery_count(&self.message),
+        }
+    }
+
+    async fn settle(&self, settlement: Settlement) -> Result<(), BoxError> {
+        self.queue
+            .settle_received(&self.message, settlement, self.received_at)
+            .await
+            .map_err(BoxError::from)
+    }
+
+    fn is_stale(&self, error: &BoxError) -> bool {
+        matches!(
+            error.downcast_ref::<SettleError>(),
+            Some(SettleError::ReceiptExpired { .. })
+        )
+    }
+
+    async fn keep_alive(&self) -> Infallible {
+        let Some(interval) = self.heartbeat else {
+            return std::future::pending().await;
+        };
+        let mut next = self.received_at + interval;
+        loop {
+            tokio::time::sleep_until(next.into()).await;
+            next += interval;
+            let left = MAX_VISIBILITY.saturating_sub(self.received_at.elapsed());
+            match self
+                .queue
+                .change_visibility(&self.message, self.visibility_timeout, left)
+                .await
+            {
+                Ok(()) => {
+                    tracing::debug!(
+                        sqs_message_id = sqs_id(&self.message),
+                        "visibility extended while the handler runs"
+                    );
+                }
+                Err(err @ SettleError::ReceiptExpired { .. }) => {
+                    tracing::warn!(error = %err, "the visibility heartbeat came too late: the message was delivered again; the inbox decides which delivery applies it");
+                    return std::future::pending().await;
+                }
+                Err(err) => {
+                    tracing::warn!(error = %err, "extending the visibility failed; trying again at the next beat");
+                }
+            }
+        }
+    }
+}
