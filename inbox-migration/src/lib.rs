@@ -7,6 +7,7 @@ mod m20261201_000003_inbox_unique_constraint;
 mod m20261201_000004_create_outbox;
 mod m20261204_000005_add_outbox_first_published;
 mod m20261204_000006_create_kafka_offsets;
+pub mod rollback;
 
 pub use m20261130_000001_create_inbox::CreateInbox;
 pub use m20261130_000002_add_inbox_leases::AddInboxLeases;
@@ -20,7 +21,7 @@ pub use sea_orm_inbox_entity::InboxTable;
 pub use sea_orm_migration::MigratorTrait;
 use sea_orm_migration::prelude::*;
 use sea_orm_migration::sea_orm::{FromQueryResult, Iterable};
-use sea_orm_migration::seaql_migrations;
+use sea_orm_migration::{IntoSchemaManagerConnection, seaql_migrations};
 
 /// One of the inbox migrations for the inbox in an [`InboxTable`] of the application's
 /// choice: made by [`CreateInbox::for_table`], [`AddInboxLeases::for_table`] and
@@ -90,6 +91,22 @@ impl<M: MigrationName> ForTable<M> {
 impl<M> MigrationName for ForTable<M> {
     fn name(&self) -> &str {
         &self.name
+    }
+}
+
+/// The table of the [`ForTable`] of `migration` whose name is `name` (the default table
+/// for the migration's own name), or `None` when no [`ForTable`] of it has that name.
+fn table_of(migration: &impl MigrationName, name: &str) -> Option<InboxTable> {
+    let suffix = name.strip_prefix(migration.name())?;
+    if suffix.is_empty() {
+        return Some(InboxTable::default());
+    }
+    let table = suffix.strip_prefix(':')?;
+    match table.split_once('.') {
+        None => InboxTable::named(table).ok(),
+        Some((schema, table)) => InboxTable::named(table)
+            .and_then(|table| table.in_schema(schema))
+            .ok(),
     }
 }
 
@@ -172,6 +189,32 @@ impl MigratorTrait for Migrator {
             .filter(|model| !matches!(model, Ok(model) if outbox_only.contains(&model.version)))
             .collect()
     }
+
+    /// [`rollback::down`]: refuses, before anything changes, a rollback reaching an inbox
+    /// table that holds markers (or the outbox while it holds unsent rows).
+    async fn down<'c, C>(db: C, steps: Option<u32>) -> Result<(), DbErr>
+    where
+        C: IntoSchemaManagerConnection<'c>,
+    {
+        rollback::down::<Self, C>(db, steps).await
+    }
+
+    /// [`rollback::reset`]: refuses as [`down`](Self::down) does, before anything changes.
+    async fn reset<'c, C>(db: C) -> Result<(), DbErr>
+    where
+        C: IntoSchemaManagerConnection<'c>,
+    {
+        rollback::reset::<Self, C>(db).await
+    }
+
+    /// [`rollback::refresh`]: refuses as [`down`](Self::down) does, before anything
+    /// changes.
+    async fn refresh<'c, C>(db: C) -> Result<(), DbErr>
+    where
+        C: IntoSchemaManagerConnection<'c>,
+    {
+        rollback::refresh::<Self, C>(db).await
+    }
 }
 
 /// A ready migrator holding every inbox migration and then [`CreateOutbox`] and
@@ -196,5 +239,31 @@ impl MigratorTrait for MigratorWithOutbox {
         migrations.push(Box::new(CreateOutbox));
         migrations.push(Box::new(AddOutboxFirstPublished));
         migrations
+    }
+
+    /// [`rollback::down`]: refuses, before anything changes, a rollback reaching an inbox
+    /// table that holds markers (or the outbox while it holds unsent rows).
+    async fn down<'c, C>(db: C, steps: Option<u32>) -> Result<(), DbErr>
+    where
+        C: IntoSchemaManagerConnection<'c>,
+    {
+        rollback::down::<Self, C>(db, steps).await
+    }
+
+    /// [`rollback::reset`]: refuses as [`down`](Self::down) does, before anything changes.
+    async fn reset<'c, C>(db: C) -> Result<(), DbErr>
+    where
+        C: IntoSchemaManagerConnection<'c>,
+    {
+        rollback::reset::<Self, C>(db).await
+    }
+
+    /// [`rollback::refresh`]: refuses as [`down`](Self::down) does, before anything
+    /// changes.
+    async fn refresh<'c, C>(db: C) -> Result<(), DbErr>
+    where
+        C: IntoSchemaManagerConnection<'c>,
+    {
+        rollback::refresh::<Self, C>(db).await
     }
 }

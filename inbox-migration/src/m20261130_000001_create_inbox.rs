@@ -131,7 +131,7 @@ async fn up(manager: &SchemaManager<'_>, table: &InboxTable) -> Result<(), DbErr
 }
 
 async fn down(manager: &SchemaManager<'_>, table: &InboxTable, name: &str) -> Result<(), DbErr> {
-    refuse_to_drop_markers(manager, table, name).await?;
+    refuse_to_drop_markers(manager.get_connection(), table, name).await?;
     manager
         .drop_index(
             Index::drop()
@@ -146,9 +146,10 @@ async fn down(manager: &SchemaManager<'_>, table: &InboxTable, name: &str) -> Re
 }
 
 /// Fails while `table` holds a row: the rows are what keeps redeliveries from being
-/// applied twice, so only the operator may throw them away, by deleting them.
-async fn refuse_to_drop_markers(
-    manager: &SchemaManager<'_>,
+/// applied twice, so only the operator may throw them away, by deleting them. `name` is
+/// the migration that would drop it, which the refusal names.
+pub(crate) async fn refuse_to_drop_markers<C: ConnectionTrait>(
+    db: &C,
     table: &InboxTable,
     name: &str,
 ) -> Result<(), DbErr> {
@@ -157,12 +158,7 @@ async fn refuse_to_drop_markers(
         .from(table.table_ref())
         .limit(1)
         .to_owned();
-    if manager
-        .get_connection()
-        .query_one(&any_marker)
-        .await?
-        .is_some()
-    {
+    if db.query_one(&any_marker).await?.is_some() {
         return Err(DbErr::Migration(format!(
             "{name}: refusing to drop the inbox table {table} while it holds markers; every \
              message they record as processed would be applied again when redelivered. To \
