@@ -32,7 +32,13 @@ use sea_orm_migration::{IntoSchemaManagerConnection, seaql_migrations};
 /// default table it is the migration's own name, and it does what the unit struct does.
 ///
 /// With `sea-orm-cli`, give it a module file whose `Migration` delegates to it:
-/// `migrate generate` lists modules by their `Migration` unit struct.
+/// `migrate generate` lists modules by their `Migration` unit struct. Give that
+/// `Migration` the name of the `ForTable` it delegates to: [`rollback::guard`] knows an
+/// inbox's `CreateInbox` by that name, and refuses a rollback reaching it while the table
+/// holds markers before anything changes. (A migration SeaORM already recorded under
+/// another name keeps it, or SeaORM would call it missing; the guard then does not know
+/// it, and only the migration's own refusal keeps the markers, after the migrations
+/// listed after it were rolled back.)
 ///
 /// ```
 /// // migration/src/m20261202_000001_create_app_inbox.rs
@@ -43,8 +49,14 @@ use sea_orm_migration::{IntoSchemaManagerConnection, seaql_migrations};
 ///     InboxTable::named("app_inbox").map_err(|err| DbErr::Migration(err.to_string()))
 /// }
 ///
-/// #[derive(DeriveMigrationName)]
 /// pub struct Migration;
+///
+/// impl MigrationName for Migration {
+///     /// `CreateInbox::for_table(app_inbox()?).name()`.
+///     fn name(&self) -> &str {
+///         "m20261130_000001_create_inbox:app_inbox"
+///     }
+/// }
 ///
 /// #[async_trait::async_trait]
 /// impl MigrationTrait for Migration {
@@ -56,6 +68,8 @@ use sea_orm_migration::{IntoSchemaManagerConnection, seaql_migrations};
 ///         CreateInbox::for_table(app_inbox()?).down(manager).await
 ///     }
 /// }
+/// # assert_eq!(Migration.name(), CreateInbox::for_table(app_inbox()?).name());
+/// # Ok::<(), DbErr>(())
 /// ```
 pub struct ForTable<M> {
     migration: M,
@@ -265,5 +279,36 @@ impl MigratorTrait for MigratorWithOutbox {
         C: IntoSchemaManagerConnection<'c>,
     {
         rollback::refresh::<Self, C>(db).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_of_reads_every_create_inbox_name_back() {
+        let tables = [
+            InboxTable::default(),
+            InboxTable::named("app_inbox").expect("a valid name"),
+            InboxTable::named("app_inbox")
+                .and_then(|table| table.in_schema("messaging"))
+                .expect("a valid name"),
+            InboxTable::named("inbox")
+                .and_then(|table| table.in_schema("messaging"))
+                .expect("a valid name"),
+        ];
+        for table in tables {
+            let migration = CreateInbox::for_table(table.clone());
+            assert_eq!(table_of(&CreateInbox, migration.name()), Some(table));
+        }
+        for other in [
+            AddInboxLeases.name(),
+            "m20261130_000002_add_inbox_leases:app_inbox",
+            "m20261130_000001_create_inbox_archive",
+            "m20261130_000001_create_inbox:App Inbox",
+        ] {
+            assert_eq!(table_of(&CreateInbox, other), None, "{other}");
+        }
     }
 }

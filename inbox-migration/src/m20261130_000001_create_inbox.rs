@@ -14,7 +14,10 @@ use sea_orm_migration::sea_orm::DatabaseBackend;
 /// again. A rollback (`migrate down`, `refresh`, `reset`) meeting a marker fails with
 /// [`DbErr::Migration`] and leaves the table, its rows and the migration's record as they
 /// were; deleting the markers first (`DELETE FROM inbox`) is the explicit opt-in.
-/// (`migrate fresh` runs no `down`: it drops every table, this one included.)
+/// (`migrate fresh` runs no `down`: it drops every table, this one included.) SeaORM rolls
+/// back newest first, so this refusal comes after the migrations listed after it were
+/// undone; a migrator that runs [`rollback::guard`](crate::rollback::guard) (this crate's
+/// do) refuses before it changes anything.
 ///
 /// [`CreateInbox::for_table`] creates an inbox in a table of the application's choice.
 pub struct CreateInbox;
