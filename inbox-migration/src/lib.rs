@@ -155,6 +155,45 @@ pub fn inbox_migrations(table: &InboxTable) -> Vec<Box<dyn MigrationTrait>> {
     ]
 }
 
+/// `impl MigratorTrait for $migrator` with the items given and `down`, `reset` and
+/// `refresh` behind [`rollback::guard`], so its rollbacks refuse before they change
+/// anything.
+macro_rules! migrator_refusing_lossy_rollbacks {
+    ($migrator:ident { $($items:tt)* }) => {
+        #[async_trait::async_trait]
+        impl MigratorTrait for $migrator {
+            $($items)*
+
+            /// [`rollback::down`]: refuses, before anything changes, a rollback reaching an
+            /// inbox table that holds markers (or the outbox while it holds unsent rows).
+            async fn down<'c, C>(db: C, steps: Option<u32>) -> Result<(), DbErr>
+            where
+                C: IntoSchemaManagerConnection<'c>,
+            {
+                rollback::down::<Self, C>(db, steps).await
+            }
+
+            /// [`rollback::reset`]: refuses as [`down`](Self::down) does, before anything
+            /// changes.
+            async fn reset<'c, C>(db: C) -> Result<(), DbErr>
+            where
+                C: IntoSchemaManagerConnection<'c>,
+            {
+                rollback::reset::<Self, C>(db).await
+            }
+
+            /// [`rollback::refresh`]: refuses as [`down`](Self::down) does, before anything
+            /// changes.
+            async fn refresh<'c, C>(db: C) -> Result<(), DbErr>
+            where
+                C: IntoSchemaManagerConnection<'c>,
+            {
+                rollback::refresh::<Self, C>(db).await
+            }
+        }
+    };
+}
+
 /// A ready migrator holding every inbox migration, for applications that have none.
 ///
 /// It does not hold [`CreateOutbox`] and [`AddOutboxFirstPublished`]: the outbox is
@@ -165,8 +204,7 @@ pub fn inbox_migrations(table: &InboxTable) -> Vec<Box<dyn MigrationTrait>> {
 /// '...create_outbox' is missing").
 pub struct Migrator;
 
-#[async_trait::async_trait]
-impl MigratorTrait for Migrator {
+migrator_refusing_lossy_rollbacks!(Migrator {
     fn migrations() -> Vec<Box<dyn MigrationTrait>> {
         vec![
             Box::new(CreateInbox),
@@ -203,33 +241,7 @@ impl MigratorTrait for Migrator {
             .filter(|model| !matches!(model, Ok(model) if outbox_only.contains(&model.version)))
             .collect()
     }
-
-    /// [`rollback::down`]: refuses, before anything changes, a rollback reaching an inbox
-    /// table that holds markers (or the outbox while it holds unsent rows).
-    async fn down<'c, C>(db: C, steps: Option<u32>) -> Result<(), DbErr>
-    where
-        C: IntoSchemaManagerConnection<'c>,
-    {
-        rollback::down::<Self, C>(db, steps).await
-    }
-
-    /// [`rollback::reset`]: refuses as [`down`](Self::down) does, before anything changes.
-    async fn reset<'c, C>(db: C) -> Result<(), DbErr>
-    where
-        C: IntoSchemaManagerConnection<'c>,
-    {
-        rollback::reset::<Self, C>(db).await
-    }
-
-    /// [`rollback::refresh`]: refuses as [`down`](Self::down) does, before anything
-    /// changes.
-    async fn refresh<'c, C>(db: C) -> Result<(), DbErr>
-    where
-        C: IntoSchemaManagerConnection<'c>,
-    {
-        rollback::refresh::<Self, C>(db).await
-    }
-}
+});
 
 /// A ready migrator holding every inbox migration and then [`CreateOutbox`] and
 /// [`AddOutboxFirstPublished`], for applications without a migrator of their own that use
@@ -246,41 +258,14 @@ impl MigratorTrait for Migrator {
 /// ```
 pub struct MigratorWithOutbox;
 
-#[async_trait::async_trait]
-impl MigratorTrait for MigratorWithOutbox {
+migrator_refusing_lossy_rollbacks!(MigratorWithOutbox {
     fn migrations() -> Vec<Box<dyn MigrationTrait>> {
         let mut migrations = Migrator::migrations();
         migrations.push(Box::new(CreateOutbox));
         migrations.push(Box::new(AddOutboxFirstPublished));
         migrations
     }
-
-    /// [`rollback::down`]: refuses, before anything changes, a rollback reaching an inbox
-    /// table that holds markers (or the outbox while it holds unsent rows).
-    async fn down<'c, C>(db: C, steps: Option<u32>) -> Result<(), DbErr>
-    where
-        C: IntoSchemaManagerConnection<'c>,
-    {
-        rollback::down::<Self, C>(db, steps).await
-    }
-
-    /// [`rollback::reset`]: refuses as [`down`](Self::down) does, before anything changes.
-    async fn reset<'c, C>(db: C) -> Result<(), DbErr>
-    where
-        C: IntoSchemaManagerConnection<'c>,
-    {
-        rollback::reset::<Self, C>(db).await
-    }
-
-    /// [`rollback::refresh`]: refuses as [`down`](Self::down) does, before anything
-    /// changes.
-    async fn refresh<'c, C>(db: C) -> Result<(), DbErr>
-    where
-        C: IntoSchemaManagerConnection<'c>,
-    {
-        rollback::refresh::<Self, C>(db).await
-    }
-}
+});
 
 #[cfg(test)]
 mod tests {
