@@ -365,7 +365,7 @@ impl InboxError {
         message_id: MessageId,
         consumer: &str,
     ) -> Self {
-        if let Some(migration) = missing_migration(&source, table) {
+        if let Some(migration) = missing_migration(&source) {
             return Self::MissingMigration { migration, source };
         }
         match classify_in(&source, table) {

@@ -35,8 +35,9 @@ pub enum InboxMigration {
     /// `AddInboxLeases`: the columns of two-phase claims and of `Inbox::process`'s token
     /// (`attempts`, `lease_until`, `claim_token`, `dead_at`) and the purge's index.
     AddInboxLeases,
-    /// `InboxUniqueConstraint`: on PostgreSQL, the unique index as a named constraint, which
-    /// lets a claim detect a duplicate without the server logging an error.
+    /// `InboxUniqueConstraint`: on PostgreSQL, the unique index as a named constraint. No
+    /// claim needs it any more (they infer the unique key from its columns, index or
+    /// constraint alike), so nothing reports it missing; it stays a migration of the list.
     InboxUniqueConstraint,
 }
 
@@ -113,20 +114,20 @@ pub enum SchemaError {
     MissingMigration {
         /// The migration to add and run.
         migration: InboxMigration,
-        /// What is missing (columns, or the constraint).
+        /// What is missing (the columns).
         missing: String,
     },
 
     /// The inbox table has no index named `ix_inbox_message_id_consumer`.
     #[error(
-        "the inbox table has no index named {INDEX_NAME}, so nothing stops two deliveries from both claiming a message: create it with CREATE UNIQUE INDEX {INDEX_NAME} ON inbox (message_id, consumer) (PostgreSQL: ALTER TABLE inbox ADD CONSTRAINT {INDEX_NAME} UNIQUE (message_id, consumer))"
+        "the inbox table has no index named {INDEX_NAME}, so nothing stops two deliveries from both claiming a message: create it with CREATE UNIQUE INDEX {INDEX_NAME} ON inbox (message_id, consumer)"
     )]
     MissingIndex,
 
     /// The index `ix_inbox_message_id_consumer` exists but is not a plain UNIQUE index on
     /// exactly `(message_id, consumer)`.
     #[error(
-        "the index {INDEX_NAME} is {found}, not a UNIQUE index on exactly (message_id, consumer), so duplicates are not detected as the inbox expects: drop it and create it with CREATE UNIQUE INDEX {INDEX_NAME} ON inbox (message_id, consumer) (PostgreSQL: ALTER TABLE inbox ADD CONSTRAINT {INDEX_NAME} UNIQUE (message_id, consumer))"
+        "the index {INDEX_NAME} is {found}, not a UNIQUE index on exactly (message_id, consumer), so duplicates are not detected as the inbox expects: drop it and create it with CREATE UNIQUE INDEX {INDEX_NAME} ON inbox (message_id, consumer)"
     )]
     WrongIndex {
         /// What the index is instead.
@@ -202,8 +203,10 @@ pub enum SchemaError {
 /// [`CreateInbox`](InboxMigration::CreateInbox) and
 /// [`AddInboxLeases`](InboxMigration::AddInboxLeases) (which `Inbox::process`, batches and
 /// leases write); that `ix_inbox_message_id_consumer` is a UNIQUE index on exactly
-/// `(message_id, consumer)`; on PostgreSQL, that it is the constraint
-/// [`InboxUniqueConstraint`](InboxMigration::InboxUniqueConstraint) makes it; on
+/// `(message_id, consumer)` (on PostgreSQL the index of
+/// [`CreateInbox`](InboxMigration::CreateInbox) or the constraint
+/// [`InboxUniqueConstraint`](InboxMigration::InboxUniqueConstraint) makes of it: a claim
+/// needs either, so the check demands the same migrations on every backend); on
 /// MySQL/MariaDB, that `consumer` has a binary collation. It reads the catalog only, in a
 /// transaction of its own (so it works behind a transaction pooler), and writes nothing.
 /// It waits at most [`Inbox::DEFAULT_PARTITION_TIMEOUT`] for the database to answer (not
@@ -235,8 +238,8 @@ pub async fn verify_schema(db: &DatabaseConnection) -> Result<(), SchemaError> {
 }
 
 /// [`verify_schema`] of the inbox in `table`, an [`InboxTable`] of the application's
-/// choice: its columns, and its index [`InboxTable::unique_index`] (on PostgreSQL a
-/// constraint, looked up in the table's schema). The errors' advice names the default
+/// choice: its columns, and its index [`InboxTable::unique_index`] (on PostgreSQL looked
+/// up in the table's schema). The errors' advice names the default
 /// table and index; read them as `table`'s.
 ///
 /// ```
@@ -271,7 +274,7 @@ pub async fn verify_schema_in(
             .map_err(|_| SchemaError::DatabaseSilent { waited })?
             .map_err(|source| SchemaError::Catalog { source })?;
     check_columns(&columns)?;
-    check_index(&index, catalog.needs_constraint())?;
+    check_index(&index)?;
     let consumer = columns.iter().find(|column| column.name == "consumer");
     if let Some(collation) = consumer.and_then(|column| column.collation.as_deref())
         && !catalog.is_exact_consumer_collation(collation)
@@ -423,8 +426,6 @@ struct InboxIndexKey {
     unique: bool,
     /// Partial (a WHERE clause) or on a column prefix: not a key on the whole columns.
     partial: bool,
-    /// The index backs a UNIQUE constraint of its name (PostgreSQL; elsewhere always).
-    constraint: bool,
 }
 
 impl InboxIndexKey {
@@ -433,7 +434,6 @@ impl InboxIndexKey {
             column: row.try_get_by_index(0)?,
             unique: row.try_get_by_index::<i64>(1)? != 0,
             partial: row.try_get_by_index::<i64>(2)? != 0,
-            constraint: row.try_get_by_index::<i64>(3)? != 0,
         })
     }
 }
@@ -476,7 +476,7 @@ fn check_columns(columns: &[InboxColumn]) -> Result<(), SchemaError> {
     Ok(())
 }
 
-fn check_index(keys: &[InboxIndexKey], needs_constraint: bool) -> Result<(), SchemaError> {
+fn check_index(keys: &[InboxIndexKey]) -> Result<(), SchemaError> {
     let Some(first) = keys.first() else {
         return Err(SchemaError::MissingIndex);
     };
@@ -496,14 +496,6 @@ fn check_index(keys: &[InboxIndexKey], needs_constraint: bool) -> Result<(), Sch
             found: faults.join(", "),
         });
     }
-    if needs_constraint && !first.constraint {
-        return Err(SchemaError::MissingMigration {
-            migration: InboxMigration::InboxUniqueConstraint,
-            missing: format!(
-                "the UNIQUE constraint {INDEX_NAME} (it has the index only; if that migration is already recorded as run, attach the index yourself: ALTER TABLE inbox ADD CONSTRAINT {INDEX_NAME} UNIQUE USING INDEX {INDEX_NAME})"
-            ),
-        });
-    }
     Ok(())
 }
 
@@ -511,14 +503,13 @@ fn check_index(keys: &[InboxIndexKey], needs_constraint: bool) -> Result<(), Sch
 mod tests {
     use super::*;
 
-    fn keys(columns: &[&str], unique: bool, partial: bool, constraint: bool) -> Vec<InboxIndexKey> {
+    fn keys(columns: &[&str], unique: bool, partial: bool) -> Vec<InboxIndexKey> {
         columns
             .iter()
             .map(|column| InboxIndexKey {
                 column: (*column).to_owned(),
                 unique,
                 partial,
-                constraint,
             })
             .collect()
     }
@@ -533,30 +524,16 @@ mod tests {
     #[test]
     fn the_index_must_be_unique_on_exactly_the_two_columns_in_order() {
         let both = ["message_id", "consumer"];
-        assert!(check_index(&keys(&both, true, false, true), true).is_ok());
-        assert!(check_index(&keys(&both, true, false, false), false).is_ok());
+        assert!(check_index(&keys(&both, true, false)).is_ok());
         assert_eq!(
-            found(check_index(
-                &keys(&["consumer", "message_id"], true, false, true),
-                true
-            )),
+            found(check_index(&keys(&["consumer", "message_id"], true, false))),
             "on (consumer, message_id)"
         );
         assert_eq!(
-            found(check_index(&keys(&both, false, true, true), true)),
+            found(check_index(&keys(&both, false, true))),
             "not unique, partial (or on a column prefix)"
         );
-        assert!(matches!(
-            check_index(&[], true),
-            Err(SchemaError::MissingIndex)
-        ));
-        assert!(matches!(
-            check_index(&keys(&both, true, false, false), true),
-            Err(SchemaError::MissingMigration {
-                migration: InboxMigration::InboxUniqueConstraint,
-                ..
-            })
-        ));
+        assert!(matches!(check_index(&[]), Err(SchemaError::MissingIndex)));
     }
 
     #[test]

@@ -7,6 +7,7 @@ mod m20261201_000003_inbox_unique_constraint;
 mod m20261201_000004_create_outbox;
 mod m20261204_000005_add_outbox_first_published;
 mod m20261204_000006_create_kafka_offsets;
+pub mod rollback;
 
 pub use m20261130_000001_create_inbox::CreateInbox;
 pub use m20261130_000002_add_inbox_leases::AddInboxLeases;
@@ -20,7 +21,7 @@ pub use sea_orm_inbox_entity::InboxTable;
 pub use sea_orm_migration::MigratorTrait;
 use sea_orm_migration::prelude::*;
 use sea_orm_migration::sea_orm::{FromQueryResult, Iterable};
-use sea_orm_migration::seaql_migrations;
+use sea_orm_migration::{IntoSchemaManagerConnection, seaql_migrations};
 
 /// One of the inbox migrations for the inbox in an [`InboxTable`] of the application's
 /// choice: made by [`CreateInbox::for_table`], [`AddInboxLeases::for_table`] and
@@ -31,7 +32,13 @@ use sea_orm_migration::seaql_migrations;
 /// default table it is the migration's own name, and it does what the unit struct does.
 ///
 /// With `sea-orm-cli`, give it a module file whose `Migration` delegates to it:
-/// `migrate generate` lists modules by their `Migration` unit struct.
+/// `migrate generate` lists modules by their `Migration` unit struct. Give that
+/// `Migration` the name of the `ForTable` it delegates to: [`rollback::guard`] knows an
+/// inbox's `CreateInbox` by that name, and refuses a rollback reaching it while the table
+/// holds markers before anything changes. (A migration SeaORM already recorded under
+/// another name keeps it, or SeaORM would call it missing; the guard then does not know
+/// it, and only the migration's own refusal keeps the markers, after the migrations
+/// listed after it were rolled back.)
 ///
 /// ```
 /// // migration/src/m20261202_000001_create_app_inbox.rs
@@ -42,8 +49,14 @@ use sea_orm_migration::seaql_migrations;
 ///     InboxTable::named("app_inbox").map_err(|err| DbErr::Migration(err.to_string()))
 /// }
 ///
-/// #[derive(DeriveMigrationName)]
 /// pub struct Migration;
+///
+/// impl MigrationName for Migration {
+///     /// `CreateInbox::for_table(app_inbox()?).name()`.
+///     fn name(&self) -> &str {
+///         "m20261130_000001_create_inbox:app_inbox"
+///     }
+/// }
 ///
 /// #[async_trait::async_trait]
 /// impl MigrationTrait for Migration {
@@ -55,6 +68,8 @@ use sea_orm_migration::seaql_migrations;
 ///         CreateInbox::for_table(app_inbox()?).down(manager).await
 ///     }
 /// }
+/// # assert_eq!(Migration.name(), CreateInbox::for_table(app_inbox()?).name());
+/// # Ok::<(), DbErr>(())
 /// ```
 pub struct ForTable<M> {
     migration: M,
@@ -93,6 +108,22 @@ impl<M> MigrationName for ForTable<M> {
     }
 }
 
+/// The table of the [`ForTable`] of `migration` whose name is `name` (the default table
+/// for the migration's own name), or `None` when no [`ForTable`] of it has that name.
+fn table_of(migration: &impl MigrationName, name: &str) -> Option<InboxTable> {
+    let suffix = name.strip_prefix(migration.name())?;
+    if suffix.is_empty() {
+        return Some(InboxTable::default());
+    }
+    let table = suffix.strip_prefix(':')?;
+    match table.split_once('.') {
+        None => InboxTable::named(table).ok(),
+        Some((schema, table)) => InboxTable::named(table)
+            .and_then(|table| table.in_schema(schema))
+            .ok(),
+    }
+}
+
 /// [`CreateInbox`], [`AddInboxLeases`] and [`InboxUniqueConstraint`] for the inbox in
 /// `table`, in the order they run: append them to your migrator's list, once per inbox.
 ///
@@ -124,6 +155,45 @@ pub fn inbox_migrations(table: &InboxTable) -> Vec<Box<dyn MigrationTrait>> {
     ]
 }
 
+/// `impl MigratorTrait for $migrator` with the items given and `down`, `reset` and
+/// `refresh` behind [`rollback::guard`], so its rollbacks refuse before they change
+/// anything.
+macro_rules! migrator_refusing_lossy_rollbacks {
+    ($migrator:ident { $($items:tt)* }) => {
+        #[async_trait::async_trait]
+        impl MigratorTrait for $migrator {
+            $($items)*
+
+            /// [`rollback::down`]: refuses, before anything changes, a rollback reaching an
+            /// inbox table that holds markers (or the outbox while it holds unsent rows).
+            async fn down<'c, C>(db: C, steps: Option<u32>) -> Result<(), DbErr>
+            where
+                C: IntoSchemaManagerConnection<'c>,
+            {
+                rollback::down::<Self, C>(db, steps).await
+            }
+
+            /// [`rollback::reset`]: refuses as [`down`](Self::down) does, before anything
+            /// changes.
+            async fn reset<'c, C>(db: C) -> Result<(), DbErr>
+            where
+                C: IntoSchemaManagerConnection<'c>,
+            {
+                rollback::reset::<Self, C>(db).await
+            }
+
+            /// [`rollback::refresh`]: refuses as [`down`](Self::down) does, before anything
+            /// changes.
+            async fn refresh<'c, C>(db: C) -> Result<(), DbErr>
+            where
+                C: IntoSchemaManagerConnection<'c>,
+            {
+                rollback::refresh::<Self, C>(db).await
+            }
+        }
+    };
+}
+
 /// A ready migrator holding every inbox migration, for applications that have none.
 ///
 /// It does not hold [`CreateOutbox`] and [`AddOutboxFirstPublished`]: the outbox is
@@ -134,8 +204,7 @@ pub fn inbox_migrations(table: &InboxTable) -> Vec<Box<dyn MigrationTrait>> {
 /// '...create_outbox' is missing").
 pub struct Migrator;
 
-#[async_trait::async_trait]
-impl MigratorTrait for Migrator {
+migrator_refusing_lossy_rollbacks!(Migrator {
     fn migrations() -> Vec<Box<dyn MigrationTrait>> {
         vec![
             Box::new(CreateInbox),
@@ -172,7 +241,7 @@ impl MigratorTrait for Migrator {
             .filter(|model| !matches!(model, Ok(model) if outbox_only.contains(&model.version)))
             .collect()
     }
-}
+});
 
 /// A ready migrator holding every inbox migration and then [`CreateOutbox`] and
 /// [`AddOutboxFirstPublished`], for applications without a migrator of their own that use
@@ -189,12 +258,42 @@ impl MigratorTrait for Migrator {
 /// ```
 pub struct MigratorWithOutbox;
 
-#[async_trait::async_trait]
-impl MigratorTrait for MigratorWithOutbox {
+migrator_refusing_lossy_rollbacks!(MigratorWithOutbox {
     fn migrations() -> Vec<Box<dyn MigrationTrait>> {
         let mut migrations = Migrator::migrations();
         migrations.push(Box::new(CreateOutbox));
         migrations.push(Box::new(AddOutboxFirstPublished));
         migrations
+    }
+});
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_of_reads_every_create_inbox_name_back() {
+        let tables = [
+            InboxTable::default(),
+            InboxTable::named("app_inbox").expect("a valid name"),
+            InboxTable::named("app_inbox")
+                .and_then(|table| table.in_schema("messaging"))
+                .expect("a valid name"),
+            InboxTable::named("inbox")
+                .and_then(|table| table.in_schema("messaging"))
+                .expect("a valid name"),
+        ];
+        for table in tables {
+            let migration = CreateInbox::for_table(table.clone());
+            assert_eq!(table_of(&CreateInbox, migration.name()), Some(table));
+        }
+        for other in [
+            AddInboxLeases.name(),
+            "m20261130_000002_add_inbox_leases:app_inbox",
+            "m20261130_000001_create_inbox_archive",
+            "m20261130_000001_create_inbox:App Inbox",
+        ] {
+            assert_eq!(table_of(&CreateInbox, other), None, "{other}");
+        }
     }
 }

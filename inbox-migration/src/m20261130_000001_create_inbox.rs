@@ -14,7 +14,10 @@ use sea_orm_migration::sea_orm::DatabaseBackend;
 /// again. A rollback (`migrate down`, `refresh`, `reset`) meeting a marker fails with
 /// [`DbErr::Migration`] and leaves the table, its rows and the migration's record as they
 /// were; deleting the markers first (`DELETE FROM inbox`) is the explicit opt-in.
-/// (`migrate fresh` runs no `down`: it drops every table, this one included.)
+/// (`migrate fresh` runs no `down`: it drops every table, this one included.) SeaORM rolls
+/// back newest first, so this refusal comes after the migrations listed after it were
+/// undone; a migrator that runs [`rollback::guard`](crate::rollback::guard) (this crate's
+/// do) refuses before it changes anything.
 ///
 /// [`CreateInbox::for_table`] creates an inbox in a table of the application's choice.
 pub struct CreateInbox;
@@ -131,7 +134,7 @@ async fn up(manager: &SchemaManager<'_>, table: &InboxTable) -> Result<(), DbErr
 }
 
 async fn down(manager: &SchemaManager<'_>, table: &InboxTable, name: &str) -> Result<(), DbErr> {
-    refuse_to_drop_markers(manager, table, name).await?;
+    refuse_to_drop_markers(manager.get_connection(), table, name).await?;
     manager
         .drop_index(
             Index::drop()
@@ -146,9 +149,10 @@ async fn down(manager: &SchemaManager<'_>, table: &InboxTable, name: &str) -> Re
 }
 
 /// Fails while `table` holds a row: the rows are what keeps redeliveries from being
-/// applied twice, so only the operator may throw them away, by deleting them.
-async fn refuse_to_drop_markers(
-    manager: &SchemaManager<'_>,
+/// applied twice, so only the operator may throw them away, by deleting them. `name` is
+/// the migration that would drop it, which the refusal names.
+pub(crate) async fn refuse_to_drop_markers<C: ConnectionTrait>(
+    db: &C,
     table: &InboxTable,
     name: &str,
 ) -> Result<(), DbErr> {
@@ -157,12 +161,7 @@ async fn refuse_to_drop_markers(
         .from(table.table_ref())
         .limit(1)
         .to_owned();
-    if manager
-        .get_connection()
-        .query_one(&any_marker)
-        .await?
-        .is_some()
-    {
+    if db.query_one(&any_marker).await?.is_some() {
         return Err(DbErr::Migration(format!(
             "{name}: refusing to drop the inbox table {table} while it holds markers; every \
              message they record as processed would be applied again when redelivered. To \

@@ -9,18 +9,16 @@ use sea_orm_migration::sea_orm::DatabaseBackend;
 /// Its name, `m20261201_000003_inbox_unique_constraint`, never changes. It runs after
 /// [`AddInboxLeases`](crate::AddInboxLeases).
 ///
-/// With the constraint, a claim detects a duplicate with `INSERT ... ON CONFLICT ON
-/// CONSTRAINT ix_inbox_message_id_consumer DO NOTHING` instead of a raised unique
-/// violation, which PostgreSQL writes to its log as an `ERROR` (with `DETAIL` and
-/// `STATEMENT`) for every duplicate delivery. `ON CONFLICT ON CONSTRAINT` takes a
-/// constraint, not a bare unique index, so the existing index is attached as one
-/// (`ADD CONSTRAINT ... UNIQUE USING INDEX`): no rebuild and no scan, only a brief ACCESS
-/// EXCLUSIVE lock on the table. The constraint keeps the index's name, so errors name it as
-/// before. `down` turns it back into the plain unique index (a rebuild).
-///
-/// The other databases raise nothing into a log on a duplicate with their default
-/// settings (MariaDB writes no 1062 into its error log), and their claims keep their
-/// statements.
+/// No claim needs it: `sea-orm-inbox`'s PostgreSQL claims detect a duplicate with
+/// `INSERT ... ON CONFLICT (message_id, consumer) DO NOTHING`, which infers the unique
+/// index [`CreateInbox`](crate::CreateInbox) makes as well as this constraint, and raises
+/// nothing into the server log either way. (Claims once named the constraint, `ON CONFLICT
+/// ON CONSTRAINT`, which takes a constraint only; this migration made one of the index.) It
+/// stays in the list, under its stable name, for the databases that recorded it. The
+/// existing index is attached (`ADD CONSTRAINT ... UNIQUE USING INDEX`): no rebuild and no
+/// scan, only a brief ACCESS EXCLUSIVE lock on the table; the constraint keeps the index's
+/// name, so errors name it as before. `down` turns it back into the plain unique index (a
+/// rebuild).
 ///
 /// [`InboxUniqueConstraint::for_table`] runs it on an inbox in another table.
 pub struct InboxUniqueConstraint;

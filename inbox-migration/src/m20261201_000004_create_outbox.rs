@@ -149,7 +149,7 @@ impl MigrationTrait for CreateOutbox {
     }
 
     async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        refuse_to_drop_unsent(manager).await?;
+        refuse_to_drop_unsent(manager.get_connection()).await?;
         manager
             .drop_table(Table::drop().table(outbox::Entity).to_owned())
             .await
@@ -158,19 +158,14 @@ impl MigrationTrait for CreateOutbox {
 
 /// Fails while `outbox` holds a row not yet sent: each is a committed change whose message
 /// would never go out.
-async fn refuse_to_drop_unsent(manager: &SchemaManager<'_>) -> Result<(), DbErr> {
+pub(crate) async fn refuse_to_drop_unsent<C: ConnectionTrait>(db: &C) -> Result<(), DbErr> {
     let any_unsent = Query::select()
         .expr(Expr::val(1))
         .from(outbox::Entity)
         .and_where(Expr::col(outbox::Column::SentAt).is_null())
         .limit(1)
         .to_owned();
-    if manager
-        .get_connection()
-        .query_one(&any_unsent)
-        .await?
-        .is_some()
-    {
+    if db.query_one(&any_unsent).await?.is_some() {
         return Err(DbErr::Migration(format!(
             "{}: refusing to drop the outbox table while it holds unsent messages; their \
              transactions committed, and their messages would never be published. Let the \

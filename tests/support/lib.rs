@@ -40,8 +40,7 @@ use sea_orm::{
     Statement, TransactionSession, TransactionTrait,
 };
 use sea_orm_inbox::{
-    CLAIM_TRANSACTION, Claim, ClaimedMessage, InboxError, InboxMigration, InboxTransactionExt,
-    for_transaction_pooler,
+    CLAIM_TRANSACTION, Claim, ClaimedMessage, InboxTransactionExt, for_transaction_pooler,
 };
 use sea_orm_inbox_migration::Migrator;
 use sea_orm_migration::MigratorTrait;
@@ -519,30 +518,6 @@ pub async fn begin_and_claim(
         panic!("a fresh message is claimed");
     };
     (txn, claimed)
-}
-
-/// Claims a new message for `consumer` on a PostgreSQL database without the third
-/// migration's unique constraint: the claim needs it and must fail naming that migration.
-pub async fn claim_names_the_missing_constraint(conn: &DatabaseConnection, consumer: &str) {
-    let txn = conn
-        .begin_with_options(CLAIM_TRANSACTION)
-        .await
-        .expect("begin");
-    let claim = txn.claim_message(uuid::Uuid::new_v4(), consumer).await;
-    txn.rollback().await.expect("roll back");
-    let Err(err) = claim else {
-        panic!("the claim needs the constraint: {claim:?}")
-    };
-    assert!(
-        matches!(
-            err,
-            InboxError::MissingMigration {
-                migration: InboxMigration::InboxUniqueConstraint,
-                ..
-            }
-        ),
-        "{err:?}"
-    );
 }
 
 /// Runs the fixture script `script` (a cluster's start, stop or fault) with `args` under

@@ -137,27 +137,19 @@ pub(super) trait Dialect: Sync {
     fn columns_catalog(&self, table: &str) -> String;
 
     /// A catalog read of the key columns of `table`'s index named `index`, in key order:
-    /// column name (text), unique, partial (a WHERE clause or a column prefix), backs a
-    /// UNIQUE constraint of that name (each a bigint, 0 or 1). No rows when there is no
-    /// such index. Both names are the crate's own, never input.
+    /// column name (text), unique, partial (a WHERE clause or a column prefix) (each a
+    /// bigint, 0 or 1). No rows when there is no such index. Both names are the crate's
+    /// own, never input.
     fn index_catalog(&self, table: &str, index: &str) -> String;
-
-    /// Whether the inbox index must be a constraint for the claims' conflict clause.
-    fn conflict_needs_constraint(&self) -> bool;
 
     /// Whether a `consumer` column of `collation` compares names byte for byte.
     fn is_exact_consumer_collation(&self, collation: &str) -> bool;
 
     // Errors and the transaction's state.
 
-    /// The inbox migration a failed statement on the inbox in `table` shows missing: a
-    /// column it adds, or `table`'s constraint. `None` for any other error of this driver,
-    /// or one of another driver.
-    fn missing_migration(
-        &self,
-        db: &dyn DatabaseError,
-        table: &InboxTable,
-    ) -> Option<InboxMigration>;
+    /// The inbox migration a failed statement on the inbox shows missing: a column it
+    /// adds. `None` for any other error of this driver, or one of another driver.
+    fn missing_migration(&self, db: &dyn DatabaseError) -> Option<InboxMigration>;
 
     /// What a failed statement (`err`, a database's error) did to its transaction, seen
     /// `savepoint_depth` savepoints deep.

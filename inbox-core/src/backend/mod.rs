@@ -188,20 +188,15 @@ pub(crate) struct SchemaCatalog {
 }
 
 impl SchemaCatalog {
-    /// Whether the inbox index must back a constraint (PostgreSQL's conflict clause).
-    pub(crate) fn needs_constraint(&self) -> bool {
-        self.dialect.conflict_needs_constraint()
-    }
-
     /// Whether the `consumer` column's collation compares names byte for byte.
     pub(crate) fn is_exact_consumer_collation(&self, collation: &str) -> bool {
         self.dialect.is_exact_consumer_collation(collation)
     }
 }
 
-/// The inbox migration whose absence made a statement on the inbox in `table` fail (a
-/// column it adds, or PostgreSQL's constraint of that table), if that is why it failed.
-pub(crate) fn missing_migration(err: &DbErr, table: &InboxTable) -> Option<InboxMigration> {
+/// The inbox migration whose absence made a statement on the inbox fail (a column it
+/// adds), if that is why it failed.
+pub(crate) fn missing_migration(err: &DbErr) -> Option<InboxMigration> {
     let (DbErr::Exec(RuntimeErr::SqlxError(sqlx_err))
     | DbErr::Query(RuntimeErr::SqlxError(sqlx_err))) = err
     else {
@@ -220,7 +215,7 @@ pub(crate) fn missing_migration(err: &DbErr, table: &InboxTable) -> Option<Inbox
     ];
     dialects
         .iter()
-        .find_map(|dialect| dialect.missing_migration(db.as_ref(), table))
+        .find_map(|dialect| dialect.missing_migration(db.as_ref()))
 }
 
 /// What `Inbox::process` adds to its marker: the call's token and the transaction's

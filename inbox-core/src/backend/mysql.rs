@@ -263,15 +263,10 @@ impl Dialect for MySql {
     fn index_catalog(&self, table: &str, index: &str) -> String {
         format!(
             "SELECT CAST(COALESCE(column_name, '(expression)') AS CHAR), CAST(1 - non_unique AS SIGNED), \
-             CAST(sub_part IS NOT NULL AS SIGNED), CAST(1 AS SIGNED) FROM information_schema.statistics \
+             CAST(sub_part IS NOT NULL AS SIGNED) FROM information_schema.statistics \
              WHERE table_schema = DATABASE() AND table_name = '{table}' \
              AND index_name = '{index}' ORDER BY seq_in_index"
         )
-    }
-
-    /// `ON DUPLICATE KEY` meets any unique index.
-    fn conflict_needs_constraint(&self) -> bool {
-        false
     }
 
     /// Binary collations end in `_bin` (`utf8mb4_bin`, `utf8mb4_nopad_bin`), or are
@@ -282,11 +277,7 @@ impl Dialect for MySql {
 
     /// 1054 quotes the unknown column first (`Unknown column 'claim_token' in 'field
     /// list'`), in every language.
-    fn missing_migration(
-        &self,
-        db: &dyn DatabaseError,
-        _table: &InboxTable,
-    ) -> Option<InboxMigration> {
+    fn missing_migration(&self, db: &dyn DatabaseError) -> Option<InboxMigration> {
         const ER_BAD_FIELD_ERROR: u16 = 1054;
         let err = db.try_downcast_ref::<MySqlDatabaseError>()?;
         if err.number() != ER_BAD_FIELD_ERROR {

@@ -1,4 +1,4 @@
-//! PostgreSQL: `$n` placeholders, `ON CONFLICT ON CONSTRAINT ... DO NOTHING`, and the
+//! PostgreSQL: `$n` placeholders, `ON CONFLICT (message_id, consumer) DO NOTHING`, and the
 //! classifier that reads SQLSTATE codes and the violated constraint's name.
 
 use super::dialect::{
@@ -18,14 +18,18 @@ use std::time::Duration;
 pub(super) struct Postgres;
 
 impl Dialect for Postgres {
-    /// A duplicate conflicts on the inbox's constraint (by name: `ON CONFLICT ON
-    /// CONSTRAINT` takes a constraint, not a bare unique index, and
-    /// [`InboxUniqueConstraint`](crate::InboxMigration::InboxUniqueConstraint) attaches the
-    /// index as one) and returns no row instead of raising 23505, which the server would
-    /// log as an ERROR for every duplicate delivery (and which would abort the
-    /// transaction). It still waits for a transaction holding the same marker and learns
-    /// its outcome: committed, no row; rolled back, inserted. Only that constraint is the
-    /// arbiter: any other unique violation still raises.
+    /// A duplicate conflicts on the inbox's unique key and returns no row instead of
+    /// raising 23505, which the server would log as an ERROR for every duplicate delivery
+    /// (and which would abort the transaction). It still waits for a transaction holding
+    /// the same marker and learns its outcome: committed, no row; rolled back, inserted.
+    /// The arbiter is inferred from the columns, `(message_id, consumer)`: the unique index
+    /// [`CreateInbox`](crate::InboxMigration::CreateInbox) makes, and the constraint
+    /// [`InboxUniqueConstraint`](crate::InboxMigration::InboxUniqueConstraint) makes of it
+    /// alike, so a claim runs on the first migration's table as on the other backends.
+    /// Naming the constraint (`ON CONFLICT ON CONSTRAINT`) took a constraint only, and a
+    /// table without the third migration failed every claim. Only a unique key on exactly
+    /// those two columns is an arbiter: any other unique violation still raises, and is
+    /// told apart by its constraint's name.
     ///
     /// The INSERT also bounds its transaction with `set_config(.., true)`, i.e. `SET
     /// LOCAL`: the settings end with the transaction, so this is safe behind PgBouncer's
@@ -60,15 +64,15 @@ impl Dialect for Postgres {
         let sql = match &marker.process {
             None => {
                 values.push(Value::from(millis_text(marker.claim_silence)));
-                r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at") SELECT $1, $2, $3 WHERE set_config('idle_in_transaction_session_timeout', CASE WHEN current_setting('idle_in_transaction_session_timeout') = '0' OR current_setting('idle_in_transaction_session_timeout')::interval > $4::interval THEN $4 ELSE current_setting('idle_in_transaction_session_timeout') END, true) IS NOT NULL AND set_config('tcp_user_timeout', $4, true) IS NOT NULL ON CONFLICT ON CONSTRAINT "ix_inbox_message_id_consumer" DO NOTHING RETURNING "id""#
+                r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at") SELECT $1, $2, $3 WHERE set_config('idle_in_transaction_session_timeout', CASE WHEN current_setting('idle_in_transaction_session_timeout') = '0' OR current_setting('idle_in_transaction_session_timeout')::interval > $4::interval THEN $4 ELSE current_setting('idle_in_transaction_session_timeout') END, true) IS NOT NULL AND set_config('tcp_user_timeout', $4, true) IS NOT NULL ON CONFLICT ("message_id", "consumer") DO NOTHING RETURNING "id""#
             }
             Some(process) if process.bounded_connection => {
-                r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at", "claim_token") VALUES ($1, $2, $3, $4) ON CONFLICT ON CONSTRAINT "ix_inbox_message_id_consumer" DO NOTHING RETURNING "id""#
+                r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at", "claim_token") VALUES ($1, $2, $3, $4) ON CONFLICT ("message_id", "consumer") DO NOTHING RETURNING "id""#
             }
             Some(process) => {
                 values.push(Value::from(millis_text(process.lock_wait)));
                 values.push(Value::from(millis_text(process.silence)));
-                r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at", "claim_token") SELECT $1, $2, $3, $4 WHERE set_config('lock_timeout', CASE WHEN current_setting('lock_timeout') = '0' OR current_setting('lock_timeout')::interval > $5::interval THEN $5 ELSE current_setting('lock_timeout') END, true) IS NOT NULL AND set_config('idle_in_transaction_session_timeout', $6, true) IS NOT NULL AND set_config('tcp_user_timeout', $6, true) IS NOT NULL ON CONFLICT ON CONSTRAINT "ix_inbox_message_id_consumer" DO NOTHING RETURNING "id""#
+                r#"INSERT INTO "inbox" ("message_id", "consumer", "received_at", "claim_token") SELECT $1, $2, $3, $4 WHERE set_config('lock_timeout', CASE WHEN current_setting('lock_timeout') = '0' OR current_setting('lock_timeout')::interval > $5::interval THEN $5 ELSE current_setting('lock_timeout') END, true) IS NOT NULL AND set_config('idle_in_transaction_session_timeout', $6, true) IS NOT NULL AND set_config('tcp_user_timeout', $6, true) IS NOT NULL ON CONFLICT ("message_id", "consumer") DO NOTHING RETURNING "id""#
             }
         };
         (sql, values)
@@ -141,7 +145,7 @@ impl Dialect for Postgres {
             .map(|row| format!("({})", numbered(row * 4 + 1, 4)))
             .collect();
         BatchClaimSql::Returning(format!(
-            r#"INSERT INTO inbox (message_id, consumer, received_at, claim_token) VALUES {} ON CONFLICT ON CONSTRAINT "ix_inbox_message_id_consumer" DO NOTHING RETURNING message_id, consumer, claim_token"#,
+            r#"INSERT INTO inbox (message_id, consumer, received_at, claim_token) VALUES {} ON CONFLICT ("message_id", "consumer") DO NOTHING RETURNING message_id, consumer, claim_token"#,
             values.join(", ")
         ))
     }
@@ -151,7 +155,7 @@ impl Dialect for Postgres {
     }
 
     fn insert_lease(&self) -> &'static str {
-        r#"INSERT INTO inbox (message_id, consumer, received_at, attempts, lease_until, claim_token) VALUES ($1, $2, $3, 1, $4, $5) ON CONFLICT ON CONSTRAINT "ix_inbox_message_id_consumer" DO NOTHING"#
+        r#"INSERT INTO inbox (message_id, consumer, received_at, attempts, lease_until, claim_token) VALUES ($1, $2, $3, 1, $4, $5) ON CONFLICT ("message_id", "consumer") DO NOTHING"#
     }
 
     fn take_over_lease(&self) -> &'static str {
@@ -221,9 +225,7 @@ impl Dialect for Postgres {
     fn index_catalog(&self, table: &str, index: &str) -> String {
         format!(
             "SELECT COALESCE(a.attname::text, '(expression)'), i.indisunique::int::int8, \
-             (i.indpred IS NOT NULL)::int::int8, \
-             EXISTS (SELECT 1 FROM pg_constraint c WHERE c.conindid = i.indexrelid \
-             AND c.contype = 'u' AND c.conname = '{index}')::int::int8 \
+             (i.indpred IS NOT NULL)::int::int8 \
              FROM pg_index i JOIN pg_class ic ON ic.oid = i.indexrelid \
              CROSS JOIN LATERAL unnest(i.indkey::int2[]) WITH ORDINALITY AS k(attnum, ord) \
              LEFT JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum \
@@ -232,30 +234,16 @@ impl Dialect for Postgres {
         )
     }
 
-    /// `ON CONFLICT ON CONSTRAINT` names it.
-    fn conflict_needs_constraint(&self) -> bool {
-        true
-    }
-
     fn is_exact_consumer_collation(&self, _collation: &str) -> bool {
         true
     }
 
     /// 42703 names the missing column (`column "claim_token" of relation "inbox" does not
-    /// exist`); 42704 names the missing constraint of `ON CONFLICT ON CONSTRAINT`. The
-    /// quotes follow `lc_messages`, so both are found as whole identifiers; the constraint
-    /// is `table`'s own, whose name follows the table's.
-    fn missing_migration(
-        &self,
-        db: &dyn DatabaseError,
-        table: &InboxTable,
-    ) -> Option<InboxMigration> {
+    /// exist`; the quotes follow `lc_messages`, so it is found as a whole identifier).
+    fn missing_migration(&self, db: &dyn DatabaseError) -> Option<InboxMigration> {
         let err = db.try_downcast_ref::<PgDatabaseError>()?;
         match err.code() {
             "42703" => migration_of_column_named_in(err.message()),
-            "42704" if names_identifier(err.message(), table.unique_index()) => {
-                Some(InboxMigration::InboxUniqueConstraint)
-            }
             _ => None,
         }
     }
@@ -477,7 +465,7 @@ fn names_inbox_table(message: &str, name: &str) -> bool {
 mod tests {
     use super::*;
     use crate::backend::ProcessMarker;
-    use sea_orm_inbox_entity::{INDEX_NAME, TABLE_NAME};
+    use sea_orm_inbox_entity::TABLE_NAME;
 
     /// The NOTIFY carries no bind (a transaction pooler cannot carry one outside a
     /// transaction), so the channel is a literal whose quotes cannot end it.
@@ -493,11 +481,12 @@ mod tests {
         );
     }
 
-    /// Every statement that may meet an existing marker arbitrates on the inbox's
-    /// constraint, by the name the entity crate gives it, and on nothing else.
+    /// Every statement that may meet an existing marker arbitrates on the inbox's unique
+    /// key, inferred from its two columns (the first migration's index and the third's
+    /// constraint alike), and on nothing else.
     #[test]
-    fn every_marker_insert_arbitrates_on_the_inbox_constraint() {
-        let clause = format!(r#" ON CONFLICT ON CONSTRAINT "{INDEX_NAME}" DO NOTHING"#);
+    fn every_marker_insert_arbitrates_on_the_inbox_key() {
+        let clause = r#" ON CONFLICT ("message_id", "consumer") DO NOTHING"#;
         let marker = |process| {
             Postgres
                 .claim_marker(Marker {
@@ -526,7 +515,7 @@ mod tests {
             Postgres.insert_lease().to_owned(),
             batch,
         ] {
-            assert!(sql.contains(&clause), "{sql}");
+            assert!(sql.contains(clause), "{sql}");
         }
     }
 

@@ -148,27 +148,18 @@ impl Dialect for Sqlite {
     /// An expression key has no column name.
     fn index_catalog(&self, table: &str, index: &str) -> String {
         format!(
-            "SELECT COALESCE(ii.name, '(expression)'), il.\"unique\", il.partial, 1 \
+            "SELECT COALESCE(ii.name, '(expression)'), il.\"unique\", il.partial \
              FROM pragma_index_list('{table}') AS il \
              JOIN pragma_index_info('{index}') AS ii \
              WHERE il.name = '{index}' ORDER BY ii.seqno"
         )
     }
 
-    /// `ON CONFLICT (message_id, consumer)` infers the unique index.
-    fn conflict_needs_constraint(&self) -> bool {
-        false
-    }
-
     fn is_exact_consumer_collation(&self, _collation: &str) -> bool {
         true
     }
 
-    fn missing_migration(
-        &self,
-        db: &dyn DatabaseError,
-        _table: &InboxTable,
-    ) -> Option<InboxMigration> {
+    fn missing_migration(&self, db: &dyn DatabaseError) -> Option<InboxMigration> {
         let err = db.try_downcast_ref::<SqliteError>()?;
         migration_of_column_named_in(missing_column(err.message())?)
     }

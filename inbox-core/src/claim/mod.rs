@@ -31,7 +31,7 @@ use single::unresponsive_within;
 ///
 /// After [`Duplicate`](Claim::Duplicate) the transaction must be rolled back (or dropped,
 /// which rolls it back). The claim raised nothing into it (PostgreSQL's claim detects the
-/// duplicate with `ON CONFLICT ON CONSTRAINT`; MySQL/MariaDB and SQLite keep a transaction
+/// duplicate with `ON CONFLICT (message_id, consumer) DO NOTHING`; MySQL/MariaDB and SQLite keep a transaction
 /// usable after a unique violation), so it is still usable: a caller who ignores
 /// `Duplicate` and commits applies the work a second time. Acknowledge the message to the
 /// broker either way: a duplicate is a success.
@@ -145,8 +145,8 @@ pub trait InboxTransactionExt: sealed::Sealed {
     ///
     /// Returns [`Claim::Claimed`] when this transaction now holds it, and
     /// [`Claim::Duplicate`] only when the insert met the marker on the inbox index
-    /// `ix_inbox_message_id_consumer` (on PostgreSQL through `ON CONFLICT ON CONSTRAINT`,
-    /// so the server logs no error for a duplicate; elsewhere as the unique violation the
+    /// `ix_inbox_message_id_consumer` (on PostgreSQL through `ON CONFLICT (message_id,
+    /// consumer)`, which infers that index, so the server logs no error for a duplicate; elsewhere as the unique violation the
     /// database raised on that index). On PostgreSQL under REPEATABLE READ or SERIALIZABLE,
     /// a marker committed after the transaction's snapshot was taken fails the claim with a
     /// serialization failure (40001, which [`crate::classify`] calls transient) instead:
@@ -188,9 +188,8 @@ pub trait InboxTransactionExt: sealed::Sealed {
     /// - [`InboxError::EmptyConsumer`], [`InboxError::ConsumerNotTrimmed`],
     ///   [`InboxError::ConsumerContainsNul`], [`InboxError::ConsumerTooLong`],
     ///   [`InboxError::NilMessageId`] before any SQL runs;
-    /// - [`InboxError::MissingTable`] when the migration has not run;
-    /// - [`InboxError::MissingMigration`] when a later inbox migration has not run (on
-    ///   PostgreSQL: [`InboxUniqueConstraint`](crate::InboxMigration::InboxUniqueConstraint));
+    /// - [`InboxError::MissingTable`] when the migration has not run (the claim needs only
+    ///   [`CreateInbox`](crate::InboxMigration::CreateInbox), on every backend);
     ///   [`crate::verify_schema`] finds it at startup;
     /// - [`InboxError::DatabaseUnresponsive`] (step `the claim`) when the database did not
     ///   answer within [`Inbox::DEFAULT_PARTITION_TIMEOUT`](crate::Inbox::DEFAULT_PARTITION_TIMEOUT);
@@ -212,8 +211,8 @@ pub trait InboxTransactionExt: sealed::Sealed {
     ///
     /// The ids are deduplicated and sorted first, so replicas claiming overlapping batches
     /// lock index entries in the same order (no deadlock between them). A row that exists
-    /// for an id leaves it unchanged and raises nothing (PostgreSQL: `ON CONFLICT ON
-    /// CONSTRAINT ix_inbox_message_id_consumer DO NOTHING`; SQLite: `ON CONFLICT DO NOTHING`; MySQL:
+    /// for an id leaves it unchanged and raises nothing (PostgreSQL: `ON CONFLICT
+    /// (message_id, consumer) DO NOTHING`; SQLite: `ON CONFLICT DO NOTHING`; MySQL:
     /// `ON DUPLICATE KEY UPDATE consumer = consumer`), so the transaction stays usable:
     /// process the `claimed` ids through this transaction, stopping at the first failed
     /// statement, then commit with [`BatchClaim::commit`](crate::BatchClaim::commit), which

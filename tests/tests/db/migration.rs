@@ -231,108 +231,243 @@ async fn down_refuses_to_drop_markers_until_they_are_deleted(backend: Backend) {
     .await;
 }
 
-/// A rollback of every migration (`migrate down -n 4`) while the inbox holds a marker
-/// stops at the first of the inbox's migrations, before it changes anything: the lease
-/// columns and PostgreSQL's constraint stay, `verify_schema` still passes, the three stay
-/// recorded; the same for an inbox in a table of its own, named in the refusal.
-///
-/// Open (issue 29 item 10): making the first inbox down refuse while markers exist fixes
-/// this (seen: the lease and constraint migrations were rolled back before CreateInbox
-/// refused, on all three backends), but breaks the documented downgrade that
-/// `upgrade::*` checks (`down -n 2` with markers, rows kept): a down cannot know how
-/// many steps its run has left. The lead decides which contract wins.
-async fn down_with_markers_refuses_before_changing_the_inbox(backend: Backend) {
-    with_fresh_db(backend, async |db| {
-        let conn = db.connect().await;
-        MigratorWithOutbox::up(&conn, None).await.expect("up");
-        let marker = |table: &str| {
-            format!("INSERT INTO {table} (message_id, consumer, received_at) VALUES (?, 'kept', ?)")
-        };
-        let values = || {
+mod half_rollback {
+    //! A rollback reaching `CreateInbox` while the inbox holds a marker (or `CreateOutbox`
+    //! while the outbox holds an unsent row) refuses before it changes anything, through
+    //! `down`, `reset` and `refresh`; one that stops short of them goes through, rows and
+    //! all (the documented downgrade `upgrade::*` checks). Before (issue 29 item 10): the
+    //! later migrations were rolled back one by one until `CreateInbox`'s own `down`
+    //! refused, leaving the lease columns and PostgreSQL's constraint dropped.
+
+    use super::*;
+    use sea_orm_inbox_migration::rollback;
+    use sea_orm_migration::{IntoSchemaManagerConnection, MigrationTrait};
+
+    /// An application's own migrator: the library's migrations, then those of a second
+    /// inbox in `app_inbox`; its rollbacks run the guard first, as the guide tells
+    /// applications to write them.
+    struct AppMigrator;
+
+    #[sea_orm_migration::async_trait::async_trait]
+    impl MigratorTrait for AppMigrator {
+        fn migrations() -> Vec<Box<dyn MigrationTrait>> {
+            let mut migrations = MigratorWithOutbox::migrations();
+            migrations.extend(inbox_migrations(&app_inbox()));
+            migrations
+        }
+
+        async fn down<'c, C>(db: C, steps: Option<u32>) -> Result<(), sea_orm::DbErr>
+        where
+            C: IntoSchemaManagerConnection<'c>,
+        {
+            rollback::down::<Self, C>(db, steps).await
+        }
+
+        async fn reset<'c, C>(db: C) -> Result<(), sea_orm::DbErr>
+        where
+            C: IntoSchemaManagerConnection<'c>,
+        {
+            rollback::reset::<Self, C>(db).await
+        }
+
+        async fn refresh<'c, C>(db: C) -> Result<(), sea_orm::DbErr>
+        where
+            C: IntoSchemaManagerConnection<'c>,
+        {
+            rollback::refresh::<Self, C>(db).await
+        }
+    }
+
+    fn app_inbox() -> InboxTable {
+        InboxTable::named("app_inbox").expect("a valid name")
+    }
+
+    async fn insert_marker(conn: &sea_orm::DatabaseConnection, table: &str) {
+        let backend = conn.get_database_backend();
+        conn.execute_raw(stmt(
+            backend,
+            &format!(
+                "INSERT INTO {table} (message_id, consumer, received_at) VALUES (?, 'kept', ?)"
+            ),
             vec![
                 uuid::Uuid::new_v4().into(),
-                timestamp_value(conn.get_database_backend(), Utc::now()),
-            ]
-        };
-        conn.execute_raw(stmt(
-            conn.get_database_backend(),
-            &marker("inbox"),
-            values(),
+                timestamp_value(backend, Utc::now()),
+            ],
         ))
         .await
         .expect("insert a marker");
+    }
 
-        let refused = MigratorWithOutbox::down(&conn, Some(4))
-            .await
-            .expect_err("the rollback must stop at the inbox");
-        assert!(
-            matches!(&refused, sea_orm::DbErr::Migration(message)
-                if message.contains("DELETE FROM inbox")),
-            "{refused:?}"
-        );
-        let applied: Vec<String> = Migrator::get_applied_migrations(&conn)
+    async fn insert_unsent(conn: &sea_orm::DatabaseConnection) {
+        let backend = conn.get_database_backend();
+        conn.execute_raw(stmt(
+            backend,
+            "INSERT INTO outbox (message_id, destination, payload, headers, created_at, available_at) \
+             VALUES (?, 'orders', ?, '{}', ?, ?)",
+            vec![
+                uuid::Uuid::new_v4().into(),
+                b"unsent".to_vec().into(),
+                timestamp_value(backend, Utc::now()),
+                timestamp_value(backend, Utc::now()),
+            ],
+        ))
+        .await
+        .expect("insert an unsent outbox row");
+    }
+
+    async fn applied<M: MigratorTrait>(conn: &sea_orm::DatabaseConnection) -> Vec<String> {
+        M::get_applied_migrations(conn)
             .await
             .expect("applied")
             .iter()
             .map(|migration| migration.name().to_owned())
+            .collect()
+    }
+
+    /// Every migration of `MigratorWithOutbox` recorded, and the schema as they leave it:
+    /// the inbox passes the startup check, the outbox has its last migration's column.
+    async fn nothing_rolled_back(conn: &sea_orm::DatabaseConnection, after: &str) {
+        let all: Vec<String> = MigratorWithOutbox::migrations()
+            .iter()
+            .map(|migration| migration.name().to_owned())
             .collect();
-        for name in [
-            "m20261130_000001_create_inbox",
-            "m20261130_000002_add_inbox_leases",
-            "m20261201_000003_inbox_unique_constraint",
-        ] {
-            assert!(
-                applied.iter().any(|applied| applied == name),
-                "{name}: {applied:?}"
-            );
-        }
-        verify_schema(&conn)
+        assert_eq!(applied::<MigratorWithOutbox>(conn).await, all, "{after}");
+        verify_schema(conn)
             .await
-            .expect("the inbox is as the three migrations left it");
-
-        let table = InboxTable::named("app_inbox").expect("a valid name");
-        AppInbox::up(&conn, None).await.expect("up app_inbox");
-        conn.execute_raw(stmt(
-            conn.get_database_backend(),
-            &marker("app_inbox"),
-            values(),
-        ))
-        .await
-        .expect("insert a marker");
-        let refused = AppInbox::down(&conn, Some(3))
-            .await
-            .expect_err("the rollback must stop at app_inbox");
-        assert!(
-            matches!(&refused, sea_orm::DbErr::Migration(message)
-                if message.contains("app_inbox") && message.contains("DELETE FROM app_inbox")),
-            "{refused:?}"
+            .unwrap_or_else(|err| panic!("{after}: the inbox as its migrations left it: {err}"));
+        assert_eq!(
+            scalar_i64(
+                conn,
+                "SELECT COUNT(*) FROM outbox WHERE first_published_at IS NULL"
+            )
+            .await,
+            1,
+            "{after}: the outbox and its unsent row as they were"
         );
-        verify_schema_in(&conn, &table)
-            .await
-            .expect("app_inbox is as its three migrations left it");
-    })
-    .await;
-}
-
-mod half_rollback {
-    use super::*;
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-    #[ignore = "open defect (issue 29 item 10): conflicts with the downgrade upgrade::* keeps; see the doc of down_with_markers_refuses_before_changing_the_inbox"]
-    async fn down_with_markers_refuses_before_changing_the_inbox() {
-        for backend in [Backend::Sqlite, Backend::Postgres, Backend::MySql] {
-            super::down_with_markers_refuses_before_changing_the_inbox(backend).await;
-        }
+        assert_eq!(
+            scalar_i64(conn, "SELECT COUNT(*) FROM inbox").await,
+            1,
+            "{after}"
+        );
     }
-}
 
-/// The inbox migrations of `app_inbox` alone.
-struct AppInbox;
-
-impl MigratorTrait for AppInbox {
-    fn migrations() -> Vec<Box<dyn sea_orm_migration::MigrationTrait>> {
-        inbox_migrations(&InboxTable::named("app_inbox").expect("a valid name"))
+    fn refused_naming(refused: &sea_orm::DbErr, opt_ins: &[&str]) {
+        assert!(
+            matches!(refused, sea_orm::DbErr::Migration(message)
+                if opt_ins.iter().all(|opt_in| message.contains(opt_in))),
+            "{refused:?} names {opt_ins:?}"
+        );
     }
+
+    pub(super) async fn down_with_markers_refuses_before_changing_the_inbox(backend: Backend) {
+        with_fresh_db(backend, async |db| {
+            let conn = db.connect().await;
+            MigratorWithOutbox::up(&conn, None).await.expect("up");
+            insert_marker(&conn, "inbox").await;
+            insert_unsent(&conn).await;
+
+            let both = [
+                "DELETE FROM inbox",
+                "DELETE FROM outbox WHERE sent_at IS NULL",
+            ];
+            let refused = MigratorWithOutbox::down(&conn, None)
+                .await
+                .expect_err("the rollback must refuse before the outbox and the inbox");
+            refused_naming(&refused, &both);
+            nothing_rolled_back(&conn, "down").await;
+            let refused = MigratorWithOutbox::reset(&conn)
+                .await
+                .expect_err("reset must refuse");
+            refused_naming(&refused, &both);
+            nothing_rolled_back(&conn, "reset").await;
+            let refused = MigratorWithOutbox::refresh(&conn)
+                .await
+                .expect_err("refresh must refuse");
+            refused_naming(&refused, &both);
+            nothing_rolled_back(&conn, "refresh").await;
+            let refused = Migrator::down(&conn, None)
+                .await
+                .expect_err("the inbox's own migrator must refuse");
+            refused_naming(&refused, &["DELETE FROM inbox"]);
+            nothing_rolled_back(&conn, "Migrator::down").await;
+
+            // Two steps reach CreateOutbox (its unsent row), one does not.
+            let refused = MigratorWithOutbox::down(&conn, Some(2))
+                .await
+                .expect_err("two steps reach the outbox");
+            refused_naming(&refused, &["DELETE FROM outbox WHERE sent_at IS NULL"]);
+            nothing_rolled_back(&conn, "down -n 2").await;
+            MigratorWithOutbox::down(&conn, Some(1))
+                .await
+                .expect("one step stops short of CreateOutbox");
+            MigratorWithOutbox::up(&conn, None).await.expect("up again");
+
+            // With the row sent, four steps stop short of CreateInbox and go through.
+            conn.execute_unprepared("UPDATE outbox SET sent_at = available_at")
+                .await
+                .expect("mark the row sent");
+            MigratorWithOutbox::down(&conn, Some(4))
+                .await
+                .expect("four steps stop short of CreateInbox");
+            assert_eq!(
+                applied::<MigratorWithOutbox>(&conn).await,
+                ["m20261130_000001_create_inbox"]
+            );
+            assert_eq!(scalar_i64(&conn, "SELECT COUNT(*) FROM inbox").await, 1);
+            let refused = MigratorWithOutbox::down(&conn, Some(1))
+                .await
+                .expect_err("the last step reaches CreateInbox");
+            refused_naming(&refused, &["DELETE FROM inbox"]);
+            assert_eq!(inbox_table_count(backend, &conn).await, 1);
+            MigratorWithOutbox::up(&conn, Some(2))
+                .await
+                .expect("the inbox upgraded again");
+
+            // An inbox in a table of its own, through the application's own migrator.
+            AppMigrator::up(&conn, None).await.expect("up app_inbox");
+            insert_marker(&conn, "app_inbox").await;
+            let app_inbox_opt_in = [
+                "m20261130_000001_create_inbox:app_inbox",
+                "DELETE FROM app_inbox",
+            ];
+            let refused = AppMigrator::down(&conn, Some(3))
+                .await
+                .expect_err("three steps reach app_inbox's CreateInbox");
+            refused_naming(&refused, &app_inbox_opt_in);
+            assert!(
+                !matches!(&refused, sea_orm::DbErr::Migration(message)
+                    if message.contains("DELETE FROM inbox")),
+                "three steps do not reach the default inbox: {refused:?}"
+            );
+            for (what, refused) in [
+                ("reset", AppMigrator::reset(&conn).await),
+                ("refresh", AppMigrator::refresh(&conn).await),
+            ] {
+                let refused = refused.expect_err(what);
+                refused_naming(&refused, &app_inbox_opt_in);
+                refused_naming(&refused, &["DELETE FROM inbox"]);
+            }
+            assert_eq!(
+                applied::<AppMigrator>(&conn).await.len(),
+                AppMigrator::migrations().len()
+            );
+            verify_schema_in(&conn, &app_inbox())
+                .await
+                .expect("app_inbox as its migrations left it");
+            verify_schema(&conn).await.expect("inbox as it was");
+            AppMigrator::down(&conn, Some(2))
+                .await
+                .expect("two steps stop short of app_inbox's CreateInbox");
+            assert_eq!(
+                applied::<AppMigrator>(&conn).await.len(),
+                AppMigrator::migrations().len() - 2
+            );
+            assert_eq!(scalar_i64(&conn, "SELECT COUNT(*) FROM app_inbox").await, 1);
+        })
+        .await;
+    }
+
+    on_every_backend!(down_with_markers_refuses_before_changing_the_inbox);
 }
 
 on_every_backend!(

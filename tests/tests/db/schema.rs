@@ -2,11 +2,8 @@
 //! index, or the collation) to fix, on every backend; and the per-message error for a
 //! migration that has not run names it too, instead of generic advice.
 
-use inbox_tests::{
-    Backend, claim_names_the_missing_constraint, on_every_backend, run, with_fresh_db,
-    with_migrated_db,
-};
-use sea_orm::DbErr;
+use inbox_tests::{Backend, on_every_backend, run, with_fresh_db, with_migrated_db};
+use sea_orm::{ConnectionTrait, DbErr, TransactionTrait};
 use sea_orm_inbox::prelude::*;
 use sea_orm_inbox::{InboxMigration, ProcessError, SchemaError, verify_schema};
 use sea_orm_inbox_entity::INDEX_NAME;
@@ -148,29 +145,50 @@ on_every_backend!(
     names_the_missing_index,
     refuses_an_index_on_other_columns,
     refuses_a_non_unique_index,
+    needs_no_third_migration,
 );
 
-/// PostgreSQL's claims need the inbox index as a constraint: without the third migration
-/// the startup check and the claim both name it.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[cfg_attr(not(inbox_postgres), ignore = "set INBOX_TEST_POSTGRES_URL")]
-async fn postgres_names_the_unique_constraint_migration() {
-    with_fresh_db(Backend::Postgres, async |db| {
+/// The startup check demands the same migrations on every backend, the first two: without
+/// the third (PostgreSQL's constraint; a no-op elsewhere) it passes, and the claims work
+/// on the first migration's index: a new message is claimed, a duplicate is `Duplicate`
+/// with the transaction still usable. Before, on PostgreSQL: `MissingMigration
+/// (InboxUniqueConstraint)` from the check and from every claim.
+async fn needs_no_third_migration(backend: Backend) {
+    with_fresh_db(backend, async |db| {
         let conn = db.connect().await;
         Migrator::up(&conn, Some(2)).await.expect("two migrations");
-        let err = verify_schema(&conn).await.expect_err("no constraint");
-        assert!(
-            matches!(
-                err,
-                SchemaError::MissingMigration {
-                    migration: InboxMigration::InboxUniqueConstraint,
-                    ..
-                }
-            ),
-            "{err:?}"
-        );
+        verify_schema(&conn)
+            .await
+            .expect("the first two migrations are what the claims need");
 
-        claim_names_the_missing_constraint(&conn, "schema.claim").await;
+        let id = Uuid::new_v4();
+        let txn = conn
+            .begin_with_options(CLAIM_TRANSACTION)
+            .await
+            .expect("begin");
+        let Claim::Claimed(claimed) = txn.claim_message(id, "schema.claim").await.expect("claim")
+        else {
+            panic!("a new message is claimed")
+        };
+        claimed.commit(txn).await.expect("commit");
+        let txn = conn
+            .begin_with_options(CLAIM_TRANSACTION)
+            .await
+            .expect("begin");
+        let again = txn.claim_message(id, "schema.claim").await.expect("claim");
+        assert!(again.is_duplicate(), "{again:?}");
+        txn.execute_unprepared("SELECT 1")
+            .await
+            .expect("the duplicate raised nothing into the transaction");
+        txn.rollback().await.expect("roll back");
+        let inbox = Inbox::new("schema.process").expect("a valid consumer");
+        for expected in [Outcome::Processed(()), Outcome::Duplicate] {
+            let outcome = inbox
+                .process(&conn, id, |_txn| Box::pin(async { Ok::<_, DbErr>(()) }))
+                .await
+                .expect("process");
+            assert_eq!(outcome, expected);
+        }
 
         Migrator::up(&conn, None)
             .await
