@@ -68,7 +68,11 @@ pub fn bound_connections<'o>(
     options
 }
 
-/// Installs `bounds` in the pool's hook for its backend.
+/// Installs `bounds` in the pool's hook for its backend (a SQLite-only build has none).
+#[cfg_attr(
+    not(any(feature = "postgres", feature = "mysql")),
+    allow(unused_variables)
+)]
 fn install(options: &mut ConnectOptions, bounds: ConnectionBounds) {
     match bounds {
         #[cfg(feature = "postgres")]

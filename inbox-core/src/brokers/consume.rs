@@ -16,6 +16,7 @@ use crate::{BoxError, InboxError, NackDelay};
 use crate::{Delivery, HandlerFuture, Inbox, MessageId, ObservedTransaction, Outcome, Settlement};
 #[cfg(any(feature = "lapin", feature = "async-nats", feature = "aws-sdk-sqs"))]
 use sea_orm::DatabaseConnection;
+#[cfg(any(feature = "lapin", feature = "async-nats", feature = "aws-sdk-sqs"))]
 use std::convert::Infallible;
 use std::fmt;
 #[cfg(any(feature = "lapin", feature = "async-nats", feature = "aws-sdk-sqs"))]
