@@ -460,9 +460,9 @@ async fn kafka_table(bootstrap: &str, args: &Args) -> Result<(), BoxError> {
         rows.push(result?);
     }
     println!(
-        "\n| backend | records | KafkaInbox::run records/s | hand-written consumer records/s | ratio |"
+        "\n| backend | records | KafkaInbox::run records/s | KafkaGroupConsumer records/s | hand-written consumer records/s | run / hand | loop / hand |"
     );
-    println!("| --- | ---: | ---: | ---: | ---: |");
+    println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
     for row in rows {
         println!("{row}");
     }

@@ -1,11 +1,12 @@
-//! `--kafka <bootstrap>`: records per second through `KafkaInbox::run` (the inbox marker,
-//! the business write and the offset advance in one transaction) against the consumer a
+//! `--kafka <bootstrap>`: records per second through `KafkaInbox::run` and through the
+//! consumer loop `KafkaGroupConsumer` (each: the inbox marker, the business write and the
+//! offset advance in one transaction) against the consumer a
 //! team writes by hand: the same business write in a transaction of its own, then the
 //! offset committed to Kafka (asynchronously) after each database commit: at least once,
 //! no marker, no offset table.
 //!
 //! Each round reads the same topic of `--messages` records (one partition) once per mode
-//! under a consumer group of its own, the modes in alternating order; a rate is timed from
+//! under a consumer group of its own, the modes in rotating order; a rate is timed from
 //! the first record handed to the code to the last database commit, so the group join
 //! (seconds on Tansu) is left out.
 
@@ -17,7 +18,7 @@ use rdkafka::{ClientConfig, Message};
 use sea_orm::sea_query::{Alias, Query};
 use sea_orm::{ConnectionTrait, DatabaseConnection, TransactionTrait};
 use sea_orm_inbox::Inbox;
-use sea_orm_inbox::kafka::{self, KafkaInbox, stored_offset};
+use sea_orm_inbox::kafka::{self, KafkaGroupConsumer, KafkaInbox, stored_offset};
 use sea_orm_inbox_migration::{CreateKafkaOffsets, MigratorTrait};
 use sea_orm_migration::{MigrationTrait, SchemaManager};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -76,7 +77,71 @@ async fn produce(bootstrap: &str, records: usize) -> Result<String, BoxError> {
     Ok(topic)
 }
 
-/// Records per second through `KafkaInbox::run`, until the stored offset reaches the end.
+/// Waits until the handlers counted `records` and the stored offset reached the end, and
+/// returns when that was seen. Counted by the handler, so the database is read only at the
+/// end: a query every few milliseconds through the run would slow the loop it measures.
+fn watch_until_stored(
+    db: &DatabaseConnection,
+    group: &str,
+    topic: &str,
+    records: usize,
+    handled: Arc<AtomicUsize>,
+) -> tokio::task::JoinHandle<Instant> {
+    let (watcher, group, topic) = (db.clone(), group.to_owned(), topic.to_owned());
+    let end = records as i64;
+    tokio::spawn(async move {
+        let begun = Instant::now();
+        while handled.load(Ordering::SeqCst) < records && begun.elapsed() < DEADLINE {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        loop {
+            let stored = stored_offset(&watcher, &group, &topic, 0).await;
+            if matches!(stored, Ok(Some(stored)) if stored == end) || begun.elapsed() > DEADLINE {
+                return Instant::now();
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+}
+
+/// The library's handler: the business write, timed from the first record, counted.
+fn timed_handler(
+    first: &Arc<OnceLock<Instant>>,
+    handled: &Arc<AtomicUsize>,
+) -> impl for<'t> Fn(
+    &'t sea_orm_inbox::ObservedTransaction,
+    Arc<rdkafka::message::OwnedMessage>,
+) -> sea_orm_inbox::HandlerFuture<'t, (), BoxError>
++ Send
++ Sync
++ 'static {
+    let (first, handled) = (Arc::clone(first), Arc::clone(handled));
+    move |txn, record| {
+        first.get_or_init(Instant::now);
+        let handled = Arc::clone(&handled);
+        Box::pin(async move {
+            business_write(txn, record.offset()).await?;
+            handled.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        })
+    }
+}
+
+/// Records per second from the first record handed to the handler to the moment the
+/// watcher saw the last offset stored.
+fn rate(
+    records: usize,
+    first: &OnceLock<Instant>,
+    finished: Option<Instant>,
+) -> Result<f64, BoxError> {
+    match (first.get(), finished) {
+        (Some(first), Some(last)) => Ok(records as f64 / (last - *first).as_secs_f64()),
+        _ => Err("the library's loop was not timed".into()),
+    }
+}
+
+/// Records per second through `KafkaInbox::run` (one record at a time), until the stored
+/// offset reaches the end.
 async fn library_run(
     db: &DatabaseConnection,
     bootstrap: &str,
@@ -88,56 +153,50 @@ async fn library_run(
     let kafka = KafkaInbox::new(Inbox::new(format!("bench.kafka.{run}"))?, &group)?;
     let consumer = kafka.consumer(&config(bootstrap))?;
     consumer.subscribe(&[topic])?;
-    let first = Arc::new(OnceLock::new());
-    let started = Arc::clone(&first);
-    // Counted by the handler, so the watcher reads the database only at the end: a query
-    // every few milliseconds through the run would slow the loop it measures.
-    let handled = Arc::new(AtomicUsize::new(0));
-    let counted = Arc::clone(&handled);
-    let (watcher, watched_topic) = (db.clone(), topic.to_owned());
-    let end = records as i64;
-    let done = tokio::spawn(async move {
-        let begun = Instant::now();
-        while handled.load(Ordering::SeqCst) < records && begun.elapsed() < DEADLINE {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-        loop {
-            let stored = stored_offset(&watcher, &group, &watched_topic, 0).await;
-            if matches!(stored, Ok(Some(stored)) if stored == end) || begun.elapsed() > DEADLINE {
-                return Instant::now();
-            }
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-    });
+    let (first, handled) = (Arc::new(OnceLock::new()), Arc::new(AtomicUsize::new(0)));
+    let done = watch_until_stored(db, &group, topic, records, Arc::clone(&handled));
+    let handler = timed_handler(&first, &handled);
     let finished = Arc::new(OnceLock::new());
     let finished_at = Arc::clone(&finished);
     let report = kafka
-        .run(
-            &consumer,
-            db,
-            move |txn, record| {
-                started.get_or_init(Instant::now);
-                let counted = Arc::clone(&counted);
-                Box::pin(async move {
-                    business_write(txn, record.offset()).await?;
-                    counted.fetch_add(1, Ordering::SeqCst);
-                    Ok(())
-                })
-            },
-            async move {
-                if let Ok(at) = done.await {
-                    finished_at.get_or_init(|| at);
-                }
-            },
-        )
+        .run(&consumer, db, handler, async move {
+            if let Ok(at) = done.await {
+                finished_at.get_or_init(|| at);
+            }
+        })
         .await?;
     if report.processed != records as u64 {
         return Err(format!("the library's loop processed {report:?} of {records}").into());
     }
-    match (first.get(), finished.get()) {
-        (Some(first), Some(last)) => Ok(records as f64 / (*last - *first).as_secs_f64()),
-        _ => Err("the library's loop was not timed".into()),
+    rate(records, &first, finished.get().copied())
+}
+
+/// Records per second through `KafkaGroupConsumer`, the consumer loop users run (its
+/// partition task, semaphore and post-commit Kafka commit included).
+async fn group_run(
+    db: &DatabaseConnection,
+    bootstrap: &str,
+    topic: &str,
+    records: usize,
+) -> Result<f64, BoxError> {
+    let run = uuid::Uuid::new_v4().simple().to_string();
+    let group = format!("loop-{run}");
+    let kafka = KafkaInbox::new(Inbox::new(format!("bench.kafka.{run}"))?, &group)?;
+    let (first, handled) = (Arc::new(OnceLock::new()), Arc::new(AtomicUsize::new(0)));
+    let done = watch_until_stored(db, &group, topic, records, Arc::clone(&handled));
+    let finished = Arc::new(OnceLock::new());
+    let finished_at = Arc::clone(&finished);
+    let summary = KafkaGroupConsumer::new(kafka, &config(bootstrap), [topic])
+        .run(db.clone(), timed_handler(&first, &handled), async move {
+            if let Ok(at) = done.await {
+                finished_at.get_or_init(|| at);
+            }
+        })
+        .await?;
+    if summary.processed != records as u64 {
+        return Err(format!("the consumer loop processed {summary} of {records}").into());
     }
+    rate(records, &first, finished.get().copied())
 }
 
 /// Records per second through the hand-written consumer: business write, COMMIT, then
@@ -185,31 +244,37 @@ pub async fn bench(
     db.execute_unprepared("CREATE TABLE bench_kafka_effect (kafka_offset BIGINT NOT NULL)")
         .await?;
     let topic = produce(bootstrap, records).await?;
-    let (mut library, mut hand, mut ratio) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut one_at_a_time, mut group, mut hand) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut one_at_a_time_ratio, mut group_ratio) = (Vec::new(), Vec::new());
     for round in 0..rounds {
-        let (by_library, by_hand) = if round % 2 == 0 {
-            let by_library = library_run(&db, bootstrap, &topic, records).await?;
-            (
-                by_library,
-                hand_written_run(&db, bootstrap, &topic, records).await?,
-            )
-        } else {
-            let by_hand = hand_written_run(&db, bootstrap, &topic, records).await?;
-            (library_run(&db, bootstrap, &topic, records).await?, by_hand)
-        };
+        // The order rotates, so no mode always runs first (on a cold cache) or last.
+        let mut rates = [0.0; 3];
+        for step in 0..3 {
+            let mode = (round + step) % 3;
+            rates[mode] = match mode {
+                0 => library_run(&db, bootstrap, &topic, records).await?,
+                1 => group_run(&db, bootstrap, &topic, records).await?,
+                _ => hand_written_run(&db, bootstrap, &topic, records).await?,
+            };
+        }
+        let [by_run, by_group, by_hand] = rates;
         println!(
-            "  round {round}: library {by_library:.0} records/s, hand-written {by_hand:.0} records/s"
+            "  round {round}: KafkaInbox::run {by_run:.0} records/s, KafkaGroupConsumer {by_group:.0} records/s, hand-written {by_hand:.0} records/s"
         );
-        library.push(by_library);
+        one_at_a_time.push(by_run);
+        group.push(by_group);
         hand.push(by_hand);
-        ratio.push(by_library / by_hand);
+        one_at_a_time_ratio.push(by_run / by_hand);
+        group_ratio.push(by_group / by_hand);
     }
     db.close().await?;
     Ok(format!(
-        "| {} | {records} | {:.0} | {:.0} | {:.2} |",
+        "| {} | {records} | {:.0} | {:.0} | {:.0} | {:.2} | {:.2} |",
         target.name,
-        median(library),
+        median(one_at_a_time),
+        median(group),
         median(hand),
-        median(ratio),
+        median(one_at_a_time_ratio),
+        median(group_ratio),
     ))
 }
