@@ -70,9 +70,13 @@ async fn replicas_recover_from_a_postgres_restart() {
              {REPLICAS} replicas: {report}",
             before.acks, after.pending
         );
+        // The restart must begin mid-run. Whether work is still pending when the command
+        // returns measures nothing: it returns once the server accepts connections again,
+        // and on a quiet machine the replicas finished the last 3,000 messages in that
+        // window (2.8 s for the whole run). The disruption itself is asserted below.
         assert!(
-            after.pending > 0,
-            "the restart must land in the middle of the run: {after:?}"
+            before.pending > 0 && before.acked_messages < MESSAGES as u64,
+            "the restart must begin in the middle of the run: {before:?}"
         );
         assert!(
             report.broker.nacks + report.transient_retries > plan.failing.len() as u64,
