@@ -143,6 +143,16 @@ impl ConsumerOptions {
         Ok(self)
     }
 
+    /// The defaults with `prefetch` records ahead, for a loop whose broker needs more than
+    /// the default (a constant in range: no check needed).
+    #[cfg(feature = "rdkafka")]
+    pub(crate) fn default_with_prefetch(prefetch: std::num::NonZeroU16) -> Self {
+        Self {
+            prefetch: prefetch.get(),
+            ..Self::default()
+        }
+    }
+
     /// The redelivery delay of a failed delivery (see [`NackDelay`]).
     pub fn with_nack_delay(mut self, nack_delay: NackDelay) -> Self {
         self.nack_delay = nack_delay;

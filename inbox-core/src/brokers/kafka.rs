@@ -57,7 +57,7 @@
 
 mod consumer;
 
-pub use consumer::{GroupContext, KafkaGroupConsumer};
+pub use consumer::{DEFAULT_KAFKA_PREFETCH, GroupContext, KafkaGroupConsumer};
 mod dead_letter;
 mod publisher;
 

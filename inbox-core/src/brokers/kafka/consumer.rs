@@ -195,7 +195,7 @@ struct Shared<H> {
 /// ```no_run
 /// # async fn run(db: sea_orm::DatabaseConnection) -> Result<(), Box<dyn std::error::Error>> {
 /// use rdkafka::ClientConfig;
-/// use sea_orm_inbox::kafka::{KafkaGroupConsumer, KafkaInbox};
+/// use sea_orm_inbox::kafka::{DEFAULT_KAFKA_PREFETCH, KafkaGroupConsumer, KafkaInbox};
 /// use sea_orm_inbox::{ConsumerOptions, Inbox};
 ///
 /// let kafka = KafkaInbox::new(Inbox::new("billing")?, "billing-group")?;
@@ -205,7 +205,11 @@ struct Shared<H> {
 ///     .set("auto.offset.reset", "earliest")
 ///     .set("session.timeout.ms", "6000");
 /// let summary = KafkaGroupConsumer::new(kafka, &config, ["payments"])
-///     .with_options(ConsumerOptions::default().with_concurrency(4)?)
+///     .with_options(
+///         ConsumerOptions::default()
+///             .with_concurrency(4)?
+///             .with_prefetch(DEFAULT_KAFKA_PREFETCH.get())?,
+///     )
 ///     .run(
 ///         db,
 ///         |txn, record| {
@@ -228,9 +232,19 @@ pub struct KafkaGroupConsumer {
     options: ConsumerOptions,
 }
 
+/// The records a partition may have waiting before the loop pauses it, unless
+/// [`KafkaGroupConsumer::with_options`] says otherwise. A resumed partition waits for
+/// librdkafka's next fetch, up to `fetch.wait.max.ms` (500 ms by default), so the half of
+/// the backlog left at the resume must cover that wait: with the 16 of
+/// [`ConsumerOptions::default`] a single partition ran at 33 records/s against 1,378 with
+/// 1,000 (`outbox-bench --kafka`, PostgreSQL, 4,000 records, BENCHMARKS.md).
+pub const DEFAULT_KAFKA_PREFETCH: std::num::NonZeroU16 =
+    std::num::NonZeroU16::MIN.saturating_add(999);
+
 impl KafkaGroupConsumer {
     /// The loop of `kafka`'s group over `topics`, a consumer made from `config` (see the
-    /// settings above), with the default [`ConsumerOptions`].
+    /// settings above), with the default [`ConsumerOptions`] but a prefetch of
+    /// [`DEFAULT_KAFKA_PREFETCH`].
     pub fn new<T: Into<String>>(
         kafka: KafkaInbox,
         config: &ClientConfig,
@@ -240,12 +254,14 @@ impl KafkaGroupConsumer {
             kafka,
             config: config.clone(),
             topics: topics.into_iter().map(Into::into).collect(),
-            options: ConsumerOptions::default(),
+            options: ConsumerOptions::default_with_prefetch(DEFAULT_KAFKA_PREFETCH),
         }
     }
 
     /// Replaces the loop's settings: the concurrency across partitions, the prefetch (the
     /// records a partition may have waiting before it is paused) and the grace period.
+    /// Keep the prefetch in the hundreds or more ([`DEFAULT_KAFKA_PREFETCH`] says why):
+    /// [`ConsumerOptions::default`]'s 16 is sized for RabbitMQ and JetStream.
     pub fn with_options(mut self, options: ConsumerOptions) -> Self {
         self.options = options;
         self
@@ -726,5 +742,27 @@ fn commit_hint(consumer: &GroupStream, record: &OwnedMessage) {
     );
     if let Err(err) = added.and_then(|()| consumer.commit(&offsets, CommitMode::Async)) {
         tracing::debug!(error = %err, "Kafka offset commit (a hint) failed");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Inbox;
+
+    /// With `ConsumerOptions`' 16 every resume waited out `fetch.wait.max.ms`: 33 records/s
+    /// on one partition (`outbox-bench --kafka`).
+    #[test]
+    fn the_loop_defaults_to_a_prefetch_that_covers_a_resumes_fetch() {
+        let kafka = KafkaInbox::new(Inbox::new("billing").expect("a valid consumer"), "group")
+            .expect("a valid group");
+        let consumer = KafkaGroupConsumer::new(kafka, &ClientConfig::new(), ["payments"]);
+        assert_eq!(consumer.options.prefetch(), DEFAULT_KAFKA_PREFETCH.get());
+        assert_eq!(consumer.options.prefetch(), 1_000);
+        assert_eq!(
+            consumer.options.concurrency(),
+            ConsumerOptions::default().concurrency(),
+            "only the prefetch differs from the defaults"
+        );
     }
 }
