@@ -2,7 +2,8 @@
 //! included here so that every Rust example in it compiles as a doctest and cannot drift
 //! from the API.
 //!
-//! Start with [`handlers`], then read the chapter of the feature you use.
+//! Start with [`getting_started`] (installing, the migrations, a running consumer, the
+//! outbox in brief) and [`handlers`], then read the chapter of the feature you use.
 
 /// The chapters link each other by reference labels (`[text][keys]`) that each Markdown
 /// file defines as file links (`[keys]: keys.md`) for readers of the repository. These
@@ -10,7 +11,8 @@
 /// wins, so in rustdoc the same labels lead to the chapters' modules.
 macro_rules! chapter_links {
     () => {
-        "[handlers]: crate::guide::handlers\n\
+        "[getting-started]: crate::guide::getting_started\n\
+         [handlers]: crate::guide::handlers\n\
          [leases]: crate::guide::leases\n\
          [keys]: crate::guide::keys\n\
          [batches]: crate::guide::batches\n\
@@ -28,9 +30,19 @@ macro_rules! chapter_links {
          [kafka]: crate::guide::kafka\n\
          [sqs]: crate::guide::sqs\n\
          [fault-tolerance#lost-replies]: crate::guide::fault_tolerance#lost-replies\n\
-         [retention#table-growth-at-scale]: crate::guide::retention#table-growth-at-scale\n"
+         [retention#table-growth-at-scale]: crate::guide::retention#table-growth-at-scale\n\
+         [handlers#the-traps]: crate::guide::handlers#the-traps\n\
+         [outbox#next-to-the-peers]: crate::guide::outbox#next-to-the-peers\n\
+         [backend-notes#the-table]: crate::guide::backend_notes#the-table\n\
+         [backend-notes#the-migrations-in-your-migrator]: crate::guide::backend_notes#the-migrations-in-your-migrator\n\
+         [backend-notes#rollbacks-that-refuse-before-they-change-anything]: crate::guide::backend_notes#rollbacks-that-refuse-before-they-change-anything\n\
+         [backend-notes#another-table-name-or-several-inboxes]: crate::guide::backend_notes#another-table-name-or-several-inboxes\n"
     };
 }
+
+#[doc = chapter_links!()]
+#[doc = include_str!("../docs/guide/getting-started.md")]
+pub mod getting_started {}
 
 #[doc = chapter_links!()]
 #[doc = include_str!("../docs/guide/handlers.md")]
