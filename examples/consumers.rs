@@ -7,11 +7,9 @@ use sea_orm::DatabaseConnection;
 use sea_orm_inbox::jetstream::{DurableConsumer, JetStreamConsumer};
 use sea_orm_inbox::rabbitmq::{QuorumQueue, RabbitMqConsumer};
 use sea_orm_inbox::{
-    BoxError, ConsumerOptions, ConsumerSummary, HandlerFuture, Inbox, InboxError, NackDelay,
-    ObservedTransaction, Received,
+    BoxError, ConsumerOptions, ConsumerSummary, Inbox, InboxError, MessageHandler, NackDelay,
 };
 use std::future::Future;
-use std::sync::Arc;
 use std::time::Duration;
 
 /// How often RabbitMQ delivers a message that keeps failing before it dead-letters it
@@ -57,10 +55,7 @@ pub async fn consume_rabbitmq<H, T, E>(
     shutdown: impl Future + Send,
 ) -> Result<ConsumerSummary, BoxError>
 where
-    H: for<'t> Fn(&'t ObservedTransaction, Arc<Received>) -> HandlerFuture<'t, T, E>
-        + Send
-        + Sync
-        + 'static,
+    H: MessageHandler<T, E>,
     T: Send + 'static,
     E: std::fmt::Display + Send + 'static,
 {
@@ -101,10 +96,7 @@ pub async fn consume_nats<H, T, E>(
     shutdown: impl Future + Send,
 ) -> Result<ConsumerSummary, BoxError>
 where
-    H: for<'t> Fn(&'t ObservedTransaction, Arc<Received>) -> HandlerFuture<'t, T, E>
-        + Send
-        + Sync
-        + 'static,
+    H: MessageHandler<T, E>,
     T: Send + 'static,
     E: std::fmt::Display + Send + 'static,
 {

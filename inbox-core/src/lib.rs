@@ -40,8 +40,6 @@ pub use backend::{
     CLAIM_TRANSACTION, DbErrorKind, classify, classify_in, is_inbox_duplicate,
     is_inbox_duplicate_in, timestamp_value,
 };
-#[cfg(any(feature = "lapin", feature = "async-nats", feature = "aws-sdk-sqs"))]
-pub use brokers::Received;
 #[cfg(feature = "async-nats")]
 pub use brokers::jetstream;
 #[cfg(feature = "rdkafka")]
@@ -58,6 +56,8 @@ pub use brokers::{BoxError, PublishError, Publisher};
     feature = "aws-sdk-sqs"
 ))]
 pub use brokers::{ConsumerError, ConsumerOptions, ConsumerSummary};
+#[cfg(any(feature = "lapin", feature = "async-nats", feature = "aws-sdk-sqs"))]
+pub use brokers::{MessageHandler, Received};
 pub use cause::{Permanent, Transient};
 pub use claim::{BatchClaim, Claim, ClaimedMessage, InboxTransactionExt, MAX_CLAIM_BATCH};
 pub use error::{ErrorKind, InboxError};

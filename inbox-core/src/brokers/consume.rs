@@ -68,6 +68,30 @@ pub struct Received {
 }
 
 #[cfg(any(feature = "lapin", feature = "async-nats", feature = "aws-sdk-sqs"))]
+/// The handler a consumer loop runs per delivery (`RabbitMqConsumer::run`,
+/// `JetStreamConsumer::run`, `SqsConsumer::run`): given the delivery's transaction and the
+/// [`Received`] message, the future of its business writes, as the handler of
+/// [`Inbox::process`] gets the transaction. Every closure or function of that shape that
+/// can be shared by the loop's tasks implements it; name it in your own code that passes
+/// a handler on to a loop (`H: MessageHandler<T, E>`).
+pub trait MessageHandler<T, E>:
+    for<'t> Fn(&'t ObservedTransaction, Arc<Received>) -> HandlerFuture<'t, T, E>
+    + Send
+    + Sync
+    + 'static
+{
+}
+
+#[cfg(any(feature = "lapin", feature = "async-nats", feature = "aws-sdk-sqs"))]
+impl<F, T, E> MessageHandler<T, E> for F where
+    F: for<'t> Fn(&'t ObservedTransaction, Arc<Received>) -> HandlerFuture<'t, T, E>
+        + Send
+        + Sync
+        + 'static
+{
+}
+
+#[cfg(any(feature = "lapin", feature = "async-nats", feature = "aws-sdk-sqs"))]
 impl Received {
     /// The first value of header `name`, if the message carries it.
     pub fn header(&self, name: &str) -> Option<&str> {
@@ -431,10 +455,7 @@ pub(crate) async fn run<C, H, T, E>(
 ) -> Result<ConsumerSummary, ConsumerError>
 where
     C: Connect,
-    H: for<'t> Fn(&'t ObservedTransaction, Arc<Received>) -> HandlerFuture<'t, T, E>
-        + Send
-        + Sync
-        + 'static,
+    H: MessageHandler<T, E>,
     T: Send + 'static,
     E: fmt::Display + Send + 'static,
 {
@@ -556,10 +577,7 @@ async fn handle<M, H, T, E>(
 ) -> Tally
 where
     M: Incoming,
-    H: for<'t> Fn(&'t ObservedTransaction, Arc<Received>) -> HandlerFuture<'t, T, E>
-        + Send
-        + Sync
-        + 'static,
+    H: MessageHandler<T, E>,
     T: Send + 'static,
     E: fmt::Display + Send + 'static,
 {

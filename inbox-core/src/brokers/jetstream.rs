@@ -37,9 +37,8 @@
 
 use super::consume::{self, Connect, Incoming, Session};
 use crate::{
-    BoxError, ConsumerError, ConsumerOptions, ConsumerSummary, Delivery, HandlerFuture, Inbox,
-    InboxError, MessageId, ObservedTransaction, OutboxMessage, PublishError, Publisher, Received,
-    Settlement,
+    BoxError, ConsumerError, ConsumerOptions, ConsumerSummary, Delivery, Inbox, InboxError,
+    MessageHandler, MessageId, OutboxMessage, PublishError, Publisher, Received, Settlement,
 };
 use async_nats::header::NATS_MESSAGE_ID;
 use async_nats::jetstream::consumer::{AckPolicy, PullConsumer, pull};
@@ -49,7 +48,6 @@ use chrono::{DateTime, SecondsFormat, Utc};
 use futures_util::StreamExt;
 use sea_orm::DatabaseConnection;
 use std::future::Future;
-use std::sync::Arc;
 use std::time::Duration;
 
 /// The [`Delivery`] of a JetStream message: its key from the `Nats-Msg-Id` header
@@ -278,10 +276,7 @@ impl JetStreamConsumer {
         shutdown: impl Future + Send,
     ) -> Result<ConsumerSummary, ConsumerError>
     where
-        H: for<'t> Fn(&'t ObservedTransaction, Arc<Received>) -> HandlerFuture<'t, T, E>
-            + Send
-            + Sync
-            + 'static,
+        H: MessageHandler<T, E>,
         T: Send + 'static,
         E: std::fmt::Display + Send + 'static,
     {

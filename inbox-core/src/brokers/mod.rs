@@ -19,8 +19,6 @@ pub mod rabbitmq;
 #[cfg(feature = "aws-sdk-sqs")]
 pub mod sqs;
 
-#[cfg(any(feature = "lapin", feature = "async-nats", feature = "aws-sdk-sqs"))]
-pub use consume::Received;
 #[cfg(any(
     feature = "lapin",
     feature = "async-nats",
@@ -28,4 +26,6 @@ pub use consume::Received;
     feature = "aws-sdk-sqs"
 ))]
 pub use consume::{ConsumerError, ConsumerOptions, ConsumerSummary};
+#[cfg(any(feature = "lapin", feature = "async-nats", feature = "aws-sdk-sqs"))]
+pub use consume::{MessageHandler, Received};
 pub use publisher::{BoxError, PublishError, Publisher};

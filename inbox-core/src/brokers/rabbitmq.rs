@@ -36,9 +36,8 @@
 
 use super::consume::{self, Connect, Incoming, Session};
 use crate::{
-    BoxError, ConsumerError, ConsumerOptions, ConsumerSummary, Delivery, HandlerFuture, Inbox,
-    InboxError, MessageId, ObservedTransaction, OutboxMessage, PublishError, Publisher, Received,
-    Settlement,
+    BoxError, ConsumerError, ConsumerOptions, ConsumerSummary, Delivery, Inbox, InboxError,
+    MessageHandler, MessageId, OutboxMessage, PublishError, Publisher, Received, Settlement,
 };
 use ::lapin::ExchangeKind;
 use ::lapin::message::Delivery as AmqpDelivery;
@@ -56,7 +55,6 @@ use chrono::DateTime;
 use futures_util::StreamExt;
 use sea_orm::DatabaseConnection;
 use std::future::Future;
-use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Mutex;
 
@@ -448,10 +446,7 @@ impl RabbitMqConsumer {
         shutdown: impl Future + Send,
     ) -> Result<ConsumerSummary, ConsumerError>
     where
-        H: for<'t> Fn(&'t ObservedTransaction, Arc<Received>) -> HandlerFuture<'t, T, E>
-            + Send
-            + Sync
-            + 'static,
+        H: MessageHandler<T, E>,
         T: Send + 'static,
         E: std::fmt::Display + Send + 'static,
     {

@@ -7,8 +7,8 @@ use super::{
 };
 use crate::brokers::consume::{self, Connect, Incoming, Session};
 use crate::{
-    BoxError, ConsumerError, ConsumerOptions, ConsumerSummary, Delivery, HandlerFuture, Inbox,
-    InboxError, MessageId, ObservedTransaction, Received, Settlement,
+    BoxError, ConsumerError, ConsumerOptions, ConsumerSummary, Delivery, Inbox, InboxError,
+    MessageHandler, MessageId, Received, Settlement,
 };
 use aws_sdk_sqs::Client;
 use aws_sdk_sqs::error::DisplayErrorContext;
@@ -169,10 +169,7 @@ impl SqsConsumer {
         shutdown: impl Future + Send,
     ) -> Result<ConsumerSummary, ConsumerError>
     where
-        H: for<'t> Fn(&'t ObservedTransaction, Arc<Received>) -> HandlerFuture<'t, T, E>
-            + Send
-            + Sync
-            + 'static,
+        H: MessageHandler<T, E>,
         T: Send + 'static,
         E: std::fmt::Display + Send + 'static,
     {
