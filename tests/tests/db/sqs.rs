@@ -19,8 +19,8 @@ use inbox_tests::{
 use sea_orm::{DatabaseConnection, DbErr, TransactionTrait};
 use sea_orm_inbox::sqs::{self, SettleError, SqsConsumer, SqsPublisher, SqsQueue};
 use sea_orm_inbox::{
-    ConsumerOptions, ConsumerSummary, Inbox, MessageId, NackDelay, OutboxExt, OutboxMessage,
-    OutgoingMessage, Permanent, PublishError, Publisher, Received, Relay, Settlement,
+    ConsumerOptions, ConsumerSummary, Inbox, MessageHandler, MessageId, NackDelay, OutboxExt,
+    OutboxMessage, OutgoingMessage, Permanent, PublishError, Publisher, Relay, Settlement,
 };
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -153,9 +153,12 @@ async fn send_ids(client: &Client, url: &str, ids: &[String]) {
     }
 }
 
-/// Every message a receive finds in `url` within a few empty polls, with its system
-/// attributes; each left invisible for a minute.
-async fn drain(client: &Client, url: &str) -> Vec<Message> {
+/// Every message a receive finds in `url` until two polls in a row come back empty, with
+/// its attributes and system attributes, in the order received; each left invisible for a
+/// minute, and deleted as it comes when `delete` (a FIFO queue holds back a group's next
+/// message while one is in flight).
+async fn receive_all(client: &Client, url: &str, delete: bool) -> Vec<Message> {
+    let queue = SqsQueue::new(client.clone(), url);
     let mut found = Vec::new();
     let mut empty = 0;
     while empty < 2 {
@@ -173,9 +176,27 @@ async fn drain(client: &Client, url: &str) -> Vec<Message> {
         if messages.is_empty() {
             empty += 1;
         }
-        found.extend(messages);
+        for message in messages {
+            if delete {
+                queue
+                    .settle(&message, Settlement::Ack)
+                    .await
+                    .expect("delete");
+            }
+            found.push(message);
+        }
     }
     found
+}
+
+/// Every message in `url`, left in the queue (invisible for a minute).
+async fn drain(client: &Client, url: &str) -> Vec<Message> {
+    receive_all(client, url, false).await
+}
+
+/// Every message in `url`, deleted.
+async fn drain_deleting(client: &Client, url: &str) -> Vec<Message> {
+    receive_all(client, url, true).await
 }
 
 mod mapping {
@@ -317,15 +338,7 @@ impl Running {
 }
 
 /// Credits account 1, pausing first when the message is one of the slow ones.
-fn credit_handler(
-    receive_counts: Arc<Mutex<Vec<u32>>>,
-) -> impl for<'t> Fn(
-    &'t sea_orm_inbox::ObservedTransaction,
-    Arc<Received>,
-) -> sea_orm_inbox::HandlerFuture<'t, (), BoxError>
-+ Send
-+ Sync
-+ 'static {
+fn credit_handler(receive_counts: Arc<Mutex<Vec<u32>>>) -> impl MessageHandler<(), BoxError> {
     move |txn, message| {
         if let Ok(mut counts) = receive_counts.lock() {
             counts.push(message.delivery_count);
@@ -344,17 +357,20 @@ fn credit_handler(
     }
 }
 
+/// A consumer of `url` with `options` and a long poll of a second (the tests' queues are
+/// short; a stop waits for the poll in progress).
+fn consumer(client: &Client, url: &str, options: ConsumerOptions) -> SqsConsumer {
+    SqsConsumer::new(client.clone(), url)
+        .with_options(options)
+        .with_wait_time(Duration::from_secs(1))
+        .expect("a long poll")
+}
+
 fn start(
     consumer: SqsConsumer,
     inbox: &Inbox,
     db: &DatabaseConnection,
-    handler: impl for<'t> Fn(
-        &'t sea_orm_inbox::ObservedTransaction,
-        Arc<Received>,
-    ) -> sea_orm_inbox::HandlerFuture<'t, (), BoxError>
-    + Send
-    + Sync
-    + 'static,
+    handler: impl MessageHandler<(), BoxError>,
 ) -> Running {
     let (stop, stopped) = oneshot::channel::<()>();
     let task = tokio::spawn(consumer.run(inbox.clone(), db.clone(), handler, stopped));
@@ -392,12 +408,9 @@ async fn two_replicas(messages: usize, heartbeat: bool) -> u64 {
         let receive_counts = Arc::new(Mutex::new(Vec::new()));
         let replicas: Vec<Running> = (0..2)
             .map(|_| {
-                let consumer = SqsConsumer::new(client.clone(), &url)
-                    .with_options(options)
+                let consumer = consumer(&client, &url, options)
                     .with_visibility_timeout(VISIBILITY)
-                    .expect("a visibility timeout")
-                    .with_wait_time(Duration::from_secs(1))
-                    .expect("a long poll");
+                    .expect("a visibility timeout");
                 let consumer = if heartbeat {
                     consumer
                 } else {
@@ -493,16 +506,7 @@ type Seen = Arc<Mutex<Vec<(String, u32, Instant)>>>;
 
 /// Fails `order-permanent` permanently and every other message transiently, after
 /// `pause`, noting each run in `seen`.
-fn failing_handler(
-    seen: Seen,
-    pause: Duration,
-) -> impl for<'t> Fn(
-    &'t sea_orm_inbox::ObservedTransaction,
-    Arc<Received>,
-) -> sea_orm_inbox::HandlerFuture<'t, (), BoxError>
-+ Send
-+ Sync
-+ 'static {
+fn failing_handler(seen: Seen, pause: Duration) -> impl MessageHandler<(), BoxError> {
     move |_txn, message| {
         let id = message.broker_id.clone();
         if let Ok(mut seen) = seen.lock() {
@@ -517,6 +521,24 @@ fn failing_handler(
             }
         })
     }
+}
+
+/// Starts `consumer` with [`failing_handler`] pausing `pause`; the runs it sees are in the
+/// returned [`Seen`].
+fn start_failing(
+    consumer: SqsConsumer,
+    inbox: &Inbox,
+    db: &DatabaseConnection,
+    pause: Duration,
+) -> (Running, Seen) {
+    let seen: Seen = Arc::default();
+    let running = start(
+        consumer,
+        inbox,
+        db,
+        failing_handler(Arc::clone(&seen), pause),
+    );
+    (running, seen)
 }
 
 /// A failing message is nacked with [`NackDelay`]'s delay for its
@@ -538,13 +560,7 @@ async fn nack_delays_follow_the_receive_count_then_the_redrive_policy_dead_lette
         let inbox = Inbox::new("sqs.failing").expect("a consumer name");
         let delay = NackDelay::new(Duration::from_secs(1), Duration::from_secs(4)).expect("a delay");
         let options = ConsumerOptions::default().with_nack_delay(delay);
-        let seen: Seen = Arc::default();
-        let handler = failing_handler(Arc::clone(&seen), Duration::ZERO);
-        let consumer = SqsConsumer::new(client.clone(), &url)
-            .with_options(options)
-            .with_wait_time(Duration::from_secs(1))
-            .expect("a long poll");
-        let running = start(consumer, &inbox, &conn, handler);
+        let (running, seen) = start_failing(consumer(&client, &url, options), &inbox, &conn, Duration::ZERO);
         let dead_letters = Arc::new(Mutex::new(Vec::new()));
         wait_for("both messages dead-lettered", Duration::from_secs(40), async || {
             let found = drain(&client, &dead).await;
@@ -599,21 +615,16 @@ async fn the_loop_counts_a_settlement_with_an_expired_receipt_as_stale() {
         let url = create_queue(&client, &unique("stale"), &[]).await;
         send_ids(&client, &url, &["order-slow".to_owned()]).await;
         let inbox = Inbox::new("sqs.stale").expect("a consumer name");
-        let seen: Seen = Arc::default();
-        let slow_failure = failing_handler(Arc::clone(&seen), Duration::from_secs(4));
         // One delivery at a time: this loop does not receive the message again itself.
         let one_at_a_time = ConsumerOptions::default()
             .with_concurrency(1)
             .expect("a concurrency");
-        let consumer = SqsConsumer::new(client.clone(), &url)
-            .with_options(one_at_a_time)
+        let consumer = consumer(&client, &url, one_at_a_time)
             .with_visibility_timeout(Duration::from_secs(1))
             .expect("a visibility timeout")
             .with_heartbeat(None)
-            .expect("no heartbeat")
-            .with_wait_time(Duration::from_secs(1))
-            .expect("a long poll");
-        let running = start(consumer, &inbox, &conn, slow_failure);
+            .expect("no heartbeat");
+        let (running, seen) = start_failing(consumer, &inbox, &conn, Duration::from_secs(4));
         wait_for("the handler started", Duration::from_secs(20), async || {
             !seen.lock().expect("not poisoned").is_empty()
         })
@@ -673,39 +684,6 @@ async fn relay_again(
             attempt: 2,
         })
         .collect()
-}
-
-/// Receives and deletes until the queue is empty (a FIFO queue holds back a group's next
-/// message while one is in flight): every message, in the order received.
-async fn drain_deleting(client: &Client, url: &str) -> Vec<Message> {
-    let queue = SqsQueue::new(client.clone(), url);
-    let mut found = Vec::new();
-    let mut empty = 0;
-    while empty < 2 {
-        let messages = client
-            .receive_message()
-            .queue_url(url)
-            .max_number_of_messages(10)
-            .visibility_timeout(60)
-            .wait_time_seconds(1)
-            .message_attribute_names("All")
-            .send()
-            .await
-            .expect("receive")
-            .messages()
-            .to_vec();
-        if messages.is_empty() {
-            empty += 1;
-        }
-        for message in messages {
-            queue
-                .settle(&message, Settlement::Ack)
-                .await
-                .expect("delete");
-            found.push(message);
-        }
-    }
-    found
 }
 
 /// The relay publishes keyed rows to a FIFO queue: each key's messages arrive in enqueue
