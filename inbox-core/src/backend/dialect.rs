@@ -195,6 +195,16 @@ pub(super) trait Dialect: Sync {
     /// no such end leaves the driver counting levels the database no longer has.
     fn restore_driver_savepoint(&self, level: usize) -> Option<String>;
 
+    /// A statement that succeeds inside an open transaction and outside one, sent until it
+    /// does to take the replies of the savepoint rollbacks the driver queued (a dropped
+    /// SeaORM savepoint queues its `ROLLBACK TO SAVEPOINT` unsent) after the handler may
+    /// have ended the transaction under them: each of those fails, and the pool must not
+    /// receive a connection still owing their replies (see
+    /// [`drain_queued_rollbacks`](super::drain_queued_rollbacks)). `None` where no such
+    /// rollback is left queued: the level is stranded instead, or the driver takes the
+    /// failure itself.
+    fn queued_rollbacks_drain(&self) -> Option<&'static str>;
+
     /// Whether a client reaches the database over a network, which a partition can
     /// silence (an embedded database cannot go silent: its waits end in its busy timeout).
     fn over_network(&self) -> bool;

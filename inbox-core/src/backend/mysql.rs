@@ -342,6 +342,13 @@ impl Dialect for MySql {
         None
     }
 
+    /// Left to the driver: the MariaDB suite runs these ends clean, over a connection
+    /// without TLS, where closing a connection that owes replies does not wait (see
+    /// [`drain_queued_rollbacks`](super::drain_queued_rollbacks)); unverified over TLS.
+    fn queued_rollbacks_drain(&self) -> Option<&'static str> {
+        None
+    }
+
     fn over_network(&self) -> bool {
         true
     }

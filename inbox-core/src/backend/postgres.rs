@@ -292,6 +292,12 @@ impl Dialect for Postgres {
         None
     }
 
+    /// A raw `ROLLBACK` ends the transaction without a failed statement the wrapper sees,
+    /// and the `ROLLBACK TO SAVEPOINT` each savepoint dropped after it queues then fails.
+    fn queued_rollbacks_drain(&self) -> Option<&'static str> {
+        Some("SELECT 1")
+    }
+
     fn over_network(&self) -> bool {
         true
     }

@@ -210,6 +210,12 @@ impl Dialect for Sqlite {
         Some(format!("SAVEPOINT _sqlx_savepoint_{level}"))
     }
 
+    /// The transaction's end is asked at once after each statement that may end it, and
+    /// the levels dropped after it are stranded, never queued.
+    fn queued_rollbacks_drain(&self) -> Option<&'static str> {
+        None
+    }
+
     fn over_network(&self) -> bool {
         false
     }
