@@ -2,7 +2,8 @@
 //! extended result codes and the failed constraint's column list.
 
 use super::dialect::{
-    ConnectionBounds, Dialect, Marker, OutboxClaimSql, migration_of_column_named_in, repeat_list,
+    BoundsProbe, ConnectionBounds, Dialect, Marker, OutboxClaimSql, migration_of_column_named_in,
+    repeat_list,
 };
 use super::{AfterFailure, BatchClaimSql, DbErrorKind};
 use crate::InboxMigration;
@@ -49,7 +50,11 @@ impl Dialect for Sqlite {
         ConnectionBounds::None
     }
 
-    fn connection_bounds_probe(&self, _lock_wait: Duration, _silence: Duration) -> Option<String> {
+    fn connection_bounds_probe(
+        &self,
+        _lock_wait: Duration,
+        _silence: Duration,
+    ) -> Option<BoundsProbe> {
         None
     }
 
