@@ -13,7 +13,8 @@
 //! halfway through an exchange with the server (see `ObservedTransaction::observe`).
 
 use crate::backend::{
-    AfterFailure, after_failure, roll_back_stranded, to_completion, transaction_ended,
+    AfterFailure, after_failure, drain_queued_rollbacks, roll_back_stranded, to_completion,
+    transaction_ended,
 };
 use sea_orm::{
     AccessMode, ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, ExecResult, IsolationLevel,
@@ -22,7 +23,7 @@ use sea_orm::{
 };
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use tokio::sync::RwLock;
 
@@ -162,6 +163,11 @@ struct Watch {
     /// Whether the handler sent a `SAVEPOINT` of its own as SQL: a failure may then be
     /// undone by its `ROLLBACK TO SAVEPOINT`, which the wrapper cannot follow.
     handler_savepoint: AtomicBool,
+    /// Whether a statement the wrapper cannot see through succeeded: it may have ended the
+    /// transaction (a raw `ROLLBACK`) where the database cannot tell at no cost.
+    opaque: AtomicBool,
+    /// How many savepoints the handler opened.
+    levels: AtomicU32,
 }
 
 /// What an attempt may do at its end, from what its statements showed.
@@ -240,7 +246,25 @@ impl ObservedTransaction {
             }
         }
         roll_back_stranded(&inner, stranded).await;
+        self.drain_queued_rollbacks(&inner).await;
         Ok((inner, self.watch.verdict()))
+    }
+
+    /// After savepoints of a transaction that may have ended under them (a statement the
+    /// wrapper cannot see through ran, or the database ended it), takes the replies of
+    /// the rollbacks the driver queued for them (see [`drain_queued_rollbacks`]): a
+    /// failed one means the transaction is gone or aborted, never committed.
+    async fn drain_queued_rollbacks(&self, txn: &DatabaseTransaction) {
+        let levels = self.watch.levels.load(Ordering::Acquire);
+        let unsure = self.watch.opaque.load(Ordering::Acquire) || self.watch.ended().is_some();
+        if levels == 0 || !unsure {
+            return;
+        }
+        // Each level queues at most two rollbacks: one when it is dropped or its own end
+        // fails, one when `process` rolls it back stranded; the last send succeeds.
+        if drain_queued_rollbacks(txn, 2 * levels + 1).await {
+            self.watch.record(Verdict::Ended(opaque_ending()));
+        }
     }
 
     /// The error every statement gets once the database ended the transaction.
@@ -337,6 +361,7 @@ impl ObservedTransaction {
     }
 
     fn nested(&self, inner: DatabaseTransaction) -> Self {
+        self.watch.levels.fetch_add(1, Ordering::AcqRel);
         Self {
             inner: Level::new(inner, &self.watch),
             watch: Arc::clone(&self.watch),
@@ -376,13 +401,19 @@ async fn record_opaque(txn: &DatabaseTransaction, watch: &Watch, kind: Statement
     if kind == (StatementKind::Opaque { savepoint: true }) {
         watch.handler_savepoint.store(true, Ordering::Release);
     }
+    watch.opaque.store(true, Ordering::Release);
     if let Ok(true) = transaction_ended(txn).await {
-        watch.record(Verdict::Ended(DbErr::Custom(
-            "a statement of the handler that the inbox cannot see through (transaction \
-             control such as ROLLBACK or COMMIT) ended the transaction"
-                .into(),
-        )));
+        watch.record(Verdict::Ended(opaque_ending()));
     }
+}
+
+/// How a transaction ended by a statement the wrapper cannot see through is told.
+fn opaque_ending() -> DbErr {
+    DbErr::Custom(
+        "a statement of the handler that the inbox cannot see through (transaction control \
+         such as ROLLBACK or COMMIT) ended the transaction"
+            .into(),
+    )
 }
 
 /// Records in `watch` what the failure `err` of a statement on `txn` did to it.

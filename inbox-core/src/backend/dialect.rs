@@ -53,12 +53,16 @@ pub(super) trait Dialect: Sync {
     /// transaction otherwise).
     fn connection_bounds(&self, lock_wait: Duration, silence: Duration) -> ConnectionBounds;
 
-    /// A read, run on a connection of a pool, answering 1 when the pool's connections
+    /// A read, run on a connection of a pool, telling whether the pool's connections
     /// carry the bounds of [`connection_bounds`](Self::connection_bounds) as a marker
     /// INSERT would set them (a lock wait of at most `lock_wait` where the INSERT bounds
-    /// it, the silence bound exactly), and 0 otherwise. No binds. `None` where there is
-    /// nothing to bound (an embedded database).
-    fn connection_bounds_probe(&self, lock_wait: Duration, silence: Duration) -> Option<String>;
+    /// it, the silence bound exactly). No binds. `None` where there is nothing to bound
+    /// (an embedded database).
+    fn connection_bounds_probe(
+        &self,
+        lock_wait: Duration,
+        silence: Duration,
+    ) -> Option<BoundsProbe>;
 
     /// A statement that makes the server end the current transaction, releasing its
     /// locks, once its client has been silent for `silence` (waiting for the next
@@ -195,6 +199,16 @@ pub(super) trait Dialect: Sync {
     /// no such end leaves the driver counting levels the database no longer has.
     fn restore_driver_savepoint(&self, level: usize) -> Option<String>;
 
+    /// A statement that succeeds inside an open transaction and outside one, sent until it
+    /// does to take the replies of the savepoint rollbacks the driver queued (a dropped
+    /// SeaORM savepoint queues its `ROLLBACK TO SAVEPOINT` unsent) after the handler may
+    /// have ended the transaction under them: each of those fails, and the pool must not
+    /// receive a connection still owing their replies (see
+    /// [`drain_queued_rollbacks`](super::drain_queued_rollbacks)). `None` where no such
+    /// rollback is left queued: the level is stranded instead, or the driver takes the
+    /// failure itself.
+    fn queued_rollbacks_drain(&self) -> Option<&'static str>;
+
     /// Whether a client reaches the database over a network, which a partition can
     /// silence (an embedded database cannot go silent: its waits end in its busy timeout).
     fn over_network(&self) -> bool;
@@ -245,6 +259,19 @@ pub(super) trait Dialect: Sync {
 
     /// The count of rows waiting to be published and the count of dead rows.
     fn outbox_backlog(&self) -> &'static str;
+}
+
+/// How [`Dialect::connection_bounds_probe`] answers.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum BoundsProbe {
+    /// A text query (no prepared statement: one round trip, and nothing a transaction
+    /// pooler could split over two server connections) whose count of rows, read from
+    /// its reply's command tag, is `carried` when the bounds are carried.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    RowCount { sql: String, carried: u64 },
+    /// A read answering 1 in its first column when the bounds are carried, 0 otherwise.
+    #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
+    Flag(String),
 }
 
 /// How a pool's connections take the bounds of [`Dialect::connection_bounds`] when they

@@ -33,9 +33,9 @@ mod transaction;
 
 pub(crate) use server::{ConnectionBoundsKnown, SilentEnds};
 pub(crate) use transaction::{
-    AfterFailure, after_failure, begin_to_completion, lost_a_conflict, refused_by_the_database,
-    roll_back, roll_back_stranded, savepoint_missing_in_open_transaction, silently_ended,
-    to_completion, transaction_ended,
+    AfterFailure, after_failure, begin_to_completion, drain_queued_rollbacks, lost_a_conflict,
+    refused_by_the_database, roll_back, roll_back_stranded, savepoint_missing_in_open_transaction,
+    silently_ended, to_completion, transaction_ended,
 };
 
 /// Options for a transaction that claims a message: pass them to

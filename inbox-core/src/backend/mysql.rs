@@ -2,7 +2,8 @@
 //! naive UTC timestamps, and the classifier that reads error numbers and key names.
 
 use super::dialect::{
-    ConnectionBounds, Dialect, Marker, OutboxClaimSql, migration_of_column_named_in, repeat_list,
+    BoundsProbe, ConnectionBounds, Dialect, Marker, OutboxClaimSql, migration_of_column_named_in,
+    repeat_list,
 };
 use super::{AfterFailure, BatchClaimSql, DbErrorKind};
 use crate::InboxMigration;
@@ -118,13 +119,17 @@ impl Dialect for MySql {
 
     /// The pool's mark, and the silence bound's session variables at exactly the bound.
     /// The lock wait is not read: a marker INSERT cannot bound it on this backend.
-    fn connection_bounds_probe(&self, _lock_wait: Duration, silence: Duration) -> Option<String> {
+    fn connection_bounds_probe(
+        &self,
+        _lock_wait: Duration,
+        silence: Duration,
+    ) -> Option<BoundsProbe> {
         let silence = whole_seconds(silence);
-        Some(format!(
+        Some(BoundsProbe::Flag(format!(
             "SELECT CAST(COALESCE(@sea_orm_inbox_bounded = 1, 0) \
              AND @@session.net_write_timeout = {silence} \
              /*M!100300 AND @@session.idle_transaction_timeout = {silence} */ AS SIGNED)"
-        ))
+        )))
     }
 
     fn marker_held(&self) -> &'static str {
@@ -339,6 +344,13 @@ impl Dialect for MySql {
     /// A lock wait timeout ends only the statement, a deadlock the whole transaction, and
     /// reopening one after the first would commit the work: never guessed here.
     fn restore_driver_savepoint(&self, _level: usize) -> Option<String> {
+        None
+    }
+
+    /// Left to the driver: the MariaDB suite runs these ends clean, over a connection
+    /// without TLS, where closing a connection that owes replies does not wait (see
+    /// [`drain_queued_rollbacks`](super::drain_queued_rollbacks)); unverified over TLS.
+    fn queued_rollbacks_drain(&self) -> Option<&'static str> {
         None
     }
 
@@ -645,12 +657,13 @@ mod tests {
         let probe =
             MySql.connection_bounds_probe(Duration::from_secs(5), Duration::from_millis(1500));
         assert_eq!(
-            probe.as_deref(),
-            Some(
+            probe,
+            Some(BoundsProbe::Flag(
                 "SELECT CAST(COALESCE(@sea_orm_inbox_bounded = 1, 0) \
                  AND @@session.net_write_timeout = 2 \
                  /*M!100300 AND @@session.idle_transaction_timeout = 2 */ AS SIGNED)"
-            )
+                    .to_owned()
+            ))
         );
     }
 

@@ -2,7 +2,7 @@
 //! classifier that reads SQLSTATE codes and the violated constraint's name.
 
 use super::dialect::{
-    ConnectionBounds, Dialect, Marker, OutboxClaimSql, migration_of_column_named_in,
+    BoundsProbe, ConnectionBounds, Dialect, Marker, OutboxClaimSql, migration_of_column_named_in,
     names_identifier,
 };
 use super::{AfterFailure, BatchClaimSql, DbErrorKind};
@@ -97,17 +97,25 @@ impl Dialect for Postgres {
 
     /// The session's values (`pg_settings`, in milliseconds): a `lock_timeout` of at most
     /// the bound (a shorter one is kept, as the marker keeps it), and both silence
-    /// settings at exactly the bound. `tcp_user_timeout` reads 0 on a Unix-domain socket,
-    /// where no network can go silent.
-    fn connection_bounds_probe(&self, lock_wait: Duration, silence: Duration) -> Option<String> {
+    /// settings at exactly the bound, three rows when all hold. `tcp_user_timeout` reads 0
+    /// on a Unix-domain socket, where no network can go silent. A simple query: a prepared
+    /// one costs a second round trip on each new connection and, behind a transaction
+    /// pooler, fails (its `Bind` reaches a server connection without the statement) with
+    /// an ERROR in the server's log at every read.
+    fn connection_bounds_probe(
+        &self,
+        lock_wait: Duration,
+        silence: Duration,
+    ) -> Option<BoundsProbe> {
         let (lock_wait, silence) = (lock_wait.as_millis(), silence.as_millis());
-        Some(format!(
-            "SELECT (COUNT(*) = 3)::int::int8 FROM pg_settings \
+        let sql = format!(
+            "SELECT 1 FROM pg_settings \
              WHERE (name = 'lock_timeout' AND setting::int8 BETWEEN 1 AND {lock_wait}) \
              OR (name = 'idle_in_transaction_session_timeout' AND setting::int8 = {silence}) \
              OR (name = 'tcp_user_timeout' \
              AND (setting::int8 = {silence} OR inet_server_addr() IS NULL))"
-        ))
+        );
+        Some(BoundsProbe::RowCount { sql, carried: 3 })
     }
 
     /// The marker INSERT sets the bound itself.
@@ -290,6 +298,12 @@ impl Dialect for Postgres {
     /// `ROLLBACK TO SAVEPOINT` restores it.
     fn restore_driver_savepoint(&self, _level: usize) -> Option<String> {
         None
+    }
+
+    /// A raw `ROLLBACK` ends the transaction without a failed statement the wrapper sees,
+    /// and the `ROLLBACK TO SAVEPOINT` each savepoint dropped after it queues then fails.
+    fn queued_rollbacks_drain(&self) -> Option<&'static str> {
+        Some("SELECT 1")
     }
 
     fn over_network(&self) -> bool {

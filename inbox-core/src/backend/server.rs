@@ -6,6 +6,7 @@
 //! not.
 
 use super::dialect;
+use super::dialect::BoundsProbe;
 use crate::silence::within_bound;
 use sea_orm::{ConnectionTrait, DatabaseConnection, Statement};
 use std::sync::Mutex;
@@ -77,9 +78,9 @@ impl ConnectionBoundsKnown {
     /// waits at `lock_wait` (or less) and its silent client at `silence`. Ask before the
     /// transaction's BEGIN (a read takes a connection of the pool); a read waits at most
     /// `bound`. The read runs on its own, outside any transaction (a COMMIT of its own
-    /// would be one more per pool and reread): behind a transaction pooler its prepared
-    /// statement may fail (see `pooler.rs`), which counts as "not carried" until the
-    /// next read, like every failed read.
+    /// would be one more per pool and reread); on PostgreSQL as a simple query, which a
+    /// transaction pooler passes whole to one server connection (see `pooler.rs`). A
+    /// failed read counts as "not carried" until the next read.
     pub(crate) async fn carried(
         &self,
         db: &DatabaseConnection,
@@ -98,16 +99,28 @@ impl ConnectionBoundsKnown {
         if let Some(carried) = self.known.remembered(&pool, &bounds) {
             return carried;
         }
-        let read = db.query_one_raw(Statement::from_string(backend, probe));
-        let answer = within_bound(bound, read)
-            .await
-            .ok()
-            .and_then(Result::ok)
-            .flatten()
-            .and_then(|row| row.try_get_by_index::<i64>(0).ok());
-        // A failed read is remembered as "not carried" too: behind a transaction pooler
-        // it may fail every time, and must not cost every attempt a statement.
-        let carried = answer == Some(1);
+        let carried = match probe {
+            BoundsProbe::RowCount { sql, carried } => {
+                let read = within_bound(bound, db.execute_unprepared(&sql)).await;
+                let rows = read
+                    .ok()
+                    .and_then(Result::ok)
+                    .map(|done| done.rows_affected());
+                rows == Some(carried)
+            }
+            BoundsProbe::Flag(sql) => {
+                let read = db.query_one_raw(Statement::from_string(backend, sql));
+                let answer = within_bound(bound, read)
+                    .await
+                    .ok()
+                    .and_then(Result::ok)
+                    .flatten()
+                    .and_then(|row| row.try_get_by_index::<i64>(0).ok());
+                answer == Some(1)
+            }
+        };
+        // A failed read is remembered as "not carried" too: it must not cost every attempt
+        // a statement.
         self.known.remember(pool, bounds, carried);
         carried
     }

@@ -2,7 +2,8 @@
 //! extended result codes and the failed constraint's column list.
 
 use super::dialect::{
-    ConnectionBounds, Dialect, Marker, OutboxClaimSql, migration_of_column_named_in, repeat_list,
+    BoundsProbe, ConnectionBounds, Dialect, Marker, OutboxClaimSql, migration_of_column_named_in,
+    repeat_list,
 };
 use super::{AfterFailure, BatchClaimSql, DbErrorKind};
 use crate::InboxMigration;
@@ -49,7 +50,11 @@ impl Dialect for Sqlite {
         ConnectionBounds::None
     }
 
-    fn connection_bounds_probe(&self, _lock_wait: Duration, _silence: Duration) -> Option<String> {
+    fn connection_bounds_probe(
+        &self,
+        _lock_wait: Duration,
+        _silence: Duration,
+    ) -> Option<BoundsProbe> {
         None
     }
 
@@ -208,6 +213,12 @@ impl Dialect for Sqlite {
     /// the levels nest in.
     fn restore_driver_savepoint(&self, level: usize) -> Option<String> {
         Some(format!("SAVEPOINT _sqlx_savepoint_{level}"))
+    }
+
+    /// The transaction's end is asked at once after each statement that may end it, and
+    /// the levels dropped after it are stranded, never queued.
+    fn queued_rollbacks_drain(&self) -> Option<&'static str> {
+        None
     }
 
     fn over_network(&self) -> bool {

@@ -99,6 +99,39 @@ pub(crate) async fn roll_back_stranded(
     }
 }
 
+/// Takes the replies of the savepoint rollbacks the driver queued on `txn`'s connection
+/// (each SeaORM savepoint dropped open queues one, unsent) when the transaction may have
+/// ended under them, before the connection's own ROLLBACK: sends the backend's
+/// [`queued_rollbacks_drain`](super::dialect::Dialect::queued_rollbacks_drain) until it
+/// succeeds, at most `most` times. Whether one of them failed is returned: then the
+/// transaction had ended, or is aborted, and must not be committed.
+///
+/// A queued rollback that fails makes the connection fail sqlx's ping on its way back to
+/// the pool, which then closes it with `close_hard`, and over TLS that close can wait
+/// forever: sqlx-core 0.9.0 `src/net/socket/buffered.rs:137` (`shutdown` flushes first),
+/// `src/net/tls/tls_rustls.rs:69` (`poll_flush` is `poll_complete_io`, line 32), and
+/// rustls 0.23 `ConnectionCommon::complete_io` (`src/conn.rs:674`), which, with nothing to
+/// write, reads and waits for the server to send something. The server has sent every
+/// reply already, so the closing task hangs holding the pool's slot, and a pool of one
+/// times out every acquire after it. Taken here, no rollback fails later and the
+/// connection goes back whole.
+pub(crate) async fn drain_queued_rollbacks(txn: &DatabaseTransaction, most: u32) -> bool {
+    let Some(drain) = dialect(txn.get_database_backend())
+        .ok()
+        .and_then(|dialect| dialect.queued_rollbacks_drain())
+    else {
+        return false;
+    };
+    let mut failed = false;
+    for _ in 0..most {
+        match txn.execute_unprepared(drain).await {
+            Ok(_) => break,
+            Err(_) => failed = true,
+        }
+    }
+    failed
+}
+
 /// Whether `err`, the failure of `RELEASE SAVEPOINT`, says for certain that the
 /// transaction is open but did not make the savepoint.
 pub(crate) fn savepoint_missing_in_open_transaction(backend: DbBackend, err: &DbErr) -> bool {

@@ -85,6 +85,46 @@ async fn an_attempt_on_bounded_connections_runs_its_four_statements_only(backend
     .await;
 }
 
+/// On a pool whose connections do not carry the inbox's bounds, the inbox reads what they
+/// carry once, before its first BEGIN (again ten seconds later), and the attempts then set
+/// the bounds in their marker. On PostgreSQL that read is a text query: one round trip,
+/// and no prepared statement, which cost a second round trip on each new connection and
+/// which a transaction pooler cannot run outside a transaction (its `Bind` reaches a server
+/// connection without the statement: a failed read, and an ERROR in the server's log, at
+/// every read).
+async fn the_read_of_the_connections_bounds_is_one_statement(backend: Backend) {
+    with_proxied_db(backend, async |fixture| {
+        let inbox = Inbox::new(CONSUMER).expect("valid name");
+        let replica = fixture.proxy.connect_with(1).await;
+        fixture.proxy.reset_round_trips();
+        for _ in 0..2 {
+            let outcome = credit_once(&inbox, &replica, Uuid::new_v4()).await;
+            assert!(matches!(outcome, Ok(Outcome::Processed(()))), "{outcome:?}");
+        }
+        let run = fixture.proxy.statements();
+        replica.close().await.ok();
+        let is_read = |sent: &SentStatement| {
+            let sql = sent.sql();
+            sql.contains("pg_settings") || sql.contains("@sea_orm_inbox_bounded = 1, 0")
+        };
+        let reads: Vec<&SentStatement> = run.iter().filter(|sent| is_read(sent)).collect();
+        assert_eq!(reads.len(), 1, "{backend:?}: one read in {run:?}");
+        let first_begin = run.iter().position(|sent| sent.sql().trim() == "BEGIN");
+        let read_at = run.iter().position(is_read);
+        assert!(
+            read_at < first_begin,
+            "{backend:?}: the read comes before the first BEGIN: {run:?}"
+        );
+        if backend == Backend::Postgres {
+            assert!(
+                matches!(reads[0], SentStatement::Text(_)),
+                "a text query: {reads:?}"
+            );
+        }
+    })
+    .await;
+}
+
 /// What a statement of an attempt is, by name, or its whole text when it is none of the
 /// four an attempt needs.
 fn step(statement: &SentStatement) -> String {
@@ -139,6 +179,11 @@ on_server_backends!(process_costs_begin_marker_handler_and_commit);
 mod bounded_connections {
     use super::*;
     on_server_backends!(an_attempt_on_bounded_connections_runs_its_four_statements_only);
+}
+
+mod unbounded_connections {
+    use super::*;
+    on_server_backends!(the_read_of_the_connections_bounds_is_one_statement);
 }
 
 mod quoted_consumer {
