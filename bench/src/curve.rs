@@ -342,26 +342,24 @@ impl Bench<'_> {
                 .cell(phase, label, c)
                 .ok_or_else(|| format!("no {phase} {label} measured at c={c}").into())
         };
-        let mut messages = 0;
-        for mode in MODES {
-            let cell = cell("growth", mode.name())?;
-            messages += cell.txns;
-            point
-                .rates
-                .push((cell.median_rate(), cell.latency_ms(0.99)));
-        }
-        let messages = messages.max(1) as f64;
+        // Each layout's rates and p99s, and the messages its rounds handled.
+        let layout = |phase: &str| -> Result<(Vec<(f64, f64)>, f64), BoxError> {
+            let mut rates = Vec::new();
+            let mut messages = 0;
+            for mode in MODES {
+                let cell = cell(phase, mode.name())?;
+                messages += cell.txns;
+                rates.push((cell.median_rate(), cell.latency_ms(0.99)));
+            }
+            Ok((rates, messages.max(1) as f64))
+        };
+        let (rates, messages) = layout("growth")?;
+        point.rates = rates;
         point.index_reads_per_msg = (index_after - index_before) as f64 / messages;
         point.heap_reads_per_msg = (heap_after - heap_before) as f64 / messages;
-        let mut messages_v7 = 0;
-        for mode in MODES {
-            let cell = cell("growth v7", mode.name())?;
-            messages_v7 += cell.txns;
-            point
-                .rates_v7
-                .push((cell.median_rate(), cell.latency_ms(0.99)));
-        }
-        point.index_reads_per_msg_v7 = (index_v7 - index_after) as f64 / messages_v7.max(1) as f64;
+        let (rates_v7, messages_v7) = layout("growth v7")?;
+        point.rates_v7 = rates_v7;
+        point.index_reads_per_msg_v7 = (index_v7 - index_after) as f64 / messages_v7;
         if day > 0 {
             let (purge_label, claim_label) = Purger::Library(Setting::Default).labels();
             point.purge_per_s = cell("purge", purge_label)?.median_rate();
