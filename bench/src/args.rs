@@ -17,6 +17,16 @@ usage: cargo run --release -p inbox-bench -- [flags]
   --concurrency LIST  worker counts, comma separated (default 1,8,32)
   --growth-rows N     rows in the inbox for the growth and purge phases
                       (default 5000000, quick 20000; 0 skips both phases)
+  --growth-points LIST  the cost curve instead of one growth point: markers in the
+                      inbox at each point, ascending, comma separated, k and M allowed
+                      (e.g. 0,1M,10M,50M,100M); each point seeds only the rows it adds
+                      to the last, measures claim, process and raw, the table's and
+                      indexes' sizes, and the purge of one day (a hundredth) of the rows
+  --curve-csv PATH    write the cost curve's points as CSV
+  --curve-svg PATH    write the cost curve (throughput against markers) as SVG
+  --curve-from LIST   measure nothing: write --curve-csv and --curve-svg from the cost
+                      curve CSVs listed (comma separated), e.g. one per backend
+  --database NAME     the server database to create and drop (default inbox_bench)
   --purge-batch N     rows per purge transaction (default 10000, quick 1000)
   --purge-concurrency LIST  claimers during the purge phase (default 8,32; quick 8)
   --purge-detail      print where each purge's time went (batches, deleting, resting,
@@ -45,6 +55,12 @@ pub struct Args {
     pub round_time: Duration,
     pub concurrency: Vec<usize>,
     pub growth_rows: u64,
+    /// The cost curve's points (markers), ascending; empty for one growth point.
+    pub growth_points: Vec<u64>,
+    pub curve_csv: Option<String>,
+    pub curve_svg: Option<String>,
+    pub curve_from: Vec<String>,
+    pub database: String,
     pub purge_batch: u64,
     pub csv: Option<String>,
     pub svg: Option<String>,
@@ -94,6 +110,11 @@ impl Args {
                 "--seconds" => raw.seconds = Some(value()?.parse()?),
                 "--concurrency" => raw.concurrency = Some(parse_list(&value()?)?),
                 "--growth-rows" => raw.growth_rows = Some(value()?.parse()?),
+                "--growth-points" => raw.growth_points = Some(parse_counts(&value()?)?),
+                "--curve-csv" => raw.curve_csv = Some(value()?),
+                "--curve-svg" => raw.curve_svg = Some(value()?),
+                "--curve-from" => raw.curve_from = Some(parse_names(&value()?)),
+                "--database" => raw.database = Some(value()?),
                 "--purge-batch" => raw.purge_batch = Some(value()?.parse()?),
                 "--csv" => raw.csv = Some(value()?),
                 "--svg" => raw.svg = Some(value()?),
@@ -123,6 +144,11 @@ struct RawArgs {
     seconds: Option<f64>,
     concurrency: Option<Vec<usize>>,
     growth_rows: Option<u64>,
+    growth_points: Option<Vec<u64>>,
+    curve_csv: Option<String>,
+    curve_svg: Option<String>,
+    curve_from: Option<Vec<String>>,
+    database: Option<String>,
     purge_batch: Option<u64>,
     csv: Option<String>,
     svg: Option<String>,
@@ -152,7 +178,9 @@ impl RawArgs {
         if purge_batch == 0 {
             return Err("--purge-batch must be positive".into());
         }
-        let no_backend = self.no_sqlite && self.postgres.is_none() && self.mysql.is_none();
+        let replot = self.replot.is_some() || self.curve_from.is_some();
+        let no_backend =
+            !replot && self.no_sqlite && self.postgres.is_none() && self.mysql.is_none();
         if no_backend && self.instructions.is_none() {
             return Err("--no-sqlite leaves no backend: give --postgres or --mysql".into());
         }
@@ -164,6 +192,11 @@ impl RawArgs {
             .unwrap_or_else(|| pick(quick, vec![8, 32], vec![8]));
         if purge_concurrency.is_empty() {
             return Err("--purge-concurrency needs at least one value".into());
+        }
+        if let Some(name) = &self.database
+            && !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+        {
+            return Err("--database takes letters, digits and underscores only".into());
         }
         let phases = self
             .phases
@@ -179,6 +212,13 @@ impl RawArgs {
             round_time: Duration::from_secs_f64(seconds),
             concurrency,
             growth_rows: self.growth_rows.unwrap_or(pick(quick, 5_000_000, 20_000)),
+            growth_points: self.growth_points.unwrap_or_default(),
+            curve_csv: self.curve_csv,
+            curve_svg: self.curve_svg,
+            curve_from: self.curve_from.unwrap_or_default(),
+            database: self
+                .database
+                .unwrap_or_else(|| crate::db::BENCH_DATABASE.to_owned()),
             purge_batch,
             csv: self.csv,
             svg: self.svg,
@@ -203,6 +243,32 @@ fn parse_list(list: &str) -> Result<Vec<usize>, BoxError> {
         return Err("--concurrency values must be positive".into());
     }
     Ok(values)
+}
+
+/// `0,1M,10M,50k`: counts with an optional k (thousand) or M (million), ascending.
+fn parse_counts(list: &str) -> Result<Vec<u64>, BoxError> {
+    let counts = list
+        .split(',')
+        .map(|item| {
+            let item = item.trim();
+            let (digits, scale) = match item.strip_suffix(['M', 'm']) {
+                Some(digits) => (digits, 1_000_000),
+                None => match item.strip_suffix(['k', 'K']) {
+                    Some(digits) => (digits, 1_000),
+                    None => (item, 1),
+                },
+            };
+            digits
+                .parse::<u64>()
+                .ok()
+                .and_then(|n| n.checked_mul(scale))
+                .ok_or_else(|| format!("--growth-points: {item} is not a count like 10M"))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    if counts.windows(2).any(|pair| pair[0] >= pair[1]) {
+        return Err("--growth-points must ascend".into());
+    }
+    Ok(counts)
 }
 
 fn parse_names(list: &str) -> Vec<String> {
@@ -241,6 +307,14 @@ mod tests {
     }
 
     #[test]
+    fn growth_points_take_suffixes() -> Result<(), BoxError> {
+        let args = parse(&["--growth-points", "0,50k, 1M,100M"])?.ok_or("usage instead of args")?;
+        assert_eq!(args.growth_points, vec![0, 50_000, 1_000_000, 100_000_000]);
+        assert_eq!(args.database, "inbox_bench");
+        Ok(())
+    }
+
+    #[test]
     fn refuses_bad_flags() {
         assert!(parse(&["--bogus"]).is_err());
         assert!(parse(&["--rounds"]).is_err());
@@ -248,6 +322,9 @@ mod tests {
         assert!(parse(&["--no-sqlite"]).is_err());
         assert!(parse(&["--seconds", "-1"]).is_err());
         assert!(parse(&["--phases", "main,bogus"]).is_err());
+        assert!(parse(&["--growth-points", "10M,1M"]).is_err());
+        assert!(parse(&["--growth-points", "1G"]).is_err());
+        assert!(parse(&["--database", "x; DROP"]).is_err());
         assert!(matches!(parse(&["--help"]), Ok(None)));
     }
 }

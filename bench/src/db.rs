@@ -12,8 +12,9 @@ use std::time::Duration;
 /// The consumer every benchmark message is claimed for.
 pub const CONSUMER: &str = "bench.credit";
 
-/// The database the benchmark creates (and drops afterwards) on a server.
-const BENCH_DATABASE: &str = "inbox_bench";
+/// The database the benchmark creates (and drops afterwards) on a server, unless
+/// `--database` names another.
+pub const BENCH_DATABASE: &str = "inbox_bench";
 
 /// A backend to run on, as the flags name it.
 #[derive(Clone, Debug)]
@@ -21,6 +22,8 @@ pub struct Target {
     pub name: &'static str,
     /// For servers: the URL of a database the user may create databases from.
     pub admin_url: Option<String>,
+    /// The database to create on a server (dropped first if it exists, and afterwards).
+    pub database: String,
 }
 
 /// The benchmark's database: a fresh SQLite file, or `inbox_bench` on a server.
@@ -28,6 +31,7 @@ pub struct BenchDb {
     pub backend: DbBackend,
     pub url: String,
     admin_url: Option<String>,
+    database: String,
     _dir: Option<tempfile::TempDir>,
 }
 
@@ -36,7 +40,7 @@ impl BenchDb {
     pub async fn create(target: &Target) -> Result<Self, BoxError> {
         let db = match &target.admin_url {
             None => Self::sqlite()?,
-            Some(admin_url) => Self::server(admin_url).await?,
+            Some(admin_url) => Self::server(admin_url, &target.database).await?,
         };
         let setup = db.connect().await?;
         if db.backend == DbBackend::Sqlite {
@@ -60,26 +64,28 @@ impl BenchDb {
             backend: DbBackend::Sqlite,
             url,
             admin_url: None,
+            database: String::new(),
             _dir: Some(dir),
         })
     }
 
-    async fn server(admin_url: &str) -> Result<Self, BoxError> {
+    async fn server(admin_url: &str, database: &str) -> Result<Self, BoxError> {
         let admin = Database::connect(admin_url)
             .await
             .map_err(|e| format!("cannot connect to {admin_url}: {e}"))?;
         let backend = admin.get_database_backend();
         admin
-            .execute_unprepared(&format!("DROP DATABASE IF EXISTS {BENCH_DATABASE}"))
+            .execute_unprepared(&format!("DROP DATABASE IF EXISTS {database}"))
             .await?;
         admin
-            .execute_unprepared(&format!("CREATE DATABASE {BENCH_DATABASE}"))
+            .execute_unprepared(&format!("CREATE DATABASE {database}"))
             .await?;
         admin.close().await?;
         Ok(Self {
             backend,
-            url: with_database(admin_url, BENCH_DATABASE),
+            url: with_database(admin_url, database),
             admin_url: Some(admin_url.to_owned()),
+            database: database.to_owned(),
             _dir: None,
         })
     }
@@ -112,7 +118,7 @@ impl BenchDb {
         if let Some(admin_url) = &self.admin_url {
             let admin = Database::connect(admin_url).await?;
             admin
-                .execute_unprepared(&format!("DROP DATABASE IF EXISTS {BENCH_DATABASE}"))
+                .execute_unprepared(&format!("DROP DATABASE IF EXISTS {}", self.database))
                 .await?;
             admin.close().await?;
         }

@@ -15,6 +15,7 @@
 //! ratios are medians of per-round ratios. See BENCHMARKS.md for what each mode is.
 
 mod args;
+mod curve;
 mod db;
 mod growth;
 mod instructions;
@@ -60,8 +61,11 @@ async fn main() -> Result<(), BoxError> {
         }
         None => None,
     };
-    if let Some(csv) = &args.replot {
-        let reports = report::from_csv(&std::fs::read_to_string(csv)?, args.growth_rows)?;
+    if args.replot.is_some() || !args.curve_from.is_empty() {
+        let reports = match &args.replot {
+            Some(csv) => report::from_csv(&std::fs::read_to_string(csv)?, args.growth_rows)?,
+            None => Vec::new(),
+        };
         return write_outputs(
             &Args {
                 csv: None,
@@ -121,6 +125,18 @@ fn write_outputs(
         std::fs::write(path, svg::chart(reports)?)?;
         eprintln!("wrote {path}");
     }
+    let mut points: Vec<curve::Point> = reports.iter().flat_map(|r| r.curve.clone()).collect();
+    for csv in &args.curve_from {
+        points.extend(curve::from_csv(&std::fs::read_to_string(csv)?)?);
+    }
+    if let Some(path) = &args.curve_csv {
+        std::fs::write(path, curve::csv(&points))?;
+        eprintln!("wrote {path}");
+    }
+    if let Some(path) = &args.curve_svg {
+        std::fs::write(path, curve::chart(&points)?)?;
+        eprintln!("wrote {path}");
+    }
     Ok(())
 }
 
@@ -130,18 +146,21 @@ fn targets(args: &Args) -> Vec<Target> {
         targets.push(Target {
             name: "sqlite",
             admin_url: None,
+            database: String::new(),
         });
     }
     if let Some(url) = &args.postgres {
         targets.push(Target {
             name: "postgres",
             admin_url: Some(url.clone()),
+            database: args.database.clone(),
         });
     }
     if let Some(url) = &args.mysql {
         targets.push(Target {
             name: "mysql",
             admin_url: Some(url.clone()),
+            database: args.database.clone(),
         });
     }
     targets
@@ -164,7 +183,9 @@ struct Bench<'a> {
 async fn bench_backend(args: &Args, target: &Target) -> Result<Report, BoxError> {
     let mut bench = Bench::open(args, target).await?;
     bench.main_phase().await?;
-    if args.growth_rows > 0 && (args.runs("growth") || args.runs("purge")) {
+    if !args.growth_points.is_empty() && args.runs("growth") {
+        bench.report.curve = bench.curve_phase().await?;
+    } else if args.growth_rows > 0 && (args.runs("growth") || args.runs("purge")) {
         let cohorts = bench.growth_phase().await?;
         if args.runs("purge") {
             bench.purge_phase(cohorts).await?;
@@ -265,13 +286,23 @@ impl<'a> Bench<'a> {
 
     async fn rounds(&mut self, phase: &'static str, modes: &[Mode]) -> Result<(), BoxError> {
         let levels = self.args.concurrency.clone();
-        for &concurrency in &levels {
+        self.rounds_at(phase, modes, &levels).await
+    }
+
+    /// [`Self::rounds`] at the worker counts `levels`.
+    async fn rounds_at(
+        &mut self,
+        phase: &'static str,
+        modes: &[Mode],
+        levels: &[usize],
+    ) -> Result<(), BoxError> {
+        for &concurrency in levels {
             for mode in modes {
                 self.report.declare(phase, mode.name(), concurrency);
             }
         }
         for round in 0..self.args.rounds {
-            for &concurrency in &levels {
+            for &concurrency in levels {
                 for mode in shuffled(modes) {
                     self.measure(phase, mode, concurrency).await?;
                 }

@@ -11,9 +11,30 @@ use sea_orm::{
     TransactionTrait, Value,
 };
 use sea_orm_inbox::prelude::*;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use uuid::Uuid;
+
+/// Whether `raw`, `claim` and the delivering modes take time-ordered message ids (the
+/// layout of UUIDv7: milliseconds since the epoch first) instead of random ones (v4). The
+/// cost curve flips it between its measurements; every other run leaves it off.
+pub static TIME_ORDERED_IDS: AtomicBool = AtomicBool::new(false);
+
+/// A fresh message id in the layout [`TIME_ORDERED_IDS`] says.
+pub fn fresh_id() -> Uuid {
+    let random = Uuid::new_v4();
+    if !TIME_ORDERED_IDS.load(Ordering::Relaxed) {
+        return random;
+    }
+    let millis = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| {
+            u64::try_from(since.as_millis()).unwrap_or(u64::MAX)
+        });
+    let mut tail = [0_u8; 10];
+    tail.copy_from_slice(&random.as_bytes()[..10]);
+    uuid::Builder::from_unix_timestamp_millis(millis, &tail).into_uuid()
+}
 
 /// What the benchmark measures, in the order the table prints it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -244,7 +265,7 @@ impl Worker {
     /// One delivery of a message id chosen by `deliveries` through `mode`'s protocol.
     async fn deliver(&self, mode: Mode, deliveries: Deliveries) -> Result<Done, BoxError> {
         let id = match deliveries {
-            Deliveries::Fresh => Uuid::new_v4(),
+            Deliveries::Fresh => fresh_id(),
             Deliveries::Mixed => self.mixer.next_delivery(self)?,
         };
         let handled = match mode {
@@ -311,7 +332,7 @@ impl Worker {
 
     async fn raw(&self) -> Result<Done, BoxError> {
         let txn = self.begin().await?;
-        txn.execute_raw(self.marker(self.sql.marker, Uuid::new_v4()))
+        txn.execute_raw(self.marker(self.sql.marker, fresh_id()))
             .await?;
         self.credit(&txn, 1).await?;
         txn.commit().await?;
@@ -322,7 +343,7 @@ impl Worker {
     /// plain `txn.commit()`, which `--instructions` counts to price the proof.
     async fn claim(&self, prove: bool) -> Result<Done, BoxError> {
         let txn = self.begin().await?;
-        match txn.claim_message(Uuid::new_v4(), CONSUMER).await? {
+        match txn.claim_message(fresh_id(), CONSUMER).await? {
             Claim::Claimed(claimed) => {
                 self.credit(&txn, 1).await?;
                 if prove {

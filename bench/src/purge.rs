@@ -269,13 +269,28 @@ impl Bench<'_> {
         k: u64,
         concurrency: usize,
     ) -> Result<(), BoxError> {
+        let expected = cohorts.rows_in(k, self.report.growth_rows);
+        self.purge_while_claiming(purger_conn, purger, cutoff_after(k), expected, concurrency)
+            .await
+    }
+
+    /// Purges what was received before `cutoff`, which must be `expected` rows, while
+    /// `concurrency` workers claim; checks both and records both in the report.
+    pub(crate) async fn purge_while_claiming(
+        &mut self,
+        purger_conn: &DatabaseConnection,
+        purger: Purger,
+        cutoff: chrono::DateTime<Utc>,
+        expected: u64,
+        concurrency: usize,
+    ) -> Result<(), BoxError> {
         let (purge_label, claim_label) = purger.labels();
         let sql = crate::db::sql(self.db.backend)?;
         let before = crate::run::Snapshot::take(&self.control).await?;
         let stop = Stop::default();
         let purge = async {
             let purged = purger
-                .purge(purger_conn, sql, cutoff_after(k), self.args.purge_batch)
+                .purge(purger_conn, sql, cutoff, self.args.purge_batch)
                 .await;
             stop.set();
             purged
@@ -308,10 +323,9 @@ impl Bench<'_> {
                 purged.detail
             );
         }
-        let expected = cohorts.rows_in(k, self.report.growth_rows);
         if purged.rows != expected {
             return Err(format!(
-                "CORRECTNESS FAILURE in {purge_label}: cohort {k} holds {expected} rows, {} deleted",
+                "CORRECTNESS FAILURE in {purge_label}: {expected} rows were older than the cutoff, {} deleted",
                 purged.rows
             )
             .into());

@@ -37,6 +37,8 @@ pub struct Report {
     pub backend: &'static str,
     pub cells: Vec<Cell>,
     pub growth_rows: u64,
+    /// The cost curve's points, when `--growth-points` asked for them.
+    pub curve: Vec<crate::curve::Point>,
 }
 
 impl Report {
@@ -45,6 +47,7 @@ impl Report {
             backend,
             cells: Vec::new(),
             growth_rows: 0,
+            curve: Vec::new(),
         }
     }
 

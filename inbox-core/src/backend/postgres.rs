@@ -190,14 +190,23 @@ impl Dialect for Postgres {
     }
 
     /// PostgreSQL plans `id IN (subquery)` as a hash semi-join over a sequential scan of
-    /// the whole table (61 ms per 1000-row batch at 200k rows, measured), so the purge uses
-    /// `id = ANY(ARRAY(subquery))`: an init plan on the index, then primary-key lookups
-    /// (4 ms).
+    /// the whole table (61 ms per 1000-row batch at 200k rows, measured), so the purge
+    /// collects its rows in an init plan on `ix_inbox_received_at` (`= ANY(ARRAY(...))`).
+    /// It collects their `ctid`s, not their ids: the DELETE then fetches each row by its
+    /// place (a TID scan) instead of descending the primary key once per row, which was
+    /// half of each batch's buffer touches (20,144 against 40,203 for 10,000 rows, 29 ms
+    /// against 47, measured). A `ctid` means one row of one table only within the
+    /// statement that read it, and an inbox that is a partitioned table repeats `ctid`s
+    /// across partitions: the DELETE therefore repeats the purge's condition, so every row
+    /// it removes is one the purge may remove, and a row a concurrent transaction changed
+    /// since the init plan read it (a new lease) is checked again and spared.
     fn purge_batch(&self) -> &'static str {
-        "DELETE FROM inbox WHERE id = ANY(ARRAY(\
-         SELECT id FROM inbox WHERE received_at < $1 \
+        "DELETE FROM inbox WHERE ctid = ANY(ARRAY(\
+         SELECT ctid FROM inbox WHERE received_at < $1 \
          AND (processed_at < $2 OR (processed_at IS NULL AND lease_until IS NULL)) \
-         ORDER BY received_at LIMIT $3))"
+         ORDER BY received_at LIMIT $3)) \
+         AND received_at < $1 \
+         AND (processed_at < $2 OR (processed_at IS NULL AND lease_until IS NULL))"
     }
 
     fn newest_received_at(&self) -> &'static str {
