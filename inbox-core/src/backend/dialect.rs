@@ -227,10 +227,6 @@ pub(super) trait Dialect: Sync {
     /// confirmed) on its own, in autocommit, rather than in a transaction of its own.
     fn outbox_settle_alone(&self) -> bool;
 
-    /// Leases `ids` rows to a claim, stamping `first_published_at` where it is NULL.
-    /// Binds: leased_until, token, the claim's time, then the ids.
-    fn outbox_lease(&self, ids: usize) -> String;
-
     /// Marks `ids` rows sent, fenced by the claim's token. Binds: sent_at, token, then the
     /// ids.
     fn outbox_mark_sent(&self, ids: usize) -> String;
@@ -303,17 +299,19 @@ pub(super) enum OutboxClaimSql {
     /// sixth bind: the partition timeout as text in milliseconds.
     #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     InTransaction(&'static str, TransactionOptions),
-    /// For a database without `UPDATE ... RETURNING`, in a transaction begun with
-    /// `options` after [`Dialect::silence_bound`]: a plain read of the ids of the due rows
-    /// (`candidates`; binds: now, now again, limit), then `lock(n)` over `n` of those ids,
-    /// a locking read by primary key that checks again that each is due and returns at
-    /// most `limit` rows (binds: the ids, now, now again, limit), then
-    /// [`Dialect::outbox_lease`] of the ids it returned.
+    /// For a database without `UPDATE ... RETURNING`, three statements, each on its own in
+    /// autocommit (no transaction, so nothing stays locked when the relay is cut off): a
+    /// plain read of the ids of the due rows (`candidates`; binds: now, now again, limit
+    /// times two), then `lease(n)` over `n` of those ids, an UPDATE by primary key that
+    /// checks again that each is due and leases at most `limit` of them in `id` order
+    /// (binds: leased_until, token, now (the stamp), the ids, now, now again, limit), then
+    /// `leased(n)`, a plain read of those ids' rows that the lease's token now holds
+    /// (binds: the ids, token).
     #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
-    ReadLockThenLease {
+    ReadLeaseReadBack {
         candidates: &'static str,
-        lock: fn(usize) -> String,
-        options: TransactionOptions,
+        lease: fn(usize) -> String,
+        leased: fn(usize) -> String,
     },
 }
 

@@ -11,7 +11,7 @@ use chrono::{DateTime, Utc};
 use sea_orm::sea_query::Expr;
 use sea_orm::sqlx::error::DatabaseError;
 use sea_orm::sqlx::mysql::MySqlDatabaseError;
-use sea_orm::{DbErr, IsolationLevel, TransactionOptions, Value};
+use sea_orm::{DbErr, Value};
 use sea_orm_inbox_entity::InboxTable;
 use std::time::Duration;
 
@@ -366,44 +366,52 @@ impl Dialect for MySql {
         "INSERT INTO `outbox` (`message_id`, `destination`, `partition_key`, `payload`, `headers`, `created_at`, `available_at`) VALUES (?, ?, ?, ?, ?, ?, ?) ON DUPLICATE KEY UPDATE `destination` = `destination`"
     }
 
-    /// MySQL and MariaDB have no `UPDATE ... RETURNING`: a read, a locking read, then the
-    /// lease, in a transaction. A locking read keeps the lock of every row it read, also of
-    /// a row its WHERE rejected (measured on MariaDB 10.11 under READ COMMITTED: a claim of
-    /// row 4 behind three rows leased elsewhere held all four), and a claim cut off from
-    /// the database kept them all. So the candidates are read without locks, walking
-    /// `ix_outbox_pending` from the first unsent row (`FORCE INDEX`: with the relay's
-    /// conditions MariaDB would walk the primary key from the oldest sent row, 1,600 rows
-    /// read instead of 100 with 1,500 of 2,000 rows sent), and the locking read takes them
-    /// by primary key, checking again that each is still due: it reads only rows that were
-    /// due an instant before, and locks more than it claims only when one of them was
-    /// leased or sent in that instant. `SKIP LOCKED` passes over the rows another relay's
-    /// open claim holds; twice the batch in candidates lets a claim pass a batch that
-    /// another relay holds (a claim in flight, or one cut off until the server ends it)
-    /// and still fill its own.
+    /// MySQL and MariaDB have no `UPDATE ... RETURNING`: a read, the lease, then a read of
+    /// what it leased, each on its own in autocommit. The candidates are read without
+    /// locks, walking `ix_outbox_pending` from the first unsent row (`FORCE INDEX`: with
+    /// the relay's conditions MariaDB would walk the primary key from the oldest sent row,
+    /// 1,600 rows read instead of 100 with 1,500 of 2,000 rows sent). The lease takes them
+    /// by primary key, checks again that each is still due, and leases at most a batch of
+    /// them in `id` order; the read after it returns the rows that carry the claim's token.
+    /// Twice the batch in candidates lets a claim pass over a batch that another relay
+    /// leased in the same instant and still fill its own.
     ///
-    /// READ COMMITTED: under InnoDB's default REPEATABLE READ the candidate read would see
-    /// the transaction's snapshot rather than the latest commits, and a locking read would
-    /// take next-key locks on gaps, which every enqueue INSERT into them would wait for.
+    /// No transaction: the lease is one statement, which commits on its own, and the two
+    /// reads lock nothing. What a claim in a transaction cost here (measured per batch of
+    /// 100 on MariaDB 10.11 through the test proxy): `SET TRANSACTION ISOLATION LEVEL`
+    /// (its own round trip), BEGIN, the silence bound's `SET SESSION` (without it, a claim
+    /// cut off from the database kept its rows locked for hours), a locking read (which
+    /// kept the locks of rows its WHERE rejected) and COMMIT: 4 round trips more than
+    /// these three statements. An autocommit statement holds its row locks only while it
+    /// runs, whether its client is still there or not: a relay cut off leaves at most a
+    /// lease, which ends as a crashed relay's does. Two relays' leases over the same
+    /// candidates meet at the row locks: the second waits for the first statement to
+    /// commit (the rows are locked in `id` order by both, so they cannot deadlock), then
+    /// skips the rows it leased, which are no longer due.
     fn outbox_claim(&self) -> OutboxClaimSql {
-        OutboxClaimSql::ReadLockThenLease {
+        OutboxClaimSql::ReadLeaseReadBack {
             candidates: "SELECT o.id FROM outbox o FORCE INDEX (ix_outbox_pending) \
              WHERE o.sent_at IS NULL AND o.dead_at IS NULL AND o.available_at <= ? \
              AND (o.leased_until IS NULL OR o.leased_until <= ?) \
              AND (o.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM outbox e \
              WHERE e.partition_key = o.partition_key AND e.id < o.id AND e.sent_at IS NULL)) \
              ORDER BY o.id LIMIT ?",
-            lock: |ids| {
+            lease: |ids| {
                 format!(
-                    "SELECT o.* FROM outbox o WHERE o.id IN ({}) \
-                     AND o.sent_at IS NULL AND o.dead_at IS NULL AND o.available_at <= ? \
-                     AND (o.leased_until IS NULL OR o.leased_until <= ?) \
-                     ORDER BY o.id LIMIT ? FOR UPDATE SKIP LOCKED",
+                    "UPDATE outbox SET attempts = attempts + 1, leased_until = ?, \
+                     lease_token = ?, first_published_at = COALESCE(first_published_at, ?) \
+                     WHERE id IN ({}) AND sent_at IS NULL AND dead_at IS NULL \
+                     AND available_at <= ? AND (leased_until IS NULL OR leased_until <= ?) \
+                     ORDER BY id LIMIT ?",
                     repeat_list("?", ids)
                 )
             },
-            options: TransactionOptions {
-                isolation_level: Some(IsolationLevel::ReadCommitted),
-                ..TransactionOptions::default()
+            leased: |ids| {
+                format!(
+                    "SELECT o.* FROM outbox o WHERE o.id IN ({}) AND o.lease_token = ? \
+                     ORDER BY o.id",
+                    repeat_list("?", ids)
+                )
             },
         }
     }
@@ -412,14 +420,6 @@ impl Dialect for MySql {
     /// transaction.
     fn outbox_settle_alone(&self) -> bool {
         true
-    }
-
-    fn outbox_lease(&self, ids: usize) -> String {
-        format!(
-            "UPDATE outbox SET attempts = attempts + 1, leased_until = ?, lease_token = ?, \
-             first_published_at = COALESCE(first_published_at, ?) WHERE id IN ({})",
-            repeat_list("?", ids)
-        )
     }
 
     fn outbox_mark_sent(&self, ids: usize) -> String {

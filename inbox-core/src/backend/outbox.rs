@@ -51,30 +51,39 @@ pub(crate) enum ClaimPlan {
     /// That statement in a transaction of its own, begun with these options; the
     /// statement bounds how long the server keeps the transaction for a silent client.
     InTransaction(Statement, TransactionOptions),
-    /// A read of the due rows' ids, a locking read of some of them by primary key
-    /// (returned as they were before the lease), then [`lease_statement`] of the ids it
-    /// returned, in a transaction begun with `options` whose first statement is `silence`.
-    ReadLockThenLease(ReadLockThenLease),
+    /// A read of the due rows' ids, a lease of some of them by primary key, then a read of
+    /// the rows the lease took, each statement on its own.
+    ReadLeaseReadBack(ReadLeaseReadBack),
 }
 
-/// The statements of [`ClaimPlan::ReadLockThenLease`].
-pub(crate) struct ReadLockThenLease {
+/// The statements of [`ClaimPlan::ReadLeaseReadBack`].
+pub(crate) struct ReadLeaseReadBack {
     pub(crate) candidates: Statement,
-    silence: Option<String>,
-    options: TransactionOptions,
-    lock: fn(usize) -> String,
+    lease: fn(usize) -> String,
+    leased: fn(usize) -> String,
+    /// The lease's binds before the ids: leased_until, token, the claim's time.
+    leasing: [Value; 3],
     due: [Value; 2],
     limit: i64,
+    token: Uuid,
 }
 
-impl ReadLockThenLease {
-    /// The locking read of the candidate rows `ids`: at most the claim's limit of them,
-    /// each checked again to be due.
-    pub(crate) fn lock(&self, ids: &[i64]) -> Statement {
-        let mut values: Vec<Value> = ids.iter().map(|id| Value::from(*id)).collect();
+impl ReadLeaseReadBack {
+    /// The lease of the candidate rows `ids`: at most the claim's limit of them, each
+    /// checked again to be due.
+    pub(crate) fn lease(&self, ids: &[i64]) -> Statement {
+        let mut values = self.leasing.to_vec();
+        values.extend(ids.iter().map(|id| Value::from(*id)));
         values.extend(self.due.iter().cloned());
         values.push(Value::from(self.limit));
-        Statement::from_sql_and_values(self.candidates.db_backend, (self.lock)(ids.len()), values)
+        Statement::from_sql_and_values(self.candidates.db_backend, (self.lease)(ids.len()), values)
+    }
+
+    /// The read of the rows among `ids` that the lease took, in `id` order.
+    pub(crate) fn leased(&self, ids: &[i64]) -> Statement {
+        let mut values: Vec<Value> = ids.iter().map(|id| Value::from(*id)).collect();
+        values.push(Value::from(self.token));
+        Statement::from_sql_and_values(self.candidates.db_backend, (self.leased)(ids.len()), values)
     }
 }
 
@@ -82,32 +91,33 @@ impl ClaimPlan {
     /// The options of the transaction the claim needs, `None` for a claim sent on its own.
     pub(crate) fn transaction_options(&self) -> Option<TransactionOptions> {
         match self {
-            Self::Alone(_) => None,
+            Self::Alone(_) | Self::ReadLeaseReadBack(_) => None,
             Self::InTransaction(_, options) => Some(*options),
-            Self::ReadLockThenLease(plan) => Some(plan.options),
-        }
-    }
-
-    /// A statement that makes the server end the claim's transaction once its client has
-    /// been silent for the partition timeout, to run first in it; `None` where the claim
-    /// statement carries that bound itself, or there is no server.
-    pub(crate) fn silence(&self) -> Option<&str> {
-        match self {
-            Self::ReadLockThenLease(plan) => plan.silence.as_deref(),
-            Self::Alone(_) | Self::InTransaction(..) => None,
         }
     }
 }
 
-/// How many candidates a claim of `limit` rows reads before locking: twice the batch, so
-/// that a claim passes over a batch another relay holds and still fills its own.
+/// Whether the relay's claim on `backend` is one statement, so that a drain sends the marks
+/// of a full batch with the next claim in one transaction (one commit per batch). A claim
+/// of several statements commits its lease on its own instead: in one transaction with
+/// the marks it would hold their row locks across its reads.
+pub(crate) fn claim_takes_marks(backend: DbBackend) -> Result<bool, InboxError> {
+    Ok(!matches!(
+        dialect(backend)?.outbox_claim(),
+        OutboxClaimSql::ReadLeaseReadBack { .. }
+    ))
+}
+
+/// How many candidates a claim of `limit` rows reads before leasing: twice the batch, so
+/// that a claim passes over a batch another relay leases in the same instant and still
+/// fills its own.
 const CANDIDATES_PER_ROW: i64 = 2;
 
 /// The relay's claim of at most `limit` due rows at `now`, oldest first, leased to `token`
 /// until `leased_until`, counting the attempt and stamping `now` as the first publish time
-/// of rows that have none; rows another relay's claim holds are skipped. The server ends
-/// the claim's transaction when its client has been silent for `silence` (a relay cut off
-/// from the database), releasing what it holds.
+/// of rows that have none; rows another relay's claim holds are skipped. Where the claim
+/// holds a transaction open, the server ends it when its client has been silent for
+/// `silence` (a relay cut off from the database), releasing what it holds.
 ///
 /// A row is due when it is unsent, not dead, available, and not leased (or its lease has
 /// ended). A row with a key is due only when no earlier row of its key is unsent, whatever
@@ -124,37 +134,39 @@ pub(crate) fn claim_plan(
 ) -> Result<ClaimPlan, InboxError> {
     let dialect = dialect(backend)?;
     let due = [dialect.timestamp_value(now), dialect.timestamp_value(now)];
-    let leasing = |sql: &str, bound: Option<Value>| {
-        let mut values = vec![
-            dialect.timestamp_value(leased_until),
-            Value::from(token),
-            dialect.timestamp_value(now),
-        ];
+    let leasing = [
+        dialect.timestamp_value(leased_until),
+        Value::from(token),
+        dialect.timestamp_value(now),
+    ];
+    let one_statement = |sql: &str, bound: Option<Value>| {
+        let mut values = leasing.to_vec();
         values.extend(due.iter().cloned());
         values.push(Value::from(limit));
         values.extend(bound);
         Statement::from_sql_and_values(backend, sql, values)
     };
     Ok(match dialect.outbox_claim() {
-        OutboxClaimSql::Alone(sql) => ClaimPlan::Alone(leasing(sql, None)),
+        OutboxClaimSql::Alone(sql) => ClaimPlan::Alone(one_statement(sql, None)),
         OutboxClaimSql::InTransaction(sql, options) => {
             let bound = Value::from(format!("{}ms", silence.as_millis()));
-            ClaimPlan::InTransaction(leasing(sql, Some(bound)), options)
+            ClaimPlan::InTransaction(one_statement(sql, Some(bound)), options)
         }
-        OutboxClaimSql::ReadLockThenLease {
+        OutboxClaimSql::ReadLeaseReadBack {
             candidates,
-            lock,
-            options,
+            lease,
+            leased,
         } => {
             let mut values = due.to_vec();
             values.push(Value::from(limit.saturating_mul(CANDIDATES_PER_ROW)));
-            ClaimPlan::ReadLockThenLease(ReadLockThenLease {
+            ClaimPlan::ReadLeaseReadBack(ReadLeaseReadBack {
                 candidates: Statement::from_sql_and_values(backend, candidates, values),
-                silence: dialect.silence_bound(silence),
-                options,
-                lock,
+                lease,
+                leased,
+                leasing,
                 due,
                 limit,
+                token,
             })
         }
     })
@@ -164,29 +176,6 @@ pub(crate) fn claim_plan(
 /// [`Dialect::outbox_settle_alone`](super::dialect::Dialect::outbox_settle_alone)).
 pub(crate) fn settle_alone(backend: DbBackend) -> Result<bool, InboxError> {
     Ok(dialect(backend)?.outbox_settle_alone())
-}
-
-/// Leases the claimed rows `ids` to the claim `token` until `leased_until`, counting the
-/// attempt and stamping `claimed_at` as the first publish time of rows that have none.
-pub(crate) fn lease_statement(
-    backend: DbBackend,
-    ids: &[i64],
-    leased_until: DateTime<Utc>,
-    token: Uuid,
-    claimed_at: DateTime<Utc>,
-) -> Result<Statement, InboxError> {
-    let dialect = dialect(backend)?;
-    let mut values = vec![
-        dialect.timestamp_value(leased_until),
-        Value::from(token),
-        dialect.timestamp_value(claimed_at),
-    ];
-    values.extend(ids.iter().map(|id| Value::from(*id)));
-    Ok(Statement::from_sql_and_values(
-        backend,
-        dialect.outbox_lease(ids.len()),
-        values,
-    ))
 }
 
 /// Marks the rows `ids` sent at `sent_at`, fenced by the claim `token`: a row another

@@ -372,14 +372,6 @@ impl Dialect for Postgres {
         false
     }
 
-    fn outbox_lease(&self, ids: usize) -> String {
-        format!(
-            "UPDATE outbox SET attempts = attempts + 1, leased_until = $1, lease_token = $2, \
-             first_published_at = COALESCE(first_published_at, $3) WHERE id IN ({})",
-            numbered(4, ids)
-        )
-    }
-
     fn outbox_mark_sent(&self, ids: usize) -> String {
         format!(
             "UPDATE outbox SET sent_at = $1, leased_until = NULL \

@@ -254,14 +254,6 @@ impl Dialect for Sqlite {
         true
     }
 
-    fn outbox_lease(&self, ids: usize) -> String {
-        format!(
-            "UPDATE outbox SET attempts = attempts + 1, leased_until = ?, lease_token = ?, \
-             first_published_at = COALESCE(first_published_at, ?) WHERE id IN ({})",
-            repeat_list("?", ids)
-        )
-    }
-
     fn outbox_mark_sent(&self, ids: usize) -> String {
         format!(
             "UPDATE outbox SET sent_at = ?, leased_until = NULL \

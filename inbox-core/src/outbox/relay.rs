@@ -3,7 +3,7 @@ use super::message::OutboxMessage;
 use super::wake::OutboxWaker;
 use crate::Inbox;
 use crate::backend::outbox::{
-    ClaimPlan, Failure, UNSTORABLE_ERROR, claim_plan, lease_statement, mark_failed_statement,
+    ClaimPlan, Failure, UNSTORABLE_ERROR, claim_plan, claim_takes_marks, mark_failed_statement,
     mark_sent_statement, release_statement, settle_alone,
 };
 use crate::backend::{lost_a_conflict, refused_by_the_database, silence_statement, to_completion};
@@ -220,9 +220,9 @@ impl OutboxMetrics {
 /// broker's confirmation, then mark the published rows sent, fenced by the token.
 ///
 /// Any number of relays may run against one database, in one process or many. Each claim
-/// skips rows another relay's claim holds (`FOR UPDATE SKIP LOCKED` on PostgreSQL and
-/// MySQL 8 / MariaDB 10.6+; SQLite's single writer), so in normal operation every row is
-/// published once. A relay that dies between the broker's confirmation and the mark
+/// skips rows another relay's claim holds (`FOR UPDATE SKIP LOCKED` on PostgreSQL; on
+/// MySQL/MariaDB a lease by primary key that takes only rows still due; SQLite's single
+/// writer), so in normal operation every row is published once. A relay that dies between the broker's confirmation and the mark
 /// leaves a lease that ends, and the row is published again with the same message id:
 /// delivery is at least once, and consumers deduplicate by that id (an [`Inbox`]).
 ///
@@ -269,8 +269,6 @@ pub struct Relay<P> {
 struct Lease {
     token: Uuid,
     until: DateTime<Utc>,
-    /// When the claim was made: the first publish time it stamps.
-    claimed_at: DateTime<Utc>,
 }
 
 /// The rows of one claim, in `id` order, and the lease that fences them.
@@ -470,10 +468,11 @@ impl<P: Publisher> Relay<P> {
     /// Relays batch after batch until a claim finds less than a full batch, and reports
     /// the sum: what [`run`](Self::run) does each time it wakes.
     ///
-    /// Unlike [`relay_once`](Self::relay_once) in a loop, the marks of a full batch commit
-    /// in one transaction with the claim of the next, so a backlog costs one commit per
-    /// batch instead of two (the claim's lease still commits before anything of its batch
-    /// is published). When that transaction fails (a conflict with another relay, as
+    /// Unlike [`relay_once`](Self::relay_once) in a loop, on PostgreSQL and SQLite the
+    /// marks of a full batch commit in one transaction with the claim of the next, so a
+    /// backlog costs one commit per batch instead of two (the claim's lease still commits
+    /// before anything of its batch is published). On MySQL/MariaDB, whose claim is three
+    /// statements in autocommit, the marks go on their own before the next claim. When that transaction fails (a conflict with another relay, as
     /// Galera's certification reports it), the marks are written again on their own
     /// before the next claim, so a lost conflict costs no batch its marks.
     ///
@@ -514,6 +513,7 @@ impl<P: Publisher> Relay<P> {
     /// their lease until it ends, and are then published again (same message id).
     pub async fn drain(&self, db: &DatabaseConnection) -> Result<RelayReport, OutboxError> {
         let mut drained = RelayReport::default();
+        let takes_marks = claim_takes_marks(db.get_database_backend())?;
         let mut batch = self.claim(db).await?;
         loop {
             let mut report = batch.report();
@@ -522,7 +522,7 @@ impl<P: Publisher> Relay<P> {
             }
             let settlement = self.publish(&batch).await;
             let full = report.claimed >= u64::from(self.options.batch_size);
-            let next = if full {
+            let next = if full && takes_marks {
                 match self
                     .settle_then_claim(db, &batch, &settlement, &mut report)
                     .await
@@ -679,7 +679,6 @@ impl<P: Publisher> Relay<P> {
         let lease = Lease {
             token: Uuid::new_v4(),
             until: now + length,
-            claimed_at: now,
         };
         let plan = claim_plan(
             backend,
@@ -700,11 +699,10 @@ impl<P: Publisher> Relay<P> {
         let claimer = db.clone();
         let claim = async move {
             let Some(options) = plan.transaction_options() else {
-                return claim_rows(&claimer, plan, lease).await;
+                return claim_rows(&claimer, plan).await;
             };
             let txn = claimer.begin_with_options(options).await?;
-            bound_silence(&txn, plan.silence()).await?;
-            let rows = claim_rows(&txn, plan, lease).await?;
+            let rows = claim_rows(&txn, plan).await?;
             txn.commit().await?;
             Ok(rows)
         };
@@ -733,9 +731,8 @@ impl<P: Publisher> Relay<P> {
         let writer = db.clone();
         let work = async move {
             let txn = writer.begin_with_options(options).await?;
-            bound_silence(&txn, plan.silence()).await?;
             let counts = execute_counted(&txn, statements).await?;
-            let rows = claim_rows(&txn, plan, lease).await?;
+            let rows = claim_rows(&txn, plan).await?;
             txn.commit().await?;
             Ok((counts, rows))
         };
@@ -940,9 +937,7 @@ impl<P: Publisher> Relay<P> {
 async fn claim_rows<C: ConnectionTrait>(
     conn: &C,
     plan: ClaimPlan,
-    lease: Lease,
 ) -> Result<Vec<outbox::Model>, DbErr> {
-    let backend = conn.get_database_backend();
     let mut rows = match plan {
         ClaimPlan::Alone(update) | ClaimPlan::InTransaction(update, _) => {
             outbox::Entity::find()
@@ -950,7 +945,7 @@ async fn claim_rows<C: ConnectionTrait>(
                 .all(conn)
                 .await?
         }
-        ClaimPlan::ReadLockThenLease(plan) => {
+        ClaimPlan::ReadLeaseReadBack(plan) => {
             let candidates: Vec<i64> = conn
                 .query_all_raw(plan.candidates.clone())
                 .await?
@@ -960,23 +955,19 @@ async fn claim_rows<C: ConnectionTrait>(
             if candidates.is_empty() {
                 return Ok(Vec::new());
             }
-            let mut rows = outbox::Entity::find()
-                .from_raw_sql(plan.lock(&candidates))
-                .all(conn)
-                .await?;
-            if !rows.is_empty() {
-                let ids: Vec<i64> = rows.iter().map(|row| row.id).collect();
-                let leasing =
-                    lease_statement(backend, &ids, lease.until, lease.token, lease.claimed_at)
-                        .map_err(|err| DbErr::Custom(err.to_string()))?;
-                conn.execute_raw(leasing).await?;
-                // The read saw the rows before the lease; make them read as leased.
-                for row in &mut rows {
-                    row.attempts = row.attempts.saturating_add(1);
-                    row.first_published_at.get_or_insert(lease.claimed_at);
-                }
+            // A lease that took no row (another relay's took them all) needs no read.
+            if conn
+                .execute_raw(plan.lease(&candidates))
+                .await?
+                .rows_affected()
+                == 0
+            {
+                return Ok(Vec::new());
             }
-            rows
+            outbox::Entity::find()
+                .from_raw_sql(plan.leased(&candidates))
+                .all(conn)
+                .await?
         }
     };
     // `UPDATE ... RETURNING` returns its rows in no promised order.

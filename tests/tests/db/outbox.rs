@@ -739,10 +739,9 @@ async fn a_relay_dropped_at_any_await_point_leaves_nothing_locked(backend: Backe
 /// A batch whose every row the broker confirmed costs the relay one statement per step
 /// where the database has `UPDATE ... RETURNING` (PostgreSQL and SQLite: the claim that
 /// leases and returns its rows, then the mark), and four statements on MySQL/MariaDB (the
-/// plain read of the candidates, the locking read of those by primary key, the lease, the
-/// mark: the locking read alone locked every row it scanned, see `outbox_partition`).
-/// Counted on the wire; BEGIN and COMMIT are not statements there (nor is the partition
-/// bound's `SET SESSION`, an unprepared statement). (Three everywhere when the claim read, then leased.) The rows go out
+/// plain read of the candidates, the lease of those by primary key, the read of the rows
+/// it leased, the mark). Counted by SeaORM's metric callback; BEGIN and COMMIT are not
+/// statements there. (Three everywhere when the claim read, then leased.) The rows go out
 /// in `id` order with their first attempt, whatever order `RETURNING` gave them in. On
 /// PostgreSQL the claim turns `synchronous_commit` off for its own transaction only: the
 /// pool's one connection reads `on` afterwards.
@@ -794,10 +793,11 @@ async fn a_confirmed_batch_costs_the_relay_one_statement_per_step(backend: Backe
 }
 
 /// A drain relays batch after batch until a claim comes back short, each full batch's
-/// marks written with the next claim: 45 rows in batches of 20 cost three claims and three
+/// marks written with the next claim where the claim is one statement: 45 rows in batches of 20 cost three claims and three
 /// marks on PostgreSQL and SQLite (the claim, two marks each with the next claim, the last
-/// mark alone), plus a plain read and a lease per claim on MySQL/MariaDB. Every row goes out once, in `id`
-/// order, and the report and the metrics sum the three batches.
+/// mark alone); on MySQL/MariaDB three marks, each on its own, and three claims of three
+/// statements each (a plain read, the lease, a read of what it leased). Every row goes out
+/// once, in `id` order, and the report and the metrics sum the three batches.
 async fn a_drain_relays_every_full_batch_and_the_rest(backend: Backend) {
     with_migrated_outbox_db(backend, async |db| {
         let mut conn = db.connect_with(1).await;
@@ -833,10 +833,12 @@ async fn a_drain_relays_every_full_batch_and_the_rest(backend: Backend) {
 /// printed for the record. PostgreSQL: BEGIN, the claim, COMMIT, then per full batch BEGIN,
 /// the previous batch's mark, the next claim, COMMIT (4, the hand-written loop's count:
 /// BEGIN, `SELECT ... FOR UPDATE SKIP LOCKED`, `UPDATE`, COMMIT): 3 + 3 x 4 = 15. MariaDB,
-/// per full batch: `SET TRANSACTION ISOLATION LEVEL READ COMMITTED` (SeaORM sends it on its
-/// own), BEGIN, the silence bound's `SET SESSION`, the mark, the plain read of the
-/// candidates, the locking read, the lease, COMMIT (8); 7 for the first (no mark), 6 for
-/// the last (an empty read, no lock or lease): 29.
+/// per full batch, every statement on its own in autocommit: the previous batch's mark,
+/// the plain read of the candidates, the lease `UPDATE`, the read of the leased rows (4,
+/// the loop's count); 3 for the first (no mark), 2 for the last (the mark, an empty read):
+/// 13. (29 while the claim was a transaction: `SET TRANSACTION ISOLATION LEVEL READ
+/// COMMITTED`, which SeaORM sends on its own, BEGIN, the silence bound's `SET SESSION`, the
+/// mark, the read, a locking read, the lease, COMMIT: 8 per full batch.)
 async fn a_drain_costs_its_round_trips_per_full_batch(backend: Backend) {
     with_migrated_outbox_db(backend, async |db| {
         let proxy = LostReplyProxy::start(db).await;
@@ -854,7 +856,7 @@ async fn a_drain_costs_its_round_trips_per_full_batch(backend: Backend) {
         }
         // Three full batches, then the claim that comes back empty with the last mark.
         let round_trips = match backend {
-            Backend::MySql => 7 + 8 + 8 + 6,
+            Backend::MySql => 3 + 4 + 4 + 2,
             _ => 3 + 4 + 4 + 4,
         };
         assert_eq!(proxy.round_trips(), round_trips, "{backend:?}");
