@@ -1,7 +1,8 @@
-//! `--kafka <bootstrap>`: records per second through `KafkaInbox::run` and through the
-//! consumer loop `KafkaGroupConsumer` (each: the inbox marker, the business write and the
-//! offset advance in one transaction) against the consumer a
-//! team writes by hand: the same business write in a transaction of its own, then the
+//! `--kafka <bootstrap>`: records per second through the consumer loop
+//! `KafkaGroupConsumer`, one record a transaction (`with_max_batch(1)`: BEGIN, the inbox
+//! marker, the business write, the offset advance, COMMIT) and with its default batch (the
+//! records waiting of the partition in one transaction), against the consumer a team
+//! writes by hand: the same business write in a transaction of its own, then the
 //! offset committed to Kafka (asynchronously) after each database commit: at least once,
 //! no marker, no offset table.
 //!
@@ -21,6 +22,7 @@ use sea_orm_inbox::Inbox;
 use sea_orm_inbox::kafka::{self, KafkaGroupConsumer, KafkaInbox, stored_offset};
 use sea_orm_inbox_migration::{CreateKafkaOffsets, MigratorTrait};
 use sea_orm_migration::{MigrationTrait, SchemaManager};
+use std::num::NonZeroU16;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
@@ -140,44 +142,16 @@ fn rate(
     }
 }
 
-/// Records per second through `KafkaInbox::run` (one record at a time), until the stored
-/// offset reaches the end.
-async fn library_run(
-    db: &DatabaseConnection,
-    bootstrap: &str,
-    topic: &str,
-    records: usize,
-) -> Result<f64, BoxError> {
-    let run = uuid::Uuid::new_v4().simple().to_string();
-    let group = format!("lib-{run}");
-    let kafka = KafkaInbox::new(Inbox::new(format!("bench.kafka.{run}"))?, &group)?;
-    let consumer = kafka.consumer(&config(bootstrap))?;
-    consumer.subscribe(&[topic])?;
-    let (first, handled) = (Arc::new(OnceLock::new()), Arc::new(AtomicUsize::new(0)));
-    let done = watch_until_stored(db, &group, topic, records, Arc::clone(&handled));
-    let handler = timed_handler(&first, &handled);
-    let finished = Arc::new(OnceLock::new());
-    let finished_at = Arc::clone(&finished);
-    let report = kafka
-        .run(&consumer, db, handler, async move {
-            if let Ok(at) = done.await {
-                finished_at.get_or_init(|| at);
-            }
-        })
-        .await?;
-    if report.processed != records as u64 {
-        return Err(format!("the library's loop processed {report:?} of {records}").into());
-    }
-    rate(records, &first, finished.get().copied())
-}
-
 /// Records per second through `KafkaGroupConsumer`, the consumer loop users run (its
-/// partition task, semaphore and post-commit Kafka commit included).
+/// partition task, semaphore and post-commit Kafka commit included), committing up to
+/// `max_batch` waiting records of the partition in one transaction (the default when
+/// `None`).
 async fn group_run(
     db: &DatabaseConnection,
     bootstrap: &str,
     topic: &str,
     records: usize,
+    max_batch: Option<NonZeroU16>,
 ) -> Result<f64, BoxError> {
     let run = uuid::Uuid::new_v4().simple().to_string();
     let group = format!("loop-{run}");
@@ -186,7 +160,11 @@ async fn group_run(
     let done = watch_until_stored(db, &group, topic, records, Arc::clone(&handled));
     let finished = Arc::new(OnceLock::new());
     let finished_at = Arc::clone(&finished);
-    let summary = KafkaGroupConsumer::new(kafka, &config(bootstrap), [topic])
+    let mut consumer = KafkaGroupConsumer::new(kafka, &config(bootstrap), [topic]);
+    if let Some(max_batch) = max_batch {
+        consumer = consumer.with_max_batch(max_batch);
+    }
+    let summary = consumer
         .run(db.clone(), timed_handler(&first, &handled), async move {
             if let Ok(at) = done.await {
                 finished_at.get_or_init(|| at);
@@ -244,37 +222,37 @@ pub async fn bench(
     db.execute_unprepared("CREATE TABLE bench_kafka_effect (kafka_offset BIGINT NOT NULL)")
         .await?;
     let topic = produce(bootstrap, records).await?;
-    let (mut one_at_a_time, mut group, mut hand) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut one_at_a_time_ratio, mut group_ratio) = (Vec::new(), Vec::new());
+    let (mut one_record, mut group, mut hand) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut one_record_ratio, mut group_ratio) = (Vec::new(), Vec::new());
     for round in 0..rounds {
         // The order rotates, so no mode always runs first (on a cold cache) or last.
         let mut rates = [0.0; 3];
         for step in 0..3 {
             let mode = (round + step) % 3;
             rates[mode] = match mode {
-                0 => library_run(&db, bootstrap, &topic, records).await?,
-                1 => group_run(&db, bootstrap, &topic, records).await?,
+                0 => group_run(&db, bootstrap, &topic, records, Some(NonZeroU16::MIN)).await?,
+                1 => group_run(&db, bootstrap, &topic, records, None).await?,
                 _ => hand_written_run(&db, bootstrap, &topic, records).await?,
             };
         }
-        let [by_run, by_group, by_hand] = rates;
+        let [by_one, by_group, by_hand] = rates;
         println!(
-            "  round {round}: KafkaInbox::run {by_run:.0} records/s, KafkaGroupConsumer {by_group:.0} records/s, hand-written {by_hand:.0} records/s"
+            "  round {round}: KafkaGroupConsumer one record a transaction {by_one:.0} records/s, batched (the default) {by_group:.0} records/s, hand-written {by_hand:.0} records/s"
         );
-        one_at_a_time.push(by_run);
+        one_record.push(by_one);
         group.push(by_group);
         hand.push(by_hand);
-        one_at_a_time_ratio.push(by_run / by_hand);
+        one_record_ratio.push(by_one / by_hand);
         group_ratio.push(by_group / by_hand);
     }
     db.close().await?;
     Ok(format!(
         "| {} | {records} | {:.0} | {:.0} | {:.0} | {:.2} | {:.2} |",
         target.name,
-        median(one_at_a_time),
+        median(one_record),
         median(group),
         median(hand),
-        median(one_at_a_time_ratio),
+        median(one_record_ratio),
         median(group_ratio),
     ))
 }

@@ -5,23 +5,21 @@
 //! Each test has a topic and a group of its own; they need `INBOX_TEST_KAFKA_BOOTSTRAP`
 //! at build time.
 
-use futures_util::future::join_all;
+use inbox_tests::kafka::{
+    KafkaMigrator, create_topic, end_offset, end_offsets, kafka_config, kafka_consumer_config,
+    produce_twice, stored_offsets,
+};
 use inbox_tests::{
     Backend, ProxiedDb, TestDb, connect_url, run, scalar_i64, stmt, with_migrated_db,
     with_proxied_db,
 };
-use rdkafka::ClientConfig;
-use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::message::{Header, Headers, OwnedHeaders, OwnedMessage};
-use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::message::{Headers, OwnedMessage};
 use rdkafka::{Message, Offset, TopicPartitionList};
 use sea_orm::{ConnectionTrait, DatabaseConnection};
 use sea_orm_inbox::kafka::{self, KafkaGroupConsumer, KafkaInbox, stored_offset};
 use sea_orm_inbox::{ConsumerOptions, ConsumerSummary, HandlerFuture, Inbox, ObservedTransaction};
 use sea_orm_migration::MigratorTrait;
-use sea_orm_migration::prelude::*;
 use std::io::{BufRead, Write};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -43,19 +41,6 @@ const HUNG: &str = "kafka child: handler hung";
 /// The line the child prints when it stops: its summary follows.
 const SUMMARY: &str = "kafka child summary: ";
 
-/// A migrator with the opt-in Kafka offset table, as an application adds it.
-struct KafkaMigrator;
-
-impl MigratorTrait for KafkaMigrator {
-    fn migrations() -> Vec<Box<dyn MigrationTrait>> {
-        vec![Box::new(sea_orm_inbox_migration::CreateKafkaOffsets)]
-    }
-
-    fn migration_table_name() -> DynIden {
-        "seaql_migrations_kafka".into_iden()
-    }
-}
-
 /// The offset table and an `effect` table the handler appends to (no unique key: a record
 /// applied twice shows as two rows).
 async fn prepare(conn: &DatabaseConnection) {
@@ -69,87 +54,12 @@ async fn prepare(conn: &DatabaseConnection) {
     .await;
 }
 
-fn bootstrap() -> String {
-    std::env::var("INBOX_TEST_KAFKA_BOOTSTRAP")
-        .expect("set INBOX_TEST_KAFKA_BOOTSTRAP (tests/cluster/kafka.sh start prints it)")
-}
-
-fn client_config() -> ClientConfig {
-    let mut config = ClientConfig::new();
-    config.set("bootstrap.servers", bootstrap());
-    config
-}
-
-/// The loop's consumer settings: Tansu with librdkafka's default session timeout delivered
-/// nothing for 20 s; 6 s gives the first record within seconds, and a killed consumer's
-/// partitions move after 6 s.
-fn consumer_config() -> ClientConfig {
-    let mut config = client_config();
-    config
-        .set("auto.offset.reset", "earliest")
-        .set("session.timeout.ms", "6000")
-        .set("heartbeat.interval.ms", "500");
-    config
-}
-
-async fn create_topic(topic: &str) {
-    let admin: AdminClient<DefaultClientContext> = client_config().create().expect("admin client");
-    let results = admin
-        .create_topics(
-            &[NewTopic::new(topic, PARTITIONS, TopicReplication::Fixed(1))],
-            &AdminOptions::new(),
-        )
-        .await
-        .expect("create topic");
-    for result in results {
-        result.expect("topic created");
-    }
-}
-
-/// Produces `m-0`..`m-{count}` each twice, as a producer without idempotence that retried
-/// after a lost acknowledgement does; the key spreads them over the partitions.
-async fn produce_twice(topic: &str, count: u32) {
-    let producer: FutureProducer = client_config()
-        .set("enable.idempotence", "false")
-        .set("acks", "all")
-        // One record per batch: after multi-record batches Tansu 0.6.0 reported high
-        // watermarks below the records it then delivered (125 for 150 records).
-        .set("batch.num.messages", "1")
-        .create()
-        .expect("producer");
-    for chunk in (0..count).collect::<Vec<_>>().chunks(250) {
-        let sends = chunk.iter().flat_map(|id| {
-            let name = format!("m-{id}");
-            let producer = &producer;
-            (0..2).map(move |_| {
-                let name = name.clone();
-                async move {
-                    producer
-                        .send(
-                            FutureRecord::to(topic).key(&name).payload("{}").headers(
-                                OwnedHeaders::new().insert(Header {
-                                    key: kafka::DEFAULT_ID_HEADER,
-                                    value: Some(&name),
-                                }),
-                            ),
-                            Duration::from_secs(30),
-                        )
-                        .await
-                        .map_err(|(err, _)| err)
-                        .expect("produce");
-                }
-            })
-        });
-        join_all(sends).await;
-    }
-}
-
 /// The high watermark of each partition, once they add up to `records`: right after the
 /// producer's last delivery report Tansu may still answer with an older one.
 async fn end_offsets_of(topic: &str, records: i64) -> Vec<i64> {
     let started = Instant::now();
     loop {
-        let ends = end_offsets(topic);
+        let ends = end_offsets(topic, PARTITIONS);
         if ends.iter().sum::<i64>() == records {
             return ends;
         }
@@ -161,39 +71,10 @@ async fn end_offsets_of(topic: &str, records: i64) -> Vec<i64> {
     }
 }
 
-/// The high watermark of each partition.
-fn end_offsets(topic: &str) -> Vec<i64> {
-    let reader: BaseConsumer = client_config()
-        .set("group.id", "watermarks")
-        .create()
-        .expect("reader");
-    (0..PARTITIONS)
-        .map(|partition| {
-            reader
-                .fetch_watermarks(topic, partition, Duration::from_secs(10))
-                .expect("watermarks")
-                .1
-        })
-        .collect()
-}
-
-async fn stored_offsets(conn: &DatabaseConnection, group: &str, topic: &str) -> Vec<i64> {
-    let mut offsets = Vec::new();
-    for partition in 0..PARTITIONS {
-        offsets.push(
-            stored_offset(conn, group, topic, partition)
-                .await
-                .expect("read the stored offset")
-                .unwrap_or(0),
-        );
-    }
-    offsets
-}
-
 /// The offsets the group committed to Kafka (0 where none), read by a client that does not
 /// join the group.
 fn committed_offsets(group: &str, topic: &str) -> Vec<i64> {
-    let reader: BaseConsumer = client_config()
+    let reader: BaseConsumer = kafka_config()
         .set("group.id", group)
         .create()
         .expect("reader");
@@ -227,7 +108,7 @@ async fn wait_for_ends(
 ) {
     let started = Instant::now();
     loop {
-        let stored = stored_offsets(conn, group, topic).await;
+        let stored = stored_offsets(conn, group, topic, PARTITIONS).await;
         if stored == ends {
             return;
         }
@@ -336,7 +217,7 @@ async fn child_consumer() {
     let kafka = KafkaInbox::new(Inbox::new("billing").unwrap(), group_of(&topic))
         .unwrap()
         .with_retry_delay(Duration::from_millis(100));
-    let summary = KafkaGroupConsumer::new(kafka, &consumer_config(), [topic.as_str()])
+    let summary = KafkaGroupConsumer::new(kafka, &kafka_consumer_config(), [topic.as_str()])
         .run(
             db,
             effect_then_pause(Duration::from_millis(2), hang_after),
@@ -420,8 +301,8 @@ async fn two_consumers_one_killed(backend: Backend) {
         prepare(&conn).await;
         let topic = format!("grp-{}", uuid::Uuid::new_v4().simple());
         let group = group_of(&topic);
-        create_topic(&topic).await;
-        produce_twice(&topic, GROUP_MESSAGES).await;
+        create_topic(&topic, PARTITIONS).await;
+        produce_twice(&topic, 0..GROUP_MESSAGES).await;
         let total = i64::from(GROUP_MESSAGES) * 2;
         let ends = end_offsets_of(&topic, total).await;
 
@@ -441,7 +322,7 @@ async fn two_consumers_one_killed(backend: Backend) {
             "{backend:?}: {total} records, killed at {killed_at:?}, all stored at {finished:?}; {summaries:?}"
         );
         assert_each_once(&conn, GROUP_MESSAGES).await;
-        assert_eq!(stored_offsets(&conn, &group, &topic).await, ends);
+        assert_eq!(stored_offsets(&conn, &group, &topic, PARTITIONS).await, ends);
         assert_eq!(
             scalar_i64(&conn, "SELECT COUNT(*) FROM inbox").await,
             i64::from(GROUP_MESSAGES),
@@ -466,8 +347,8 @@ async fn database_cut_commits_nothing_ahead(backend: Backend) {
         prepare(conn).await;
         let topic = format!("cut-{}", uuid::Uuid::new_v4().simple());
         let group = group_of(&topic);
-        create_topic(&topic).await;
-        produce_twice(&topic, CUT_MESSAGES).await;
+        create_topic(&topic, PARTITIONS).await;
+        produce_twice(&topic, 0..CUT_MESSAGES).await;
         let total = i64::from(CUT_MESSAGES) * 2;
         let ends = end_offsets_of(&topic, total).await;
 
@@ -479,7 +360,7 @@ async fn database_cut_commits_nothing_ahead(backend: Backend) {
             .expect("a prefetch above 0");
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let consumer = tokio::spawn(
-            KafkaGroupConsumer::new(kafka, &consumer_config(), [topic.as_str()])
+            KafkaGroupConsumer::new(kafka, &kafka_consumer_config(), [topic.as_str()])
                 .with_options(options)
                 .run(
                     fixture.through_proxy.clone(),
@@ -488,7 +369,7 @@ async fn database_cut_commits_nothing_ahead(backend: Backend) {
                 ),
         );
         let started = Instant::now();
-        while stored_offsets(conn, &group, &topic).await.iter().sum::<i64>() < total / 4 {
+        while stored_offsets(conn, &group, &topic, PARTITIONS).await.iter().sum::<i64>() < total / 4 {
             assert!(
                 started.elapsed() < Duration::from_secs(60),
                 "the consumer processed less than a quarter of {total} records in 60 s"
@@ -502,7 +383,7 @@ async fn database_cut_commits_nothing_ahead(backend: Backend) {
         let mut stored_early_in_cut = None;
         while cut_at.elapsed() < CUT {
             let committed = committed_offsets(&group, &topic);
-            let stored = stored_offsets(conn, &group, &topic).await;
+            let stored = stored_offsets(conn, &group, &topic, PARTITIONS).await;
             assert!(
                 committed.iter().zip(&stored).all(|(kafka, db)| kafka <= db),
                 "Kafka's committed offsets {committed:?} ran ahead of the database's {stored:?} while it was unreachable"
@@ -513,7 +394,7 @@ async fn database_cut_commits_nothing_ahead(backend: Backend) {
             }
             tokio::time::sleep(Duration::from_millis(250)).await;
         }
-        let stored_during_cut = stored_offsets(conn, &group, &topic).await;
+        let stored_during_cut = stored_offsets(conn, &group, &topic, PARTITIONS).await;
         fixture.proxy.heal();
         assert!(
             compared > 0,
@@ -540,11 +421,74 @@ async fn database_cut_commits_nothing_ahead(backend: Backend) {
             "the consumer was done before the cut"
         );
         assert_each_once(conn, CUT_MESSAGES).await;
-        assert_eq!(stored_offsets(conn, &group, &topic).await, ends);
+        assert_eq!(stored_offsets(conn, &group, &topic, PARTITIONS).await, ends);
         let committed = committed_offsets(&group, &topic);
         assert!(
             committed.iter().zip(&ends).all(|(kafka, end)| kafka <= end),
             "committed {committed:?} beyond the ends {ends:?}"
+        );
+    })
+    .await
+}
+
+/// The messages of the round-trip count, each produced twice, on one partition.
+const COUNTED_MESSAGES: u32 = 100;
+
+/// What the loop costs on the wire per record, counted by the proxy between its pool and
+/// the server: one partition of 100 messages each produced twice, already in the topic
+/// when the loop starts. The hand-written at-least-once consumer pays three round trips
+/// per record (BEGIN, its business write, COMMIT); the loop paid five per new record
+/// (BEGIN, the marker, the business write, the offset's compare-and-set, COMMIT) and six
+/// per duplicate (its offset advanced in a transaction of its own). Batched, the records
+/// waiting share BEGIN, one INSERT of their markers, one offset advance and COMMIT.
+async fn round_trips_per_record_below_the_hand_written(backend: Backend) {
+    with_proxied_db(backend, async |fixture: &ProxiedDb| {
+        let conn = &fixture.direct;
+        prepare(conn).await;
+        let topic = format!("trips-{}", uuid::Uuid::new_v4().simple());
+        let group = group_of(&topic);
+        create_topic(&topic, 1).await;
+        produce_twice(&topic, 0..COUNTED_MESSAGES).await;
+        let records = i64::from(COUNTED_MESSAGES) * 2;
+        let started = Instant::now();
+        while end_offset(&topic, 0) < records {
+            assert!(started.elapsed() < Duration::from_secs(30), "the topic's end stayed below {records}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+
+        let kafka = KafkaInbox::new(Inbox::new("billing").unwrap(), &group).unwrap();
+        fixture.proxy.reset_round_trips();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let consumer = tokio::spawn(
+            KafkaGroupConsumer::new(kafka, &kafka_consumer_config(), [topic.as_str()]).run(
+                fixture.through_proxy.clone(),
+                effect_then_pause(Duration::ZERO, None),
+                stopped,
+            ),
+        );
+        while stored_offset(conn, &group, &topic, 0)
+            .await
+            .expect("read the stored offset")
+            != Some(records)
+        {
+            assert!(
+                started.elapsed() < Duration::from_secs(90),
+                "the loop did not reach the end of the partition within 90 s"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let round_trips = fixture.proxy.round_trips();
+        stop.send(()).expect("the consumer runs");
+        let summary = consumer
+            .await
+            .expect("the consumer's task")
+            .expect("the consumer loop");
+        assert_each_once(conn, COUNTED_MESSAGES).await;
+        let per_record = f64::from(round_trips) / records as f64;
+        eprintln!("{backend:?}: {round_trips} round trips for {records} records ({per_record:.2} a record); {summary}");
+        assert!(
+            per_record <= 1.5,
+            "{backend:?}: {round_trips} round trips for {records} records ({per_record:.2} a record); the hand-written consumer pays 3 ({summary})"
         );
     })
     .await
@@ -597,7 +541,7 @@ async fn shut_down_mid_handler(
                 .expect("the handler ran within 60 s");
         }
     };
-    KafkaGroupConsumer::new(kafka.clone(), &consumer_config(), [topic])
+    KafkaGroupConsumer::new(kafka.clone(), &kafka_consumer_config(), [topic])
         .with_options(ConsumerOptions::default().with_grace(grace))
         .run(conn.clone(), first_run_held(entered, hold), shutdown)
         .await
@@ -613,8 +557,8 @@ async fn shutdown_finishes_or_abandons(backend: Backend) {
         prepare(&conn).await;
         let topic = format!("stop-{}", uuid::Uuid::new_v4().simple());
         let group = group_of(&topic);
-        create_topic(&topic).await;
-        produce_twice(&topic, SHUTDOWN_MESSAGES).await;
+        create_topic(&topic, PARTITIONS).await;
+        produce_twice(&topic, 0..SHUTDOWN_MESSAGES).await;
         let ends = end_offsets_of(&topic, i64::from(SHUTDOWN_MESSAGES) * 2).await;
         let kafka = KafkaInbox::new(Inbox::new("billing").unwrap(), &group).unwrap();
         let markers = "SELECT COUNT(*) FROM inbox";
@@ -654,7 +598,7 @@ async fn shutdown_finishes_or_abandons(backend: Backend) {
 
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let rest = tokio::spawn(
-            KafkaGroupConsumer::new(kafka.clone(), &consumer_config(), [topic.as_str()]).run(
+            KafkaGroupConsumer::new(kafka.clone(), &kafka_consumer_config(), [topic.as_str()]).run(
                 conn.clone(),
                 effect_then_pause(Duration::ZERO, None),
                 stopped,
@@ -684,6 +628,14 @@ mod group {
     inbox_tests::on_every_backend!(
         needs(inbox_kafka, "set INBOX_TEST_KAFKA_BOOTSTRAP (tests/cluster/kafka.sh start)");
         two_consumers_one_killed
+    );
+}
+
+mod round_trips {
+    use super::round_trips_per_record_below_the_hand_written;
+    inbox_tests::on_server_backends!(
+        needs(inbox_kafka, "set INBOX_TEST_KAFKA_BOOTSTRAP (tests/cluster/kafka.sh start)");
+        round_trips_per_record_below_the_hand_written
     );
 }
 

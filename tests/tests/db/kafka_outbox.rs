@@ -144,8 +144,81 @@ async fn a_failed_delivery_leaves_the_row_unsent(backend: Backend) {
     .await
 }
 
+/// The producer's largest record: librdkafka's smallest allowed `message.max.bytes`
+/// is 1,000.
+const MAX_RECORD_BYTES: usize = 10_000;
+
+/// A record the producer refuses (larger than its `message.max.bytes`: no retry can make
+/// it fit) beside one it takes, in one relay pass against the live broker: the refused
+/// row is parked dead (the publisher classifies the refusal as permanent) and never marked
+/// sent, the other row goes out, and the broker holds only that one.
+///
+/// The refusal is the producer's own (its `message.max.bytes`): librdkafka reports it
+/// with the code of a broker's `MESSAGE_TOO_LARGE`, which the publisher's classifier
+/// maps to a permanent refusal either way. A refusal by Tansu itself (a broker-side size
+/// limit) was not measured.
+async fn a_refused_record_is_parked_and_the_rest_flows(backend: Backend) {
+    with_migrated_outbox_db(backend, async |db| {
+        let conn = db.connect().await;
+        let topic = unique_topic("refused");
+        create_topic(&topic, 1).await;
+        let oversized = OutgoingMessage::new(&topic, vec![b'x'; MAX_RECORD_BYTES * 2]).key("big");
+        let fits = OutgoingMessage::new(&topic, "fits").key("small");
+        let (oversized_id, fits_id) = (oversized.id(), fits.id());
+        let txn = conn.begin().await.unwrap();
+        txn.enqueue(oversized).await.unwrap();
+        txn.enqueue(fits).await.unwrap();
+        txn.commit().await.unwrap();
+        let publisher = KafkaPublisher::new(
+            kafka_config().set("message.max.bytes", MAX_RECORD_BYTES.to_string()),
+        )
+        .unwrap();
+        let report = Relay::new(publisher).drain(&conn).await.expect("relay");
+        assert_eq!(
+            (report.published, report.dead),
+            (1, 1),
+            "one row out, the refused one parked: {report:?}"
+        );
+        let row_state = |id: MessageId| {
+            let conn = &conn;
+            async move {
+                scalar_i64(
+                    conn,
+                    &format!(
+                        "SELECT COUNT(*) FROM outbox WHERE sent_at IS NULL AND dead_at IS NOT NULL AND message_id = {}",
+                        id_literal(backend, id)
+                    ),
+                )
+                .await
+            }
+        };
+        assert_eq!(row_state(oversized_id).await, 1, "the refused row is not parked dead, or was marked sent");
+        assert_eq!(row_state(fits_id).await, 0, "the row that fits was parked");
+        assert_eq!(
+            scalar_i64(&conn, "SELECT COUNT(*) FROM outbox WHERE sent_at IS NOT NULL").await,
+            1,
+            "the row that fits is not marked sent"
+        );
+        let records = read_topic(&topic, 1).await;
+        assert_eq!(records.len(), 1, "the broker holds {} records", records.len());
+        assert_eq!(records[0].payload(), Some(&b"fits"[..]));
+    })
+    .await
+}
+
+/// `id` as a literal of the outbox's `message_id` column on `backend`.
+fn id_literal(backend: Backend, id: MessageId) -> String {
+    let hex = id.as_uuid().simple().to_string();
+    match backend {
+        Backend::Postgres | Backend::PgBouncer => format!("'{}'", id.as_uuid()),
+        Backend::MySql => format!("UNHEX('{hex}')"),
+        Backend::Sqlite => format!("X'{hex}'"),
+    }
+}
+
 on_every_backend!(
     needs(inbox_kafka, "set INBOX_TEST_KAFKA_BOOTSTRAP (tests/cluster/kafka.sh start)");
     rows_go_out_keyed_with_id_and_send_time,
-    a_failed_delivery_leaves_the_row_unsent
+    a_failed_delivery_leaves_the_row_unsent,
+    a_refused_record_is_parked_and_the_rest_flows
 );

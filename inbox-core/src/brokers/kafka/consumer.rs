@@ -9,13 +9,11 @@
 //! with the records it hands out, and stamps each record with its partition's seek count:
 //! a partition task drops what was fetched before its own latest seek.
 
-use super::{KafkaError, KafkaInbox, RecordOutcome, stored_offset};
+use super::{BatchResult, KafkaError, KafkaInbox, RecordOutcome, commit_hint, stored_offset};
 use crate::brokers::consume::{ConsumerError, ConsumerOptions, ConsumerSummary};
-use crate::{BoxError, HandlerFuture, ObservedTransaction};
+use crate::{BoxError, HandlerFuture, MAX_CLAIM_BATCH, ObservedTransaction};
 use rdkafka::config::ClientConfig;
-use rdkafka::consumer::{
-    BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
-};
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance, StreamConsumer};
 use rdkafka::message::{Message, OwnedMessage};
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
 use sea_orm::DatabaseConnection;
@@ -26,6 +24,23 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{Semaphore, mpsc, oneshot, watch};
 use tokio::task::JoinSet;
+
+/// The handler [`KafkaGroupConsumer::run`] takes, named once for the loop's parts.
+trait RecordHandler:
+    for<'t> Fn(&'t ObservedTransaction, Arc<OwnedMessage>) -> HandlerFuture<'t, (), BoxError>
+    + Send
+    + Sync
+    + 'static
+{
+}
+
+impl<H> RecordHandler for H where
+    H: for<'t> Fn(&'t ObservedTransaction, Arc<OwnedMessage>) -> HandlerFuture<'t, (), BoxError>
+        + Send
+        + Sync
+        + 'static
+{
+}
 
 /// A partition: its topic and number.
 type PartitionKey = (String, i32);
@@ -153,6 +168,8 @@ struct Shared<H> {
     permits: Semaphore,
     /// Resume fetching once this many records or fewer wait.
     low_water: usize,
+    /// The most records of a partition one transaction takes.
+    max_batch: usize,
     /// One per partition ever assigned: a partition's next task starts only after the
     /// previous one's record in flight has committed or rolled back.
     owners: Mutex<HashMap<PartitionKey, Arc<tokio::sync::Mutex<()>>>>,
@@ -230,6 +247,7 @@ pub struct KafkaGroupConsumer {
     config: ClientConfig,
     topics: Vec<String>,
     options: ConsumerOptions,
+    max_batch: u16,
 }
 
 /// The records a partition may have waiting before the loop pauses it, unless
@@ -240,6 +258,11 @@ pub struct KafkaGroupConsumer {
 /// 1,000 (`outbox-bench --kafka`, PostgreSQL, 4,000 records, BENCHMARKS.md).
 pub const DEFAULT_KAFKA_PREFETCH: std::num::NonZeroU16 =
     std::num::NonZeroU16::MIN.saturating_add(999);
+
+/// The most records of one partition [`KafkaGroupConsumer`] commits in one transaction,
+/// unless [`KafkaGroupConsumer::with_max_batch`] says otherwise: against five round trips
+/// a record one at a time, about one (its business write) plus four per batch.
+pub const DEFAULT_KAFKA_BATCH: std::num::NonZeroU16 = std::num::NonZeroU16::MIN.saturating_add(99);
 
 impl KafkaGroupConsumer {
     /// The loop of `kafka`'s group over `topics`, a consumer made from `config` (see the
@@ -255,7 +278,29 @@ impl KafkaGroupConsumer {
             config: config.clone(),
             topics: topics.into_iter().map(Into::into).collect(),
             options: ConsumerOptions::default_with_prefetch(DEFAULT_KAFKA_PREFETCH),
+            max_batch: DEFAULT_KAFKA_BATCH.get(),
         }
+    }
+
+    /// The most records of one partition a transaction takes (default
+    /// [`DEFAULT_KAFKA_BATCH`]; 1 processes each record in a transaction of its own). A
+    /// batch is what already waits when a record's turn comes: the loop never waits for
+    /// more to arrive. Capped at [`MAX_CLAIM_BATCH`].
+    ///
+    /// The trade: one record costs BEGIN, its marker, the business write, the offset's
+    /// compare-and-set and COMMIT, five round trips; a batch of `n` costs its business
+    /// writes and four more (one INSERT claims every marker, one UPDATE advances the
+    /// offset), so past a few records a record costs about its business write. Against
+    /// that, a record's effects become visible when its whole batch commits (a batch's
+    /// handlers run one after the other, in one transaction that holds its row locks until
+    /// the end), and a failure rolls the whole batch back and processes it again one
+    /// record at a time, so the failing record alone waits or goes to the dead-letter
+    /// topic. An inbox with an [admission floor](crate::Inbox::with_admission_floor)
+    /// processes one record at a time (a refused record must reach the dead-letter topic
+    /// before its offset advances).
+    pub fn with_max_batch(mut self, records: std::num::NonZeroU16) -> Self {
+        self.max_batch = records.get();
+        self
     }
 
     /// Replaces the loop's settings: the concurrency across partitions, the prefetch (the
@@ -326,6 +371,7 @@ impl KafkaGroupConsumer {
             requests: request_sender,
             permits: Semaphore::new(self.options.concurrency()),
             low_water: prefetch / 2,
+            max_batch: usize::from(self.max_batch).min(MAX_CLAIM_BATCH),
             owners: Mutex::new(HashMap::new()),
             stopping,
         });
@@ -412,15 +458,17 @@ fn one_partition(key: &PartitionKey) -> TopicPartitionList {
 }
 
 impl Poller<'_> {
+    /// Resumes fetching the partition (`which`: why it is resumed, for the log); a failure
+    /// loses nothing but leaves the partition paused, so it is logged at WARN.
+    fn resume(&self, key: &PartitionKey, which: &str) {
+        if let Err(err) = self.consumer.resume(&one_partition(key)) {
+            tracing::warn!(topic = key.0, partition = key.1, error = %err, "resuming a {which} partition failed");
+        }
+    }
+
     fn rebalanced<H>(&mut self, rebalanced: Rebalanced, shared: &Arc<Shared<H>>)
     where
-        H: for<'t> Fn(
-                &'t ObservedTransaction,
-                Arc<OwnedMessage>,
-            ) -> HandlerFuture<'t, (), BoxError>
-            + Send
-            + Sync
-            + 'static,
+        H: RecordHandler,
     {
         self.summary.rebalances += 1;
         match rebalanced {
@@ -434,9 +482,7 @@ impl Poller<'_> {
             Rebalanced::Assigned(keys) => {
                 for key in keys {
                     // A partition paused before it was revoked may come back paused.
-                    if let Err(err) = self.consumer.resume(&one_partition(&key)) {
-                        tracing::debug!(topic = key.0, partition = key.1, error = %err, "resuming a newly assigned partition failed");
-                    }
+                    self.resume(&key, "newly assigned");
                     self.feed_of(&key, shared);
                 }
             }
@@ -447,13 +493,7 @@ impl Poller<'_> {
     /// same poll as the assignment that brought it, before the assignment is told).
     fn feed_of<H>(&mut self, key: &PartitionKey, shared: &Arc<Shared<H>>) -> &mut Feed
     where
-        H: for<'t> Fn(
-                &'t ObservedTransaction,
-                Arc<OwnedMessage>,
-            ) -> HandlerFuture<'t, (), BoxError>
-            + Send
-            + Sync
-            + 'static,
+        H: RecordHandler,
     {
         let generations = &mut self.generations;
         let tasks = &mut self.tasks;
@@ -479,13 +519,7 @@ impl Poller<'_> {
 
     fn feed<H>(&mut self, record: Arc<OwnedMessage>, shared: &Arc<Shared<H>>)
     where
-        H: for<'t> Fn(
-                &'t ObservedTransaction,
-                Arc<OwnedMessage>,
-            ) -> HandlerFuture<'t, (), BoxError>
-            + Send
-            + Sync
-            + 'static,
+        H: RecordHandler,
     {
         self.summary.received += 1;
         let key = (record.topic().to_owned(), record.partition());
@@ -543,8 +577,8 @@ impl Poller<'_> {
                     .feeds
                     .get(&key)
                     .is_some_and(|feed| feed.generation == generation);
-                if current && let Err(err) = self.consumer.resume(&one_partition(&key)) {
-                    tracing::warn!(topic = key.0, partition = key.1, error = %err, "resuming a drained partition failed");
+                if current {
+                    self.resume(&key, "drained");
                 }
             }
         }
@@ -569,10 +603,7 @@ async fn partition_task<H>(
     shared: Arc<Shared<H>>,
 ) -> Tally
 where
-    H: for<'t> Fn(&'t ObservedTransaction, Arc<OwnedMessage>) -> HandlerFuture<'t, (), BoxError>
-        + Send
-        + Sync
-        + 'static,
+    H: RecordHandler,
 {
     let mut tally = Tally::default();
     let owner = {
@@ -585,14 +616,19 @@ where
     let mut stopping = shared.stopping.clone();
     let mut position = Position::Unknown;
     let mut seeks_seen = 0;
-    while let Some(fed) = records.recv().await {
-        let waiting = state.buffered.fetch_sub(1, Ordering::SeqCst) - 1;
-        if waiting <= shared.low_water && state.paused.swap(false, Ordering::SeqCst) {
-            let _ = shared.requests.send(Request::Drained {
-                key: key.clone(),
-                generation,
-            });
-        }
+    // A record taken from the channel while filling a batch that could not join it.
+    let mut held: Option<Fed> = None;
+    loop {
+        let fed = match held.take() {
+            Some(fed) => fed,
+            None => match records.recv().await {
+                Some(fed) => {
+                    took_one(&state, &shared, &key, generation);
+                    fed
+                }
+                None => break,
+            },
+        };
         if state.revoked.load(Ordering::SeqCst) || *stopping.borrow() {
             break;
         }
@@ -643,41 +679,110 @@ where
         if state.revoked.load(Ordering::SeqCst) {
             break;
         }
+        // The records already waiting join this one's transaction, up to the batch size:
+        // nothing waits for more to arrive.
+        let mut batch = vec![record];
+        while batch.len() < shared.max_batch {
+            let Ok(next) = records.try_recv() else {
+                break;
+            };
+            took_one(&state, &shared, &key, generation);
+            if next.seeks < seeks_seen {
+                continue;
+            }
+            if batch
+                .last()
+                .is_some_and(|last| next.record.offset() <= last.offset())
+            {
+                held = Some(next);
+                break;
+            }
+            batch.push(next.record);
+        }
         let mut handler = &shared.handler;
-        match shared
-            .kafka
-            .process_record(&shared.db, &record, expected, &mut handler)
-            .await
-        {
-            Ok(RecordOutcome::OffsetMoved) => {
-                // Another consumer took the partition and moved on: nothing was applied.
-                tally.fenced += 1;
-                position = Position::Unknown;
-            }
-            Ok(outcome) => {
-                match outcome {
-                    RecordOutcome::Processed => tally.processed += 1,
-                    RecordOutcome::Duplicate => tally.duplicates += 1,
-                    _ => tally.refused += 1,
+        if batch.len() > 1 {
+            match shared
+                .kafka
+                .process_batch(&shared.db, &batch, expected, &mut handler)
+                .await
+            {
+                BatchResult::Done {
+                    processed,
+                    duplicates,
+                } => {
+                    tally.processed += processed;
+                    tally.duplicates += duplicates;
+                    if let Some(last) = batch.last() {
+                        position = Position::Known(Some(last.offset() + 1));
+                        if !state.revoked.load(Ordering::SeqCst) {
+                            commit_hint(shared.consumer.as_ref(), last);
+                        }
+                    }
+                    continue;
                 }
-                position = Position::Known(Some(record.offset() + 1));
-                if !state.revoked.load(Ordering::SeqCst) {
-                    commit_hint(&shared.consumer, &record);
+                BatchResult::OffsetMoved => {
+                    tally.fenced += u64::try_from(batch.len()).unwrap_or(u64::MAX);
+                    position = Position::Unknown;
+                    continue;
                 }
+                // Rolled back as a whole: one by one below, so only the failing record
+                // waits or goes to the dead-letter topic.
+                BatchResult::Failed => {}
             }
-            Err(err) => {
-                tally.failed += 1;
-                tracing::warn!(error = %err, "Kafka record failed: reading it again after the retry delay");
-                // A lost COMMIT reply may have moved the stored offset: read it again.
-                position = Position::Unknown;
-                match retry_later(&shared, &key, generation, &record, &mut stopping).await {
-                    Some(seeks) => seeks_seen = seeks,
-                    None => break,
+        }
+        let mut expected = expected;
+        for record in batch {
+            let outcome = shared
+                .kafka
+                .process_record(&shared.db, &record, expected, &mut handler)
+                .await;
+            match outcome {
+                Ok(RecordOutcome::OffsetMoved) => {
+                    // Another consumer took the partition and moved on: nothing was
+                    // applied. The rest of the batch is read again after the seek.
+                    tally.fenced += 1;
+                    position = Position::Unknown;
+                    break;
+                }
+                Ok(outcome) => {
+                    match outcome {
+                        RecordOutcome::Processed => tally.processed += 1,
+                        RecordOutcome::Duplicate => tally.duplicates += 1,
+                        _ => tally.refused += 1,
+                    }
+                    expected = Some(record.offset() + 1);
+                    position = Position::Known(expected);
+                    if !state.revoked.load(Ordering::SeqCst) {
+                        commit_hint(shared.consumer.as_ref(), &record);
+                    }
+                }
+                Err(err) => {
+                    tally.failed += 1;
+                    tracing::warn!(error = %err, "Kafka record failed: reading it again after the retry delay");
+                    // A lost COMMIT reply may have moved the stored offset: read it again.
+                    position = Position::Unknown;
+                    match retry_later(&shared, &key, generation, &record, &mut stopping).await {
+                        Some(seeks) => seeks_seen = seeks,
+                        None => return tally,
+                    }
+                    break;
                 }
             }
         }
     }
     tally
+}
+
+/// Counts a record taken from the partition's channel, and asks for the partition's
+/// fetching to resume once its backlog is down to the low-water mark.
+fn took_one<H>(state: &FeedState, shared: &Shared<H>, key: &PartitionKey, generation: u64) {
+    let waiting = state.buffered.fetch_sub(1, Ordering::SeqCst) - 1;
+    if waiting <= shared.low_water && state.paused.swap(false, Ordering::SeqCst) {
+        let _ = shared.requests.send(Request::Drained {
+            key: key.clone(),
+            generation,
+        });
+    }
 }
 
 /// Seeks the partition back to `record` and waits the retry delay; `None` when the task
@@ -728,20 +833,6 @@ async fn seek<H>(
             _ = stopping.wait_for(|stop| *stop) => return None,
             () = tokio::time::sleep(shared.kafka.retry_delay) => {}
         }
-    }
-}
-
-/// Commits the record's next offset to Kafka, after the database did: a hint for lag
-/// monitoring and for a partition without a stored offset; a failure loses nothing.
-fn commit_hint(consumer: &GroupStream, record: &OwnedMessage) {
-    let mut offsets = TopicPartitionList::new();
-    let added = offsets.add_partition_offset(
-        record.topic(),
-        record.partition(),
-        Offset::Offset(record.offset() + 1),
-    );
-    if let Err(err) = added.and_then(|()| consumer.commit(&offsets, CommitMode::Async)) {
-        tracing::debug!(error = %err, "Kafka offset commit (a hint) failed");
     }
 }
 
