@@ -59,7 +59,9 @@ pub use brokers::{BoxError, PublishError, Publisher};
 ))]
 pub use brokers::{ConsumerError, ConsumerOptions, ConsumerSummary};
 pub use cause::{Permanent, Transient};
-pub use claim::{BatchClaim, Claim, ClaimedMessage, InboxTransactionExt, MAX_CLAIM_BATCH};
+pub use claim::{
+    BatchClaim, Claim, ClaimedMessage, ClaimingTransaction, InboxTransactionExt, MAX_CLAIM_BATCH,
+};
 pub use error::{ErrorKind, InboxError};
 pub use inbox::{BatchOutcome, HandlerFuture, Inbox};
 pub use lease::{
