@@ -46,11 +46,12 @@ pub enum Mode {
     Raw,
     /// `raw` in plain sqlx, without SeaORM: shows SeaORM's own cost, not ours.
     Sqlx,
-    /// Through `txn.claim_message`, committed with `ClaimedMessage::commit` (which
-    /// proves the marker is still held before COMMIT).
+    /// Through `txn.claim_message` on an `ObservedTransaction::begin_on`, committed with
+    /// `ClaimedMessage::commit` (which proves the marker is still held before COMMIT
+    /// only when a statement failed).
     Claim,
-    /// `claim_message`, then a plain `txn.commit()` without the proof: counted by
-    /// `--instructions` only, to price the proof.
+    /// `claim_message` on a plain transaction (its savepoint), then a plain
+    /// `txn.commit()` without the proof: counted by `--instructions` only.
     ClaimUnchecked,
     /// Through the high-level `Inbox::process`.
     Process,
@@ -60,7 +61,8 @@ pub enum Mode {
     OnConflict,
     /// `claim_message` of an already processed message, then the rollback.
     Duplicate,
-    /// `txn.claim_batch` of fresh ids, counted per id.
+    /// `txn.claim_batch` of fresh ids on an `ObservedTransaction::begin_on`, counted per
+    /// id.
     Batch,
     /// The ON CONFLICT marker of an already processed message, then the rollback: what
     /// the duplicate path would cost if the claim skipped conflicts instead of failing.
@@ -339,23 +341,24 @@ impl Worker {
         Ok(Done::CLAIMED_ONE)
     }
 
-    /// A fresh id through `claim_message`, committed with the proof (`prove`) or with a
-    /// plain `txn.commit()`, which `--instructions` counts to price the proof.
+    /// A fresh id through `claim_message`: on an `ObservedTransaction` committed with
+    /// `ClaimedMessage::commit` (`prove`; no proof query after a clean handler), or on a
+    /// plain transaction committed with a plain `txn.commit()`, which `--instructions`
+    /// counts to price the observed path.
     async fn claim(&self, prove: bool) -> Result<Done, BoxError> {
-        let txn = self.begin().await?;
-        match txn.claim_message(fresh_id(), CONSUMER).await? {
-            Claim::Claimed(claimed) => {
-                self.credit(&txn, 1).await?;
-                if prove {
-                    claimed.commit(txn).await?;
-                } else {
-                    txn.commit().await?;
-                }
-                Ok(Done::CLAIMED_ONE)
-            }
-            Claim::Duplicate => Err("a fresh message id was reported as a duplicate".into()),
-            Claim::Refused(refusal) => Err(refused(refusal)),
+        if !prove {
+            let txn = self.begin().await?;
+            let unchecked = fresh(txn.claim_message(fresh_id(), CONSUMER).await?)?;
+            self.credit(&txn, 1).await?;
+            drop(unchecked);
+            txn.commit().await?;
+            return Ok(Done::CLAIMED_ONE);
         }
+        let txn = ObservedTransaction::begin_on(&self.db).await?;
+        let claimed = fresh(txn.claim_message(fresh_id(), CONSUMER).await?)?;
+        self.credit(&txn, 1).await?;
+        claimed.commit(txn).await?;
+        Ok(Done::CLAIMED_ONE)
     }
 
     async fn process(&self, id: Uuid) -> Result<Handled, BoxError> {
@@ -426,7 +429,7 @@ impl Worker {
     /// business write a Kafka-style batch handler does.
     async fn batch(&self) -> Result<Done, BoxError> {
         let ids: Vec<Uuid> = (0..BATCH_IDS).map(|_| Uuid::new_v4()).collect();
-        let txn = self.begin().await?;
+        let txn = ObservedTransaction::begin_on(&self.db).await?;
         let claim = txn.claim_batch(ids, CONSUMER).await?;
         if claim.claimed.len() != BATCH_IDS {
             return Err(format!(
@@ -574,6 +577,15 @@ pub(crate) async fn credit(
 }
 
 /// A refusal by the admission floor: the benchmark sets none, so the run fails.
+/// The claim of a fresh id, which must be claimed.
+fn fresh(claim: Claim) -> Result<ClaimedMessage, BoxError> {
+    match claim {
+        Claim::Claimed(claimed) => Ok(claimed),
+        Claim::Duplicate => Err("a fresh message id was reported as a duplicate".into()),
+        Claim::Refused(refusal) => Err(refused(refusal)),
+    }
+}
+
 fn refused(refusal: impl std::fmt::Display) -> BoxError {
     format!("a delivery without a send time was refused: {refusal}").into()
 }

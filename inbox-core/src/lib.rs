@@ -59,7 +59,9 @@ pub use brokers::{ConsumerError, ConsumerOptions, ConsumerSummary};
 #[cfg(any(feature = "lapin", feature = "async-nats", feature = "aws-sdk-sqs"))]
 pub use brokers::{MessageHandler, Received};
 pub use cause::{Permanent, Transient};
-pub use claim::{BatchClaim, Claim, ClaimedMessage, InboxTransactionExt, MAX_CLAIM_BATCH};
+pub use claim::{
+    BatchClaim, Claim, ClaimedMessage, ClaimingTransaction, InboxTransactionExt, MAX_CLAIM_BATCH,
+};
 pub use error::{ErrorKind, InboxError};
 pub use inbox::{BatchOutcome, HandlerFuture, Inbox};
 pub use lease::{

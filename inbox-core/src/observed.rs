@@ -23,7 +23,7 @@ use sea_orm::{
 };
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use tokio::sync::RwLock;
 
@@ -72,6 +72,34 @@ pub struct ObservedTransaction {
     watch: Arc<Watch>,
     savepoint_depth: u32,
     backend: DbBackend,
+    /// What a claim on this level binds to without a statement: set on the outermost level
+    /// of a transaction begun for the manual path ([`ObservedTransaction::begin_on`]).
+    binding: Option<Binding>,
+}
+
+/// The identity of one transaction begun for the manual path, unique in the process, with
+/// what was read of its pool before BEGIN: a claim made on it remembers this, and its
+/// commit takes no proof query when it is given back the same transaction and every
+/// statement succeeded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Binding {
+    id: u64,
+    /// Whether the server can end the transaction without failing a statement (Galera).
+    pub(crate) silent_end: bool,
+    /// Whether the connection carries the inbox's bounds for its whole life, so that the
+    /// marker INSERT sets none.
+    pub(crate) bounded_connection: bool,
+}
+
+impl Binding {
+    pub(crate) fn new(silent_end: bool, bounded_connection: bool) -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        Self {
+            id: NEXT.fetch_add(1, Ordering::Relaxed),
+            silent_end,
+            bounded_connection,
+        }
+    }
 }
 
 /// One level of the observed transaction, SeaORM's transaction or savepoint, with the
@@ -221,13 +249,24 @@ impl Watch {
 
 impl ObservedTransaction {
     pub(crate) fn new(inner: DatabaseTransaction) -> Self {
+        Self::bound(inner, None)
+    }
+
+    /// The observed transaction `inner`, whose claims bind to `binding` (see [`Binding`]).
+    pub(crate) fn bound(inner: DatabaseTransaction, binding: Option<Binding>) -> Self {
         let watch = Arc::<Watch>::default();
         Self {
             backend: inner.get_database_backend(),
             inner: Level::new(inner, &watch),
             watch,
             savepoint_depth: 0,
+            binding,
         }
+    }
+
+    /// What a claim on this level binds to, if it binds without a statement.
+    pub(crate) fn binding(&self) -> Option<Binding> {
+        self.binding
     }
 
     /// The transaction itself, for the commit or the rollback of the attempt, with what
@@ -367,6 +406,7 @@ impl ObservedTransaction {
             watch: Arc::clone(&self.watch),
             savepoint_depth: self.savepoint_depth + 1,
             backend: self.backend,
+            binding: None,
         }
     }
 }
@@ -608,8 +648,9 @@ where
     }
 }
 
-/// Ends a savepoint (`RELEASE` or `ROLLBACK TO`). The outermost transaction is never
-/// handed out by value: `process` commits it.
+/// Ends a savepoint (`RELEASE` or `ROLLBACK TO`), or the transaction itself when it was
+/// begun with [`ObservedTransaction::begin_on`] (`process` never hands out its own by
+/// value): commit a claim's transaction through the claim's `commit` instead.
 #[async_trait::async_trait]
 impl TransactionSession for ObservedTransaction {
     async fn commit(self) -> Result<(), DbErr> {

@@ -1,12 +1,13 @@
 //! Claiming many messages for one consumer in one statement (Kafka-style batches).
 
-use super::held::{ClaimSavepoint, Held, Step};
+use super::binding::{ClaimBinding, ClaimingTransaction, commit_claim};
+use super::held::{Held, Step};
 use crate::backend::{BatchClaimSql, batch_claim_sql, silently_ended, timestamp_value};
 use crate::clock::now_micros;
 use crate::consumer::validate_consumer;
 use crate::{Delivery, InboxError, MessageId, Refusal};
 use chrono::{DateTime, Utc};
-use sea_orm::{ConnectionTrait, DatabaseTransaction, DbErr, QueryResult, Statement, Value};
+use sea_orm::{ConnectionTrait, DbErr, QueryResult, Statement, Value};
 use sea_orm_inbox_entity::InboxTable;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
@@ -55,8 +56,8 @@ pub struct BatchClaim {
     /// The ids whose markers this transaction inserted, kept apart from the public lists so
     /// a caller who changes them cannot turn the proof off.
     inserted: Vec<MessageId>,
-    /// The savepoint the claim opened in the caller's transaction, whose release proves it.
-    savepoint: Option<ClaimSavepoint>,
+    /// What ties the claim to the caller's transaction it was made on.
+    binding: Option<ClaimBinding>,
 }
 
 impl BatchClaim {
@@ -116,7 +117,7 @@ impl BatchClaim {
     /// batch.commit(txn).await?; // proves the markers are held, then commits
     /// # Ok(()) }
     /// ```
-    pub async fn commit(self, txn: DatabaseTransaction) -> Result<(), InboxError> {
+    pub async fn commit(self, txn: impl Into<ClaimingTransaction>) -> Result<(), InboxError> {
         let named = self
             .claimed
             .first()
@@ -124,20 +125,20 @@ impl BatchClaim {
             .copied()
             .unwrap_or_else(|| MessageId::from_uuid(Uuid::nil()));
         let failed = |err| InboxError::from_claim(err, &self.table, named, &self.consumer);
-        self.held().commit(txn, silent, failed).await
+        commit_claim(self.held(), self.binding, txn.into(), silent, failed).await
     }
 
     /// What the proof reads: one of the markers this transaction inserted, or without one,
     /// whether the transaction is still open.
     pub(crate) fn held(&self) -> Held<'_> {
         Held::tagged(&self.table, &self.consumer, &self.inserted, self.tag)
-            .with_savepoint(self.savepoint)
+            .with_savepoint(ClaimBinding::savepoint(self.binding))
     }
 
-    /// This claim, proven by releasing `savepoint`, which its transaction opened.
-    pub(super) fn bound_to(self, savepoint: ClaimSavepoint) -> Self {
+    /// This claim, tied to its transaction by `binding`.
+    pub(super) fn bound_to(self, binding: ClaimBinding) -> Self {
         Self {
-            savepoint: Some(savepoint),
+            binding: Some(binding),
             ..self
         }
     }
@@ -234,7 +235,7 @@ pub(crate) async fn insert_batch<C: ConnectionTrait>(
             table: table.clone(),
             tag,
             inserted: Vec::new(),
-            savepoint: None,
+            binding: None,
         });
     };
     let backend = conn.get_database_backend();
@@ -403,7 +404,7 @@ fn sort_out(
         ids.iter().copied().partition(|id| inserted.contains(id));
     Ok(BatchClaim {
         inserted: claimed.clone(),
-        savepoint: None,
+        binding: None,
         claimed,
         duplicates,
         refused: Vec::new(),

@@ -200,7 +200,7 @@ impl<'a> Held<'a> {
     }
 
     /// The error of a proof given another transaction than the claiming one.
-    fn not_claiming(&self) -> InboxError {
+    pub(crate) fn not_claiming(&self) -> InboxError {
         InboxError::NotTheClaimingTransaction {
             message_ids: self.message_ids(),
             consumer: self.consumer.to_owned(),
@@ -300,7 +300,19 @@ impl<'a> Held<'a> {
             roll_back(txn).await;
             return Err(lost);
         }
-        within(backend, timeout, txn.commit())
+        Self::commit_unproven(txn, silent, failed).await
+    }
+
+    /// Commits `txn`, whose claim is already known to be held, waiting at most
+    /// [`Inbox::DEFAULT_PARTITION_TIMEOUT`] (past which `silent` makes the error; a COMMIT
+    /// that failed, `failed`).
+    pub(crate) async fn commit_unproven(
+        txn: DatabaseTransaction,
+        silent: impl Fn(Step, Duration) -> InboxError,
+        failed: impl FnOnce(DbErr) -> InboxError,
+    ) -> Result<(), InboxError> {
+        let backend = txn.get_database_backend();
+        within(backend, Inbox::DEFAULT_PARTITION_TIMEOUT, txn.commit())
             .await
             .map_err(|waited| silent(Step::Commit, waited))?
             .map_err(failed)

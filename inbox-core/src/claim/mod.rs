@@ -2,25 +2,30 @@
 //! [`Claim`] it answers; one message ([`single`]), many ([`batch`]), and the one proof
 //! before COMMIT that both commit through ([`held`]).
 
+use crate::backend::ProcessMarker;
 use crate::consumer::validate_claim;
 use crate::silence::answered_on;
-use crate::{Delivery, InboxError, Refusal};
+use crate::{Delivery, Inbox, InboxError, Refusal};
 use chrono::Utc;
 use sea_orm::{ConnectionTrait, DatabaseTransaction};
 use sea_orm_inbox_entity::InboxTable;
 use std::future::Future;
 
 mod batch;
+mod binding;
 mod held;
 mod single;
 
 pub(crate) use batch::sorted_batch;
 pub use batch::{BatchClaim, MAX_CLAIM_BATCH};
-pub(crate) use held::{ClaimSavepoint, Held};
+pub use binding::ClaimingTransaction;
+pub(crate) use held::Held;
 pub use single::ClaimedMessage;
 pub(crate) use single::{insert_marker, marker_token};
 
+use crate::observed::{Binding, ObservedTransaction};
 use batch::{admit_batch, insert_batch};
+use binding::ClaimBinding;
 use single::unresponsive_within;
 
 /// The outcome of [`InboxTransactionExt::claim_message`].
@@ -73,6 +78,7 @@ impl Claim {
 mod sealed {
     pub trait Sealed {}
     impl Sealed for sea_orm::DatabaseTransaction {}
+    impl Sealed for crate::ObservedTransaction {}
 }
 
 /// Claims messages inside a SeaORM transaction.
@@ -332,47 +338,72 @@ pub trait InboxTransactionExt: sealed::Sealed {
         I::Item: Into<Delivery>;
 }
 
-impl InboxTransactionExt for DatabaseTransaction {
-    fn claim_message(
-        &self,
-        delivery: impl Into<Delivery>,
-        consumer: &str,
-    ) -> impl Future<Output = Result<Claim, InboxError>> + Send {
-        claim_one(self, InboxTable::default(), delivery.into(), consumer)
-    }
+/// The claims on each transaction type, which differ only in what a claim binds to.
+macro_rules! claims_on {
+    ($txn:ty) => {
+        impl InboxTransactionExt for $txn {
+            fn claim_message(
+                &self,
+                delivery: impl Into<Delivery>,
+                consumer: &str,
+            ) -> impl Future<Output = Result<Claim, InboxError>> + Send {
+                claim_one(self, InboxTable::default(), delivery.into(), consumer)
+            }
 
-    fn claim_batch<I>(
-        &self,
-        message_ids: I,
-        consumer: &str,
-    ) -> impl Future<Output = Result<BatchClaim, InboxError>> + Send
-    where
-        I: IntoIterator,
-        I::Item: Into<Delivery>,
-    {
-        claim_many(self, InboxTable::default(), collect(message_ids), consumer)
-    }
+            fn claim_batch<I>(
+                &self,
+                message_ids: I,
+                consumer: &str,
+            ) -> impl Future<Output = Result<BatchClaim, InboxError>> + Send
+            where
+                I: IntoIterator,
+                I::Item: Into<Delivery>,
+            {
+                claim_many(self, InboxTable::default(), collect(message_ids), consumer)
+            }
 
-    fn claim_message_in(
-        &self,
-        table: &InboxTable,
-        delivery: impl Into<Delivery>,
-        consumer: &str,
-    ) -> impl Future<Output = Result<Claim, InboxError>> + Send {
-        claim_one(self, table.clone(), delivery.into(), consumer)
-    }
+            fn claim_message_in(
+                &self,
+                table: &InboxTable,
+                delivery: impl Into<Delivery>,
+                consumer: &str,
+            ) -> impl Future<Output = Result<Claim, InboxError>> + Send {
+                claim_one(self, table.clone(), delivery.into(), consumer)
+            }
 
-    fn claim_batch_in<I>(
-        &self,
-        table: &InboxTable,
-        message_ids: I,
-        consumer: &str,
-    ) -> impl Future<Output = Result<BatchClaim, InboxError>> + Send
-    where
-        I: IntoIterator,
-        I::Item: Into<Delivery>,
-    {
-        claim_many(self, table.clone(), collect(message_ids), consumer)
+            fn claim_batch_in<I>(
+                &self,
+                table: &InboxTable,
+                message_ids: I,
+                consumer: &str,
+            ) -> impl Future<Output = Result<BatchClaim, InboxError>> + Send
+            where
+                I: IntoIterator,
+                I::Item: Into<Delivery>,
+            {
+                claim_many(self, table.clone(), collect(message_ids), consumer)
+            }
+        }
+    };
+}
+
+claims_on!(DatabaseTransaction);
+claims_on!(ObservedTransaction);
+
+/// What a claim on a transaction binds to without a statement, if anything.
+trait ClaimBound {
+    fn claim_binding(&self) -> Option<Binding>;
+}
+
+impl ClaimBound for DatabaseTransaction {
+    fn claim_binding(&self) -> Option<Binding> {
+        None
+    }
+}
+
+impl ClaimBound for ObservedTransaction {
+    fn claim_binding(&self) -> Option<Binding> {
+        self.binding()
     }
 }
 
@@ -387,24 +418,33 @@ where
 }
 
 /// One claim in `table` (owned: the future borrows only the transaction and the consumer).
-fn claim_one(
-    txn: &DatabaseTransaction,
+fn claim_one<C: ConnectionTrait + ClaimBound + Sync>(
+    txn: &C,
     table: InboxTable,
     delivery: Delivery,
     consumer: &str,
 ) -> impl Future<Output = Result<Claim, InboxError>> + Send {
     let admitted = delivery.admit(None, Utc::now());
+    let binding = txn.claim_binding();
     async move {
         match admitted {
             Ok(()) => {
                 let message_id = delivery.message_id();
                 let claim = async {
-                    match insert_marker(txn, &table, message_id, consumer, None).await? {
+                    let process = match binding {
+                        Some(binding) if binding.bounded_connection => {
+                            validate_claim(message_id, consumer)?;
+                            Some(bounded_marker())
+                        }
+                        _ => None,
+                    };
+                    match insert_marker(txn, &table, message_id, consumer, process).await? {
                         Claim::Claimed(claimed) => {
-                            let savepoint = ClaimSavepoint::open(txn).await.map_err(|err| {
-                                InboxError::from_claim(err, &table, message_id, consumer)
-                            })?;
-                            Ok(Claim::Claimed(claimed.bound_to(savepoint)))
+                            let binding =
+                                ClaimBinding::make(txn, binding).await.map_err(|err| {
+                                    InboxError::from_claim(err, &table, message_id, consumer)
+                                })?;
+                            Ok(Claim::Claimed(claimed.bound_to(binding)))
                         }
                         other => Ok(other),
                     }
@@ -421,22 +461,35 @@ fn claim_one(
     }
 }
 
+/// The marker of a claim on a connection that carries the bounds of an [`crate::Inbox`]
+/// with the default timeouts: the plain INSERT, which sets none, with a token of its own
+/// that the proof reads back when one is needed.
+fn bounded_marker() -> ProcessMarker {
+    ProcessMarker {
+        token: uuid::Uuid::new_v4(),
+        lock_wait: Inbox::DEFAULT_LOCK_TIMEOUT,
+        silence: Inbox::DEFAULT_PARTITION_TIMEOUT,
+        bounded_connection: true,
+    }
+}
+
 /// One batch claim in `table`.
-fn claim_many(
-    txn: &DatabaseTransaction,
+fn claim_many<C: ConnectionTrait + ClaimBound + Sync>(
+    txn: &C,
     table: InboxTable,
     deliveries: Vec<Delivery>,
     consumer: &str,
 ) -> impl Future<Output = Result<BatchClaim, InboxError>> + Send {
     let admitted = admit_batch(deliveries, consumer, Utc::now());
     let backend = txn.get_database_backend();
+    let binding = txn.claim_binding();
     async move {
         let claim = async {
             let batch = insert_batch(txn, &table, admitted, consumer).await?;
-            let savepoint = ClaimSavepoint::open(txn)
+            let binding = ClaimBinding::make(txn, binding)
                 .await
                 .map_err(|err| batch.held().lost(Some(err)))?;
-            Ok(batch.bound_to(savepoint))
+            Ok(batch.bound_to(binding))
         };
         answered_on(backend, "the batch claim", claim).await?
     }

@@ -1,7 +1,8 @@
 //! The claim of one message: the marker INSERT and the [`ClaimedMessage`] that commits it.
 
 use super::Claim;
-use super::held::{ClaimSavepoint, Held, Step};
+use super::binding::{ClaimBinding, ClaimingTransaction, commit_claim};
+use super::held::{Held, Step};
 use crate::backend::{
     DbErrorKind, ProcessMarker, claim_marker_statement, classify_in, inbox_duplicate_confirmation,
     run_marker_insert,
@@ -81,7 +82,10 @@ use uuid::Uuid;
 /// transaction (one begun after the claiming one committed on its own, or one that claimed
 /// something else), `commit` rolls it back and fails with
 /// [`InboxError::NotTheClaimingTransaction`]: a marker committed earlier is visible to
-/// every later transaction, so reading it proved nothing. It is not `Clone` (nor is
+/// every later transaction, so reading it proved nothing. A claim made on an
+/// [`ObservedTransaction::begin_on`](crate::ObservedTransaction::begin_on) opens no
+/// savepoint: it is bound to that transaction in memory, and its commit runs COMMIT alone
+/// when every statement succeeded. It is not `Clone` (nor is
 /// [`Claim`]) either:
 ///
 /// ```compile_fail
@@ -103,9 +107,9 @@ pub struct ClaimedMessage {
     /// The `claim_token` the marker was written with (by `Inbox::process` only), which the
     /// proof checks too.
     token: Option<Uuid>,
-    /// The savepoint a claim on the caller's transaction opened, whose release proves it
-    /// (not `Inbox::process`'s, which owns its transaction).
-    savepoint: Option<ClaimSavepoint>,
+    /// What ties the claim to the caller's transaction it was made on (not
+    /// `Inbox::process`'s, which owns its transaction).
+    binding: Option<ClaimBinding>,
 }
 
 impl ClaimedMessage {
@@ -132,7 +136,8 @@ impl ClaimedMessage {
     ///
     /// # Errors
     /// [`InboxError::NotTheClaimingTransaction`] when `txn` is not the transaction that
-    /// claimed: commit nothing of it.
+    /// claimed (always for a claim made on an [`ObservedTransaction`](crate::ObservedTransaction),
+    /// whose commit needs no such call): commit nothing of it.
     /// [`InboxError::ClaimLost`] when the database ended the transaction (PostgreSQL
     /// aborted it after a failed statement; InnoDB rolled it back on a deadlock) or the
     /// check itself failed (its `source`: a lost connection is transient): roll back and
@@ -143,6 +148,9 @@ impl ClaimedMessage {
     /// [`InboxError::DatabaseUnresponsive`] (step `the claim check`): drop the transaction
     /// and nack.
     pub async fn ensure_held(&self, txn: &DatabaseTransaction) -> Result<(), InboxError> {
+        if let Some(ClaimBinding::Observed(_)) = self.binding {
+            return Err(self.held().not_claiming());
+        }
         let backend = txn.get_database_backend();
         within(
             backend,
@@ -166,14 +174,14 @@ impl ClaimedMessage {
     /// [`InboxError::DatabaseUnresponsive`] when the database went silent: nack. With
     /// `commit_in_doubt` (step `COMMIT`) the COMMIT may have committed, its reply lost: the
     /// redelivery's claim tells, [`Claim::Duplicate`] if it did.
-    pub async fn commit(self, txn: DatabaseTransaction) -> Result<(), InboxError> {
+    pub async fn commit(self, txn: impl Into<ClaimingTransaction>) -> Result<(), InboxError> {
         let failed = |source| InboxError::Database {
             message_id: self.message_id,
             consumer: self.consumer.clone(),
             source,
         };
         let silent = |step, waited| self.unanswered(step, waited);
-        self.held().commit(txn, silent, failed).await
+        commit_claim(self.held(), self.binding, txn.into(), silent, failed).await
     }
 
     /// What the proof reads: this claim's marker row.
@@ -185,13 +193,13 @@ impl ClaimedMessage {
             self.marker_id,
             self.token,
         )
-        .with_savepoint(self.savepoint)
+        .with_savepoint(ClaimBinding::savepoint(self.binding))
     }
 
-    /// This claim, proven by releasing `savepoint`, which its transaction opened.
-    pub(super) fn bound_to(self, savepoint: ClaimSavepoint) -> Self {
+    /// This claim, tied to its transaction by `binding`.
+    pub(super) fn bound_to(self, binding: ClaimBinding) -> Self {
         Self {
-            savepoint: Some(savepoint),
+            binding: Some(binding),
             ..self
         }
     }
@@ -276,7 +284,7 @@ pub(crate) async fn insert_marker<C: ConnectionTrait>(
             consumer: consumer.to_owned(),
             marker_id,
             token,
-            savepoint: None,
+            binding: None,
         })),
         // The conflict clause met the marker of a committed claim.
         Ok(None) => Ok(Claim::Duplicate),

@@ -130,3 +130,111 @@ on_every_backend!(
     a_batchs_proof_cannot_commit_another_transaction,
     the_claiming_transaction_commits_through_its_proof,
 );
+
+/// The manual path on an [`ObservedTransaction::begin_on`]: its claim is bound to the
+/// transaction in memory (no savepoint), and its commit runs no proof query after
+/// statements that all succeeded. These show that it still commits only the claiming
+/// transaction, and nothing of one the database ended.
+mod observed {
+    use super::*;
+    use sea_orm::TransactionSession;
+
+    /// A fresh id claimed on a new observed transaction.
+    async fn begin_observed_and_claim(
+        conn: &DatabaseConnection,
+    ) -> (ObservedTransaction, ClaimedMessage) {
+        let txn = ObservedTransaction::begin_on(conn).await.expect("begin");
+        match txn.claim_message(Uuid::new_v4(), CONSUMER).await {
+            Ok(Claim::Claimed(claimed)) => (txn, claimed),
+            other => panic!("a fresh id: {other:?}"),
+        }
+    }
+
+    /// A claim made on observed transaction A, which commits on its own, cannot commit
+    /// transaction B (observed or plain) through its proof.
+    async fn an_observed_claim_cannot_commit_another_transaction(backend: Backend) {
+        with_migrated_db(backend, async |db| {
+            let conn = accounts(db).await;
+            let (txn_a, claimed) = begin_observed_and_claim(&conn).await;
+            let batch = txn_a
+                .claim_batch([Uuid::new_v4(), Uuid::new_v4()], CONSUMER)
+                .await
+                .expect("batch");
+            txn_a.commit().await.expect("A commits on its own");
+            let txn_b = ObservedTransaction::begin_on(&conn).await.expect("begin B");
+            credit(&txn_b, 1).await.expect("B's write");
+            let result = claimed.commit(txn_b).await;
+            assert!(refused_as_another_transactions(&result), "{result:?}");
+            let txn_c = conn.begin().await.expect("begin C");
+            credit(&txn_c, 1).await.expect("C's write");
+            let result = batch.commit(txn_c).await;
+            assert!(refused_as_another_transactions(&result), "{result:?}");
+            assert_eq!(committed(&conn).await, (3, 0), "B's and C's writes");
+        })
+        .await;
+    }
+
+    /// The database ends the claim's transaction (a raw `ROLLBACK`): the commit of its
+    /// single claim and of its batch (public list emptied) fail with `ClaimLost`, and
+    /// nothing commits.
+    async fn an_observed_claim_in_an_ended_transaction_is_lost(backend: Backend) {
+        with_migrated_db(backend, async |db| {
+            let conn = accounts(db).await;
+            let (txn, claimed) = begin_observed_and_claim(&conn).await;
+            credit(&txn, 1).await.expect("credit");
+            txn.execute_unprepared("ROLLBACK").await.ok();
+            let result = claimed.commit(txn).await;
+            assert!(
+                matches!(result, Err(InboxError::ClaimLost { .. })),
+                "{result:?}"
+            );
+            let txn = ObservedTransaction::begin_on(&conn).await.expect("begin");
+            let mut batch = txn
+                .claim_batch([Uuid::new_v4(), Uuid::new_v4()], CONSUMER)
+                .await
+                .expect("batch");
+            txn.execute_unprepared("ROLLBACK").await.ok();
+            batch.claimed.clear();
+            let result = batch.commit(txn).await;
+            assert!(
+                matches!(result, Err(InboxError::ClaimLost { .. })),
+                "{result:?}"
+            );
+            assert_eq!(committed(&conn).await, (0, 0));
+        })
+        .await;
+    }
+
+    /// A failed statement the handler swallowed: on PostgreSQL it aborted the transaction
+    /// (`ClaimLost`, nothing committed); elsewhere the transaction went on, and the
+    /// commit proves the marker (one query) before committing the claim and the write.
+    async fn a_swallowed_failure_is_proven_or_lost(backend: Backend) {
+        with_migrated_db(backend, async |db| {
+            let conn = accounts(db).await;
+            let (txn, claimed) = begin_observed_and_claim(&conn).await;
+            credit(&txn, 1).await.expect("credit");
+            let failed = txn
+                .execute_unprepared("UPDATE no_such_table SET x = 1")
+                .await;
+            assert!(failed.is_err(), "{failed:?}");
+            let result = claimed.commit(txn).await;
+            if backend.is_postgres() {
+                assert!(
+                    matches!(result, Err(InboxError::ClaimLost { .. })),
+                    "{result:?}"
+                );
+                assert_eq!(committed(&conn).await, (0, 0));
+            } else {
+                result.expect("the proof holds, the commit lands");
+                assert_eq!(committed(&conn).await, (1, 1));
+            }
+        })
+        .await;
+    }
+
+    on_every_backend!(
+        an_observed_claim_cannot_commit_another_transaction,
+        an_observed_claim_in_an_ended_transaction_is_lost,
+        a_swallowed_failure_is_proven_or_lost,
+    );
+}

@@ -5,11 +5,12 @@
 //! on a server that is no Galera node no pre-commit proof follows a clean handler.
 
 use inbox_tests::{
-    Backend, SentStatement, create_accounts, credit_once, on_every_backend, on_server_backends,
-    scalar_i64, with_migrated_db, with_proxied_db,
+    Backend, ProxiedDb, SentStatement, create_accounts, credit, credit_once, on_every_backend,
+    on_server_backends, scalar_i64, with_migrated_db, with_proxied_db,
 };
-use sea_orm::EntityTrait;
-use sea_orm_inbox::{Inbox, Outcome, bound_connections};
+use sea_orm::{ConnectionTrait, DatabaseConnection, EntityTrait, TransactionTrait};
+use sea_orm_inbox::prelude::*;
+use sea_orm_inbox::{ClaimingTransaction, Inbox, Outcome, bound_connections};
 use sea_orm_inbox_entity::inbox;
 use uuid::Uuid;
 
@@ -53,12 +54,7 @@ async fn an_attempt_on_bounded_connections_runs_its_four_statements_only(backend
     const CALLS: usize = 5;
     with_proxied_db(backend, async |fixture| {
         let inbox = Inbox::new(CONSUMER).expect("valid name");
-        let replica = fixture
-            .proxy
-            .connect_configured(1, |options| {
-                bound_connections(options, &inbox);
-            })
-            .await;
+        let replica = bounded_replica(fixture, &inbox).await;
         // The connection prepares its statements and the inbox reads what the pool's
         // connections carry.
         for _ in 0..2 {
@@ -125,6 +121,104 @@ async fn the_read_of_the_connections_bounds_is_one_statement(backend: Backend) {
     .await;
 }
 
+/// The manual path on a transaction begun with [`ObservedTransaction::begin_on`]: a claim
+/// then `claimed.commit(txn)` runs BEGIN, the marker INSERT, the handler's UPDATE and
+/// COMMIT, and no other statement, like `process` (no savepoint after the INSERT, no
+/// proof before COMMIT: the transaction saw every statement succeed). A plain
+/// `DatabaseTransaction` still costs the savepoint and its `RELEASE`, counted here too.
+async fn a_manual_claim_runs_its_four_statements_only(backend: Backend) {
+    const CALLS: usize = 5;
+    with_proxied_db(backend, async |fixture| {
+        let inbox = Inbox::new(CONSUMER).expect("valid name");
+        let replica = bounded_replica(fixture, &inbox).await;
+        let observed = run_counted(fixture, &replica, CALLS, async |db| {
+            let txn = ObservedTransaction::begin_on(db).await.expect("BEGIN");
+            claim_credit_commit(txn).await;
+        })
+        .await;
+        let one_attempt = ["BEGIN", "marker", "handler", "COMMIT"];
+        assert_eq!(
+            observed.0,
+            one_attempt.repeat(CALLS),
+            "{backend:?}: the statements of {CALLS} manual claims"
+        );
+        assert_eq!(observed.1, 4 * CALLS as u32, "{backend:?}: round trips");
+        let batches = run_counted(fixture, &replica, CALLS, async |db| {
+            let txn = ObservedTransaction::begin_on(db).await.expect("BEGIN");
+            let ids = [Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4()];
+            let batch = txn.claim_batch(ids, CONSUMER).await.expect("the batch");
+            assert_eq!(batch.claimed.len(), 3, "{backend:?}: fresh ids");
+            credit(&txn, 1).await.expect("the handler's UPDATE");
+            batch.commit(txn).await.expect("COMMIT");
+        })
+        .await;
+        assert_eq!(
+            batches.0,
+            one_attempt.repeat(CALLS),
+            "{backend:?}: the statements of {CALLS} manual batches"
+        );
+        let plain = run_counted(fixture, &replica, 1, async |db| {
+            let txn = db
+                .begin_with_options(CLAIM_TRANSACTION)
+                .await
+                .expect("BEGIN");
+            claim_credit_commit(txn).await;
+        })
+        .await;
+        assert_eq!(
+            plain.1, 6,
+            "{backend:?}: a claim on a plain transaction: {plain:?}"
+        );
+        replica.close().await.ok();
+        assert_eq!(fixture.balance().await, 2 * (CALLS as i64 + 2) + 3);
+    })
+    .await;
+}
+
+/// Claims a fresh id on `txn`, credits through it and commits the claim.
+async fn claim_credit_commit<T>(txn: T)
+where
+    T: InboxTransactionExt + ConnectionTrait + Into<ClaimingTransaction>,
+{
+    match txn.claim_message(Uuid::new_v4(), CONSUMER).await {
+        Ok(Claim::Claimed(claimed)) => {
+            credit(&txn, 1).await.expect("the handler's UPDATE");
+            claimed.commit(txn).await.expect("COMMIT");
+        }
+        other => panic!("a fresh id was not claimed: {other:?}"),
+    }
+}
+
+/// A one-connection pool through the proxy whose connection carries `inbox`'s bounds.
+async fn bounded_replica(fixture: &ProxiedDb, inbox: &Inbox) -> DatabaseConnection {
+    fixture
+        .proxy
+        .connect_configured(1, |options| {
+            bound_connections(options, inbox);
+        })
+        .await
+}
+
+/// Runs `message` twice (the connection prepares its statements and the inbox reads what
+/// the pool's connections carry), then `calls` times counted: the statements by name and
+/// the round trips of the counted calls.
+async fn run_counted(
+    fixture: &ProxiedDb,
+    replica: &DatabaseConnection,
+    calls: usize,
+    message: impl AsyncFn(&DatabaseConnection),
+) -> (Vec<String>, u32) {
+    for _ in 0..2 {
+        message(replica).await;
+    }
+    fixture.proxy.reset_round_trips();
+    for _ in 0..calls {
+        message(replica).await;
+    }
+    let run = fixture.proxy.statements().iter().map(step).collect();
+    (run, fixture.proxy.round_trips())
+}
+
 /// What a statement of an attempt is, by name, or its whole text when it is none of the
 /// four an attempt needs.
 fn step(statement: &SentStatement) -> String {
@@ -184,6 +278,11 @@ mod bounded_connections {
 mod unbounded_connections {
     use super::*;
     on_server_backends!(the_read_of_the_connections_bounds_is_one_statement);
+}
+
+mod manual_claim {
+    use super::*;
+    on_server_backends!(a_manual_claim_runs_its_four_statements_only);
 }
 
 mod quoted_consumer {
