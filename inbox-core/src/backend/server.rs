@@ -13,9 +13,8 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// Whether the server behind a pool can end a transaction silently, read from the server
-/// and remembered for [`REREAD_AFTER`] for the pool last used: one read every
-/// ten seconds instead of a proof query per message (an inbox used on two MySQL pools in
-/// turn reads again whenever the pool changes). A pool the crate cannot tell apart from another
+/// and remembered per pool for [`REREAD_AFTER`]: one read every ten seconds instead of
+/// a proof query per message. A pool the crate cannot tell apart from another
 /// (a mock or proxy connection) is never remembered, and a failed read counts as "can":
 /// the proof then runs, as it always did.
 #[derive(Debug, Default)]
@@ -57,7 +56,7 @@ impl SilentEnds {
     }
 }
 
-/// Whether the connections of the pool last used carry [`Inbox::process`]'s bounds for
+/// Whether the connections of a pool carry [`Inbox::process`]'s bounds for
 /// their whole life (see [`bound_connections`]), read from the server for that pool and
 /// those bounds and remembered for [`REREAD_AFTER`]: the one place that
 /// chooses between bounds per connection and bounds set by each marker INSERT. Every
@@ -131,17 +130,23 @@ impl ConnectionBoundsKnown {
 /// after it did.
 const REREAD_AFTER: Duration = Duration::from_secs(10);
 
-/// One yes-or-no fact about the pool last used, for a `key` (the values it was read for),
-/// remembered for [`REREAD_AFTER`].
+/// How many pools a fact is remembered for at once: enough for every pool of a process
+/// (replicas in one test, a pool per tenant), few enough that a lookup stays a short scan.
+const POOLS_REMEMBERED: usize = 64;
+
+/// One yes-or-no fact per pool (and `key`, the values it was read for), each remembered
+/// for [`REREAD_AFTER`]. Per pool, not for the pool last used: a process that alternates
+/// pools (a worker per pool, an inbox shared by two) would otherwise read again at every
+/// switch, two statements per message.
 #[derive(Debug)]
 struct PoolFact<K> {
-    known: Mutex<Option<Known<K>>>,
+    known: Mutex<Vec<Known<K>>>,
 }
 
 impl<K> Default for PoolFact<K> {
     fn default() -> Self {
         Self {
-            known: Mutex::new(None),
+            known: Mutex::new(Vec::new()),
         }
     }
 }
@@ -154,23 +159,43 @@ struct Known<K> {
     read_at: Instant,
 }
 
+impl<K> Known<K> {
+    fn fresh(&self) -> bool {
+        self.read_at.elapsed() < REREAD_AFTER
+    }
+}
+
 impl<K: PartialEq> PoolFact<K> {
     fn remembered(&self, pool: &PoolIdentity, key: &K) -> Option<bool> {
         let known = self.known.lock().ok()?;
-        let known = known.as_ref()?;
-        (known.pool.is(pool) && known.key == *key && known.read_at.elapsed() < REREAD_AFTER)
-            .then_some(known.value)
+        known
+            .iter()
+            .find(|known| known.pool.is(pool) && known.key == *key && known.fresh())
+            .map(|known| known.value)
     }
 
     fn remember(&self, pool: PoolIdentity, key: K, value: bool) {
-        if let Ok(mut known) = self.known.lock() {
-            *known = Some(Known {
-                pool,
-                key,
-                value,
-                read_at: Instant::now(),
-            });
+        let Ok(mut known) = self.known.lock() else {
+            return;
+        };
+        known.retain(|old| {
+            old.fresh() && !old.pool.is_closed() && !(old.pool.is(&pool) && old.key == key)
+        });
+        if known.len() >= POOLS_REMEMBERED
+            && let Some(oldest) = known
+                .iter()
+                .enumerate()
+                .min_by_key(|(_, old)| old.read_at)
+                .map(|(at, _)| at)
+        {
+            known.swap_remove(oldest);
         }
+        known.push(Known {
+            pool,
+            key,
+            value,
+            read_at: Instant::now(),
+        });
     }
 }
 
@@ -202,6 +227,18 @@ impl PoolIdentity {
             )),
             #[allow(unreachable_patterns)]
             _ => None,
+        }
+    }
+
+    /// Whether the pool is gone (its options dropped), so its facts can be forgotten.
+    fn is_closed(&self) -> bool {
+        match self {
+            #[cfg(feature = "mysql")]
+            Self::MySql(options) => options.strong_count() == 0,
+            #[cfg(feature = "postgres")]
+            Self::Postgres(options) => options.strong_count() == 0,
+            #[allow(unreachable_patterns)]
+            _ => true,
         }
     }
 

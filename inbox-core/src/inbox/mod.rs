@@ -83,10 +83,10 @@ pub struct Inbox {
     floor: Option<AdmissionFloor>,
     partition_timeout: Duration,
     metrics: Arc<InboxMetrics>,
-    /// Whether the server of the pool last used can end a transaction silently: shared by
+    /// Whether the server of a pool can end a transaction silently: shared by
     /// the clones of an inbox, so that the replicas' tasks read it once.
     silent_ends: Arc<SilentEnds>,
-    /// Whether the connections of the pool last used carry this inbox's bounds, so that
+    /// Whether the connections of a pool carry this inbox's bounds, so that
     /// its marker INSERT need not set them: shared by the clones like `silent_ends`.
     connection_bounds: Arc<ConnectionBoundsKnown>,
 }

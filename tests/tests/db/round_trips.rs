@@ -175,6 +175,47 @@ async fn a_manual_claim_runs_its_four_statements_only(backend: Backend) {
     .await;
 }
 
+/// Two pools used in turn, as a process with a worker per pool or one inbox shared by two
+/// replicas' pools does: what each pool's server and connections are is read once per pool,
+/// not again at every switch (which cost `begin_on` and `process` two reads a message when
+/// only the pool last used was remembered).
+async fn pools_used_in_turn_are_read_once_each(backend: Backend) {
+    const CALLS: usize = 4;
+    with_proxied_db(backend, async |fixture| {
+        let inbox = Inbox::new(CONSUMER).expect("valid name");
+        let pools = [
+            bounded_replica(fixture, &inbox).await,
+            bounded_replica(fixture, &inbox).await,
+        ];
+        let message = async |db: &DatabaseConnection| {
+            let txn = ObservedTransaction::begin_on(db).await.expect("BEGIN");
+            claim_credit_commit(txn).await;
+            let outcome = credit_once(&inbox, db, Uuid::new_v4()).await;
+            assert!(matches!(outcome, Ok(Outcome::Processed(()))), "{outcome:?}");
+        };
+        for db in &pools {
+            message(db).await;
+        }
+        fixture.proxy.reset_round_trips();
+        for _ in 0..CALLS {
+            for db in &pools {
+                message(db).await;
+            }
+        }
+        let run: Vec<String> = fixture.proxy.statements().iter().map(step).collect();
+        for db in pools {
+            db.close().await.ok();
+        }
+        let one_attempt = ["BEGIN", "marker", "handler", "COMMIT"];
+        assert_eq!(
+            run,
+            one_attempt.repeat(2 * 2 * CALLS),
+            "{backend:?}: manual claims and process calls on two pools in turn"
+        );
+    })
+    .await;
+}
+
 /// Claims a fresh id on `txn`, credits through it and commits the claim.
 async fn claim_credit_commit<T>(txn: T)
 where
@@ -283,6 +324,11 @@ mod unbounded_connections {
 mod manual_claim {
     use super::*;
     on_server_backends!(a_manual_claim_runs_its_four_statements_only);
+}
+
+mod pools_in_turn {
+    use super::*;
+    on_server_backends!(pools_used_in_turn_are_read_once_each);
 }
 
 mod quoted_consumer {
