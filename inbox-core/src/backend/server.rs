@@ -182,13 +182,9 @@ impl<K: PartialEq> PoolFact<K> {
             old.fresh() && !old.pool.is_closed() && !(old.pool.is(&pool) && old.key == key)
         });
         if known.len() >= POOLS_REMEMBERED
-            && let Some(oldest) = known
-                .iter()
-                .enumerate()
-                .min_by_key(|(_, old)| old.read_at)
-                .map(|(at, _)| at)
+            && let Some(oldest) = known.iter().map(|old| old.read_at).min()
         {
-            known.swap_remove(oldest);
+            known.retain(|old| old.read_at != oldest);
         }
         known.push(Known {
             pool,
