@@ -279,7 +279,7 @@ impl Report {
                     .p99_during(&claim_label, c)
                     .unwrap_or((f64::NAN, f64::NAN));
                 let name = match setting.trim() {
-                    "" => default_pacing_name(),
+                    "" => default_pacing_name(self.backend),
                     other => other.to_owned(),
                 };
                 let _ = writeln!(
@@ -489,11 +489,17 @@ impl TargetResult {
     }
 }
 
-/// The trade-off table's name of the library's default pacing, from its constants.
-fn default_pacing_name() -> String {
+/// The trade-off table's name of the library's default pacing on `backend`, from its
+/// constants (the default budget follows the backend).
+fn default_pacing_name(backend: &str) -> String {
+    let backend = match backend {
+        "postgres" => sea_orm::DbBackend::Postgres,
+        "mysql" => sea_orm::DbBackend::MySql,
+        _ => sea_orm::DbBackend::Sqlite,
+    };
     let pacing = sea_orm_inbox::PurgePacing::default();
     let budget = pacing
-        .batch_budget()
+        .batch_budget_on(backend)
         .map_or_else(|| "unpaced".to_owned(), |b| format!("{}ms", b.as_millis()));
     format!("library, default ({budget}/{}%)", pacing.busy_percent())
 }

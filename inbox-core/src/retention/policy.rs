@@ -2,8 +2,10 @@
 //! and how the DELETE statements are paced.
 
 use super::walk::walk_step;
+use crate::backend::default_purge_batch_budget;
 use crate::inbox::checked_partition_timeout;
 use crate::{Inbox, InboxError};
+use sea_orm::DbBackend;
 use std::time::Duration;
 
 /// What the broker may still redeliver, in its own terms; the inputs of
@@ -335,17 +337,22 @@ fn check_downtime_gap(window: Duration, gap: Duration) -> Result<(), String> {
 /// of the time. The budget bounds how long one claimer waits behind a batch (its p99);
 /// the rest only shares the time, and costs the purge its rate one for one.
 ///
-/// The default, a 20 ms budget and 90 % busy, keeps a batch shorter than a claimer's
-/// typical worst wait; batches grow up to [`RetentionPolicy::batch_size`] (10,000 rows by
-/// default) where the database deletes that many within the budget. A purge pays for its
-/// number of batches (each one commits, and on SQLite waits for the write lock), so a
-/// longer budget purges faster: 100 ms about doubled the rate on PostgreSQL and MariaDB in
-/// the benchmark, and on SQLite, where a batch holds the database's one write lock, it
-/// raised the claimers' p99 from 1.1x to 2.8x of their p99 alone, so the default stays
-/// with the claimers. The rest after each batch makes the purge queue for its next batch
-/// behind the claimers instead of taking the lock again before they wake up (on SQLite,
-/// without a rest, their p99 rose four- to sevenfold). BENCHMARKS.md has the trade-off
-/// curve measured on the three backends.
+/// The default budget depends on the backend. On SQLite, where a batch holds the
+/// database's one write lock, it is [`DEFAULT_BATCH_BUDGET`](Self::DEFAULT_BATCH_BUDGET)
+/// (20 ms), shorter than a claimer's typical worst wait: a 100 ms budget raised the SQLite
+/// claimers' p99 from 1.1x to 2.8x of their p99 alone in the benchmark. On PostgreSQL and
+/// MariaDB a batch locks only the rows it deletes, which no claimer touches (MariaDB
+/// counted no row lock wait of a claimer beside 300 ms batches), so the budget there only
+/// sets how many batches a purge pays for (each one commits):
+/// [`DEFAULT_SERVER_BATCH_BUDGET`](Self::DEFAULT_SERVER_BATCH_BUDGET) (100 ms). At 20 ms,
+/// MariaDB's batches stopped near 2,000 rows, five times the statements of a hand-written
+/// batched DELETE of 10,000. On every backend batches grow up to
+/// [`RetentionPolicy::batch_size`] (10,000 rows by default) where the database deletes
+/// that many within the budget. The default busy share is 90 %: the rest after each batch
+/// makes the purge queue for its next batch behind the claimers instead of taking the lock
+/// again before they wake up (on SQLite, without a rest, their p99 rose four- to
+/// sevenfold), and on a server it is what leaves the claimers a share of the CPU and the
+/// log. BENCHMARKS.md has the trade-off curve measured on the three backends.
 /// [`UNPACED`](Self::UNPACED) runs full batches back to back: the fastest purge, and the
 /// one claimers feel most.
 ///
@@ -365,18 +372,28 @@ fn check_downtime_gap(window: Duration, gap: Duration) -> Result<(), String> {
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PurgePacing {
-    batch_budget: Option<Duration>,
+    batch_budget: Budget,
     busy_percent: u8,
+}
+
+/// The batch budget of a [`PurgePacing`]: the backend's default until one is set.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Budget {
+    BackendDefault,
+    Set(Duration),
+    Unbounded,
 }
 
 impl PurgePacing {
     /// Full batches back to back, no budget, no rest: the purge before pacing existed.
     pub const UNPACED: Self = Self {
-        batch_budget: None,
+        batch_budget: Budget::Unbounded,
         busy_percent: 100,
     };
-    /// The default time budget of one batch.
+    /// The default time budget of one batch on SQLite (see above).
     pub const DEFAULT_BATCH_BUDGET: Duration = Duration::from_millis(20);
+    /// The default time budget of one batch on PostgreSQL and MariaDB (see above).
+    pub const DEFAULT_SERVER_BATCH_BUDGET: Duration = Duration::from_millis(100);
     /// The default share of time spent deleting, in percent.
     pub const DEFAULT_BUSY_PERCENT: u8 = 90;
     /// The smallest batch the budget shrinks to: below it, the statement's fixed cost
@@ -400,7 +417,7 @@ impl PurgePacing {
             });
         }
         Ok(Self {
-            batch_budget: Some(budget),
+            batch_budget: Budget::Set(budget),
             ..self
         })
     }
@@ -408,7 +425,7 @@ impl PurgePacing {
     /// Every batch takes [`RetentionPolicy::batch_size`] rows, however long it runs.
     pub fn without_batch_budget(self) -> Self {
         Self {
-            batch_budget: None,
+            batch_budget: Budget::Unbounded,
             ..self
         }
     }
@@ -431,9 +448,34 @@ impl PurgePacing {
         })
     }
 
-    /// The time budget of one batch, if the batch size adapts to one.
+    /// The time budget of one batch, if the batch size adapts to one; for the default
+    /// budget, SQLite's [`DEFAULT_BATCH_BUDGET`](Self::DEFAULT_BATCH_BUDGET) (the servers'
+    /// is [`batch_budget_on`](Self::batch_budget_on)).
     pub fn batch_budget(&self) -> Option<Duration> {
-        self.batch_budget
+        self.batch_budget_on(DbBackend::Sqlite)
+    }
+
+    /// The time budget of one batch on `backend`, if the batch size adapts to one: the
+    /// budget set, or the backend's default (see above).
+    ///
+    /// ```
+    /// use sea_orm::DbBackend;
+    /// use sea_orm_inbox::PurgePacing;
+    /// use std::time::Duration;
+    ///
+    /// let pacing = PurgePacing::default();
+    /// assert_eq!(pacing.batch_budget_on(DbBackend::Sqlite), Some(Duration::from_millis(20)));
+    /// assert_eq!(pacing.batch_budget_on(DbBackend::MySql), Some(Duration::from_millis(100)));
+    /// let set = pacing.with_batch_budget(Duration::from_millis(10))?;
+    /// assert_eq!(set.batch_budget_on(DbBackend::Postgres), Some(Duration::from_millis(10)));
+    /// # Ok::<(), sea_orm_inbox::InboxError>(())
+    /// ```
+    pub fn batch_budget_on(&self, backend: DbBackend) -> Option<Duration> {
+        match self.batch_budget {
+            Budget::BackendDefault => Some(default_purge_batch_budget(backend)),
+            Budget::Set(budget) => Some(budget),
+            Budget::Unbounded => None,
+        }
     }
 
     /// The share of time spent deleting, in percent.
@@ -443,11 +485,13 @@ impl PurgePacing {
 }
 
 impl Default for PurgePacing {
-    /// A [`DEFAULT_BATCH_BUDGET`](Self::DEFAULT_BATCH_BUDGET) per batch,
-    /// [`DEFAULT_BUSY_PERCENT`](Self::DEFAULT_BUSY_PERCENT) busy.
+    /// The backend's default budget per batch
+    /// ([`DEFAULT_BATCH_BUDGET`](Self::DEFAULT_BATCH_BUDGET) on SQLite,
+    /// [`DEFAULT_SERVER_BATCH_BUDGET`](Self::DEFAULT_SERVER_BATCH_BUDGET) on PostgreSQL and
+    /// MariaDB), [`DEFAULT_BUSY_PERCENT`](Self::DEFAULT_BUSY_PERCENT) busy.
     fn default() -> Self {
         Self {
-            batch_budget: Some(Self::DEFAULT_BATCH_BUDGET),
+            batch_budget: Budget::BackendDefault,
             busy_percent: Self::DEFAULT_BUSY_PERCENT,
         }
     }

@@ -154,7 +154,7 @@ pub(super) async fn purge_until(
         cutoff: Some(cutoff),
         ..PurgeReport::default()
     };
-    let mut pacer = Pacer::new(policy);
+    let mut pacer = Pacer::new(policy, backend);
     loop {
         let batch = pacer.batch();
         let started = Instant::now();
