@@ -7,6 +7,7 @@
 //! message with the start-up (runtime, connection, migration) cancelled out.
 
 use crate::BoxError;
+use crate::callgrind::collected;
 use crate::db;
 use crate::modes::{Deliveries, Mode, Worker};
 use crate::peers::Mixer;
@@ -85,15 +86,6 @@ pub fn measure(messages: u64) -> Result<Counts, BoxError> {
     })
 }
 
-/// The total instruction count callgrind prints when the program ends.
-fn collected(stderr: &str) -> Option<u64> {
-    stderr
-        .lines()
-        .filter_map(|line| line.split("Collected :").nth(1))
-        .filter_map(|count| count.trim().parse().ok())
-        .next_back()
-}
-
 /// Runs `MODE:N` messages on one worker over an in-memory SQLite database (the child
 /// process [`measure`] starts under callgrind).
 pub async fn count_only(run: &str) -> Result<(), BoxError> {
@@ -124,17 +116,4 @@ pub async fn count_only(run: &str) -> Result<(), BoxError> {
         worker.run(mode, Deliveries::Fresh).await?;
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::collected;
-
-    #[test]
-    fn reads_the_last_collected_line() {
-        let stderr =
-            "==1== Events    : Ir\n==1== Collected : 1234\n==1==\n==1== I   refs:      1,234\n";
-        assert_eq!(collected(stderr), Some(1234));
-        assert_eq!(collected("nothing"), None);
-    }
 }

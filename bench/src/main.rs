@@ -15,6 +15,7 @@
 //! ratios are medians of per-round ratios. See BENCHMARKS.md for what each mode is.
 
 mod args;
+mod callgrind;
 mod curve;
 mod db;
 mod growth;

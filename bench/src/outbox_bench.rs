@@ -8,6 +8,7 @@
 //!     --postgres postgres://postgres@127.0.0.1:5432/test \
 //!     --mysql mysql://root@127.0.0.1:3306/test --rounds 5 --messages 400
 //! cargo run --release -p inbox-bench --bin outbox-bench -- --latency     # + commit-to-publish
+//! cargo run --release -p inbox-bench --bin outbox-bench -- --instructions 1000  # SQLite, per row
 //! cargo run --release -p inbox-bench --bin outbox-bench --features kafka -- \
 //!     --kafka 127.0.0.1:9092 --postgres postgres://postgres@127.0.0.1:5432/test  # Kafka only
 //! cargo build --release --manifest-path bench/obix/Cargo.toml           # + obix beside ours:
@@ -38,7 +39,9 @@ use sea_orm_inbox::{
 use sea_orm_inbox_migration::{MigratorTrait, MigratorWithOutbox};
 use std::time::{Duration, Instant};
 
+mod callgrind;
 mod outbox_enqueue;
+mod outbox_instructions;
 #[cfg(feature = "kafka")]
 mod outbox_kafka;
 mod outbox_latency;
@@ -476,6 +479,12 @@ async fn main() -> Result<(), BoxError> {
     if raw.next().as_deref() == Some(outbox_latency::CHILD_FLAG) {
         let url = raw.next().ok_or("the relay child needs a URL")?;
         return outbox_latency::child(&url).await;
+    }
+    let mut raw = std::env::args().skip(1);
+    match (raw.next().as_deref(), raw.next()) {
+        (Some("--count-only"), Some(run)) => return outbox_instructions::count_only(&run).await,
+        (Some("--instructions"), Some(rows)) => return outbox_instructions::measure(rows.parse()?),
+        _ => {}
     }
     let args = args()?;
     if let Some(bootstrap) = &args.kafka {

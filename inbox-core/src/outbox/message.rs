@@ -1,7 +1,8 @@
 use super::OutboxError;
 use crate::MessageId;
 use chrono::{DateTime, Utc};
-use sea_orm_inbox_entity::{DESTINATION_MAX_CHARS, PARTITION_KEY_MAX_CHARS, outbox};
+use sea_orm::{DbErr, FromQueryResult, QueryResult};
+use sea_orm_inbox_entity::{DESTINATION_MAX_CHARS, PARTITION_KEY_MAX_CHARS};
 use std::collections::BTreeMap;
 use std::time::Duration;
 use uuid::Uuid;
@@ -178,9 +179,12 @@ pub struct OutboxMessage {
 
 impl OutboxMessage {
     /// The message of a claimed row, read as leased (its `attempts` counting this
-    /// attempt). Headers the column holds in another form than a JSON
-    /// object of strings (written by hand) are reported, not guessed.
-    pub(crate) fn from_row(row: outbox::Model) -> Result<(i64, Self), String> {
+    /// attempt), by a claim at `claimed_at`. Headers the column holds in another form than
+    /// a JSON object of strings (written by hand) are reported, not guessed.
+    pub(crate) fn from_row(
+        row: ClaimedRow,
+        claimed_at: DateTime<Utc>,
+    ) -> Result<(i64, Self), String> {
         let headers = serde_json::from_str(&row.headers)
             .map_err(|err| format!("the headers column is not a JSON object of strings: {err}"))?;
         Ok((
@@ -192,11 +196,50 @@ impl OutboxMessage {
                 payload: row.payload,
                 headers,
                 created_at: row.created_at,
-                // A claimed row always has one; the claim's own due time stands in.
-                first_published_at: row.first_published_at.unwrap_or(row.available_at),
+                // A claimed row always has one; the claim's own time, which it would have
+                // written, stands in.
+                first_published_at: row.first_published_at.unwrap_or(claimed_at),
                 attempt: u32::try_from(row.attempts).unwrap_or(0).max(1),
             },
         ))
+    }
+}
+
+/// The columns of a claimed row that a publish needs, read by name: a claim returns these
+/// (or all of the row's), and nothing it reads of the others (lease, times, last error)
+/// is decoded for each row of every batch.
+pub(crate) struct ClaimedRow {
+    id: i64,
+    message_id: Uuid,
+    destination: String,
+    partition_key: Option<String>,
+    payload: Vec<u8>,
+    headers: String,
+    created_at: DateTime<Utc>,
+    attempts: i32,
+    first_published_at: Option<DateTime<Utc>>,
+}
+
+impl ClaimedRow {
+    /// The row's `id`.
+    pub(crate) fn id(&self) -> i64 {
+        self.id
+    }
+}
+
+impl FromQueryResult for ClaimedRow {
+    fn from_query_result(row: &QueryResult, pre: &str) -> Result<Self, DbErr> {
+        Ok(Self {
+            id: row.try_get(pre, "id")?,
+            message_id: row.try_get(pre, "message_id")?,
+            destination: row.try_get(pre, "destination")?,
+            partition_key: row.try_get(pre, "partition_key")?,
+            payload: row.try_get(pre, "payload")?,
+            headers: row.try_get(pre, "headers")?,
+            created_at: row.try_get(pre, "created_at")?,
+            attempts: row.try_get(pre, "attempts")?,
+            first_published_at: row.try_get(pre, "first_published_at")?,
+        })
     }
 }
 

@@ -1,5 +1,5 @@
 use super::OutboxError;
-use super::message::OutboxMessage;
+use super::message::{ClaimedRow, OutboxMessage};
 use super::wake::OutboxWaker;
 use crate::Inbox;
 use crate::backend::outbox::{
@@ -13,10 +13,9 @@ use crate::metrics::facade;
 use crate::silence::within;
 use chrono::{DateTime, Utc};
 use sea_orm::{
-    ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend, DbErr, EntityTrait,
+    ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend, DbErr, FromQueryResult,
     Statement, TransactionTrait,
 };
-use sea_orm_inbox_entity::outbox;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
@@ -264,10 +263,11 @@ pub struct Relay<P> {
     listen_url: Option<String>,
 }
 
-/// The fencing token of one claim and the end of its lease.
+/// The fencing token of one claim, and when its lease began and ends.
 #[derive(Clone, Copy)]
 struct Lease {
     token: Uuid,
+    since: DateTime<Utc>,
     until: DateTime<Utc>,
 }
 
@@ -280,15 +280,15 @@ struct ClaimedBatch {
 }
 
 impl ClaimedBatch {
-    fn new(lease: Lease, rows: Vec<outbox::Model>) -> Self {
+    fn new(lease: Lease, rows: Vec<ClaimedRow>) -> Self {
         let mut batch = Self {
             lease,
             rows: Vec::with_capacity(rows.len()),
             unreadable: Vec::new(),
         };
         for row in rows {
-            let id = row.id;
-            match OutboxMessage::from_row(row) {
+            let id = row.id();
+            match OutboxMessage::from_row(row, lease.since) {
                 Ok(message) => batch.rows.push(message),
                 Err(error) => batch.unreadable.push((id, error)),
             }
@@ -678,6 +678,7 @@ impl<P: Publisher> Relay<P> {
         })?;
         let lease = Lease {
             token: Uuid::new_v4(),
+            since: now,
             until: now + length,
         };
         let plan = claim_plan(
@@ -937,13 +938,10 @@ impl<P: Publisher> Relay<P> {
 async fn claim_rows<C: ConnectionTrait>(
     conn: &C,
     plan: ClaimPlan,
-) -> Result<Vec<outbox::Model>, DbErr> {
+) -> Result<Vec<ClaimedRow>, DbErr> {
     let mut rows = match plan {
         ClaimPlan::Alone(update) | ClaimPlan::InTransaction(update, _) => {
-            outbox::Entity::find()
-                .from_raw_sql(update)
-                .all(conn)
-                .await?
+            ClaimedRow::find_by_statement(update).all(conn).await?
         }
         ClaimPlan::ReadLeaseReadBack(plan) => {
             let candidates: Vec<i64> = conn
@@ -964,14 +962,13 @@ async fn claim_rows<C: ConnectionTrait>(
             {
                 return Ok(Vec::new());
             }
-            outbox::Entity::find()
-                .from_raw_sql(plan.leased(&candidates))
+            ClaimedRow::find_by_statement(plan.leased(&candidates))
                 .all(conn)
                 .await?
         }
     };
     // `UPDATE ... RETURNING` returns its rows in no promised order.
-    rows.sort_unstable_by_key(|row| row.id);
+    rows.sort_unstable_by_key(ClaimedRow::id);
     Ok(rows)
 }
 

@@ -987,6 +987,31 @@ on_every_backend!(
     a_relay_dropped_at_any_await_point_leaves_nothing_locked,
 );
 
+/// SQLite's claim returns only what a publish reads of each row: a row whose bookkeeping
+/// holds a value in a type the relay would not decode (a last error stored as bytes by a
+/// hand-written tool; SQLite keeps whatever type it is given) is published like any other,
+/// where a claim that decoded whole rows failed every batch it was in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_claim_on_sqlite_reads_only_what_a_publish_needs() {
+    with_migrated_outbox_db(Backend::Sqlite, async |db| {
+        let conn = db.connect().await;
+        let ids = enqueue_many(&conn, 3).await;
+        conn.execute_unprepared(
+            "UPDATE outbox SET last_error = X'00FF' WHERE id = (SELECT MIN(id) FROM outbox)",
+        )
+        .await
+        .expect("store an error as bytes");
+        let recorder = Arc::new(Recorder::default());
+        let relay = Relay::new(Arc::clone(&recorder))
+            .with_options(quick_options())
+            .expect("options");
+        let report = relay.drain(&conn).await.expect("drain");
+        assert_eq!(report.published, 3, "{report:?}");
+        assert_eq!(recorder.ids(), ids);
+    })
+    .await;
+}
+
 mod wire {
     use super::*;
     on_server_backends!(a_drain_costs_its_round_trips_per_full_batch);
