@@ -388,6 +388,14 @@ impl Dialect for MySql {
     /// candidates meet at the row locks: the second waits for the first statement to
     /// commit (the rows are locked in `id` order by both, so they cannot deadlock), then
     /// skips the rows it leased, which are no longer due.
+    ///
+    /// A drain's claim after a full batch is the exception: it runs in one transaction
+    /// with that batch's marks (BEGIN, the silence bound, the marks, these three, COMMIT),
+    /// so that the batch costs one commit, one wait for the redo log's flush, where the
+    /// marks and the lease in autocommit cost two. There the lease's locks, and those of
+    /// the rows its WHERE rejected, last until the COMMIT; a deadlock with another relay's
+    /// marks (possible only when a claim's candidates were read before that relay's lease
+    /// committed) ends the transaction, and the drain writes the marks on their own.
     fn outbox_claim(&self) -> OutboxClaimSql {
         OutboxClaimSql::ReadLeaseReadBack {
             candidates: "SELECT o.id FROM outbox o FORCE INDEX (ix_outbox_pending) \
