@@ -430,9 +430,13 @@ impl Dialect for MySql {
         true
     }
 
+    /// `FORCE INDEX (PRIMARY)`: MariaDB otherwise finds the rows through
+    /// `ix_outbox_pending` (`sent_at IS NULL AND id IN (..)` is a precise range there), the
+    /// index whose key the mark changes, so it buffers every row before writing it ("Using
+    /// buffer"): the mark of a batch of 100 took 23 ms there against 1.5 ms by primary key.
     fn outbox_mark_sent(&self, ids: usize) -> String {
         format!(
-            "UPDATE outbox SET sent_at = ?, leased_until = NULL \
+            "UPDATE outbox FORCE INDEX (PRIMARY) SET sent_at = ?, leased_until = NULL \
              WHERE lease_token = ? AND sent_at IS NULL AND id IN ({})",
             repeat_list("?", ids)
         )
@@ -443,9 +447,10 @@ impl Dialect for MySql {
          WHERE id = ? AND lease_token = ? AND sent_at IS NULL"
     }
 
+    /// By primary key, as the mark.
     fn outbox_release(&self, ids: usize) -> String {
         format!(
-            "UPDATE outbox SET leased_until = NULL, attempts = attempts - 1 \
+            "UPDATE outbox FORCE INDEX (PRIMARY) SET leased_until = NULL, attempts = attempts - 1 \
              WHERE lease_token = ? AND sent_at IS NULL AND id IN ({})",
             repeat_list("?", ids)
         )
