@@ -7,6 +7,7 @@ mod m20261201_000003_inbox_unique_constraint;
 mod m20261201_000004_create_outbox;
 mod m20261204_000005_add_outbox_first_published;
 mod m20261204_000006_create_kafka_offsets;
+mod m20261204_000007_outbox_fillfactor;
 pub mod rollback;
 
 pub use m20261130_000001_create_inbox::CreateInbox;
@@ -15,6 +16,7 @@ pub use m20261201_000003_inbox_unique_constraint::InboxUniqueConstraint;
 pub use m20261201_000004_create_outbox::CreateOutbox;
 pub use m20261204_000005_add_outbox_first_published::AddOutboxFirstPublished;
 pub use m20261204_000006_create_kafka_offsets::CreateKafkaOffsets;
+pub use m20261204_000007_outbox_fillfactor::{OUTBOX_FILLFACTOR, OutboxFillfactor};
 /// Re-exported for [`CreateInbox::for_table`] and its siblings.
 pub use sea_orm_inbox_entity::InboxTable;
 /// Re-exported so `Migrator::up(&db, None)` needs no direct `sea-orm-migration` import.
@@ -196,7 +198,8 @@ macro_rules! migrator_refusing_lossy_rollbacks {
 
 /// A ready migrator holding every inbox migration, for applications that have none.
 ///
-/// It does not hold [`CreateOutbox`] and [`AddOutboxFirstPublished`]: the outbox is
+/// It does not hold [`CreateOutbox`], [`AddOutboxFirstPublished`] and
+/// [`OutboxFillfactor`]: the outbox is
 /// opt-in. Add them to your own migrator, or run [`MigratorWithOutbox`] instead of this
 /// one. On a database that [`MigratorWithOutbox`] migrated, this one still runs: it leaves
 /// the outbox's records to that migrator (SeaORM otherwise refuses a migrator that does
@@ -243,8 +246,8 @@ migrator_refusing_lossy_rollbacks!(Migrator {
     }
 });
 
-/// A ready migrator holding every inbox migration and then [`CreateOutbox`] and
-/// [`AddOutboxFirstPublished`], for applications without a migrator of their own that use
+/// A ready migrator holding every inbox migration and then [`CreateOutbox`],
+/// [`AddOutboxFirstPublished`] and [`OutboxFillfactor`], for applications without a migrator of their own that use
 /// the outbox.
 ///
 /// It lists [`Migrator`]'s migrations first, so a database [`Migrator`] already migrated
@@ -263,6 +266,7 @@ migrator_refusing_lossy_rollbacks!(MigratorWithOutbox {
         let mut migrations = Migrator::migrations();
         migrations.push(Box::new(CreateOutbox));
         migrations.push(Box::new(AddOutboxFirstPublished));
+        migrations.push(Box::new(OutboxFillfactor));
         migrations
     }
 });

@@ -388,6 +388,14 @@ impl Dialect for MySql {
     /// candidates meet at the row locks: the second waits for the first statement to
     /// commit (the rows are locked in `id` order by both, so they cannot deadlock), then
     /// skips the rows it leased, which are no longer due.
+    ///
+    /// A drain's claim after a full batch is the exception: it runs in one transaction
+    /// with that batch's marks (BEGIN, the silence bound, the marks, these three, COMMIT),
+    /// so that the batch costs one commit, one wait for the redo log's flush, where the
+    /// marks and the lease in autocommit cost two. There the lease's locks, and those of
+    /// the rows its WHERE rejected, last until the COMMIT; a deadlock with another relay's
+    /// marks (possible only when a claim's candidates were read before that relay's lease
+    /// committed) ends the transaction, and the drain writes the marks on their own.
     fn outbox_claim(&self) -> OutboxClaimSql {
         OutboxClaimSql::ReadLeaseReadBack {
             candidates: "SELECT o.id FROM outbox o FORCE INDEX (ix_outbox_pending) \
@@ -422,9 +430,13 @@ impl Dialect for MySql {
         true
     }
 
+    /// `FORCE INDEX (PRIMARY)`: MariaDB otherwise finds the rows through
+    /// `ix_outbox_pending` (`sent_at IS NULL AND id IN (..)` is a precise range there), the
+    /// index whose key the mark changes, so it buffers every row before writing it ("Using
+    /// buffer"): the mark of a batch of 100 took 23 ms there against 1.5 ms by primary key.
     fn outbox_mark_sent(&self, ids: usize) -> String {
         format!(
-            "UPDATE outbox SET sent_at = ?, leased_until = NULL \
+            "UPDATE outbox FORCE INDEX (PRIMARY) SET sent_at = ?, leased_until = NULL \
              WHERE lease_token = ? AND sent_at IS NULL AND id IN ({})",
             repeat_list("?", ids)
         )
@@ -435,9 +447,10 @@ impl Dialect for MySql {
          WHERE id = ? AND lease_token = ? AND sent_at IS NULL"
     }
 
+    /// By primary key, as the mark.
     fn outbox_release(&self, ids: usize) -> String {
         format!(
-            "UPDATE outbox SET leased_until = NULL, attempts = attempts - 1 \
+            "UPDATE outbox FORCE INDEX (PRIMARY) SET leased_until = NULL, attempts = attempts - 1 \
              WHERE lease_token = ? AND sent_at IS NULL AND id IN ({})",
             repeat_list("?", ids)
         )

@@ -95,17 +95,13 @@ impl ClaimPlan {
             Self::InTransaction(_, options) => Some(*options),
         }
     }
-}
 
-/// Whether the relay's claim on `backend` is one statement, so that a drain sends the marks
-/// of a full batch with the next claim in one transaction (one commit per batch). A claim
-/// of several statements commits its lease on its own instead: in one transaction with
-/// the marks it would hold their row locks across its reads.
-pub(crate) fn claim_takes_marks(backend: DbBackend) -> Result<bool, InboxError> {
-    Ok(!matches!(
-        dialect(backend)?.outbox_claim(),
-        OutboxClaimSql::ReadLeaseReadBack { .. }
-    ))
+    /// Whether the claim's own statement bounds how long the server keeps its transaction
+    /// for a silent client; otherwise a transaction that holds the claim (with the marks
+    /// of the batch before) sends the backend's silence bound first.
+    pub(crate) fn bounds_its_silence(&self) -> bool {
+        matches!(self, Self::InTransaction(..))
+    }
 }
 
 /// How many candidates a claim of `limit` rows reads before leasing: twice the batch, so

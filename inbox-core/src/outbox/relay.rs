@@ -3,8 +3,8 @@ use super::message::{ClaimedRow, OutboxMessage};
 use super::wake::OutboxWaker;
 use crate::Inbox;
 use crate::backend::outbox::{
-    ClaimPlan, Failure, UNSTORABLE_ERROR, claim_plan, claim_takes_marks, mark_failed_statement,
-    mark_sent_statement, release_statement, settle_alone,
+    ClaimPlan, Failure, UNSTORABLE_ERROR, claim_plan, mark_failed_statement, mark_sent_statement,
+    release_statement, settle_alone,
 };
 use crate::backend::{lost_a_conflict, refused_by_the_database, silence_statement, to_completion};
 use crate::brokers::{PublishError, Publisher};
@@ -468,13 +468,16 @@ impl<P: Publisher> Relay<P> {
     /// Relays batch after batch until a claim finds less than a full batch, and reports
     /// the sum: what [`run`](Self::run) does each time it wakes.
     ///
-    /// Unlike [`relay_once`](Self::relay_once) in a loop, on PostgreSQL and SQLite the
-    /// marks of a full batch commit in one transaction with the claim of the next, so a
-    /// backlog costs one commit per batch instead of two (the claim's lease still commits
-    /// before anything of its batch is published). On MySQL/MariaDB, whose claim is three
-    /// statements in autocommit, the marks go on their own before the next claim. When that transaction fails (a conflict with another relay, as
-    /// Galera's certification reports it), the marks are written again on their own
-    /// before the next claim, so a lost conflict costs no batch its marks.
+    /// Unlike [`relay_once`](Self::relay_once) in a loop, the marks of a full batch commit
+    /// in one transaction with the claim of the next, so a backlog costs one commit per
+    /// batch instead of two (the claim's lease still commits before anything of its batch
+    /// is published). On MySQL/MariaDB, where every commit waits for the redo log's flush
+    /// (`innodb_flush_log_at_trx_commit = 1`, about 3.4 ms a flush on the benchmark's
+    /// disk), that transaction's BEGIN, silence bound and COMMIT cost three round trips
+    /// more than the claim's three statements and the mark in autocommit, and one flush
+    /// less. When that transaction fails (a conflict with another relay: a deadlock, or
+    /// Galera's certification), the marks are written again on their own before the next
+    /// claim, so a lost conflict costs no batch its marks.
     ///
     /// ```
     /// use sea_orm::TransactionTrait;
@@ -513,7 +516,6 @@ impl<P: Publisher> Relay<P> {
     /// their lease until it ends, and are then published again (same message id).
     pub async fn drain(&self, db: &DatabaseConnection) -> Result<RelayReport, OutboxError> {
         let mut drained = RelayReport::default();
-        let takes_marks = claim_takes_marks(db.get_database_backend())?;
         let mut batch = self.claim(db).await?;
         loop {
             let mut report = batch.report();
@@ -522,7 +524,7 @@ impl<P: Publisher> Relay<P> {
             }
             let settlement = self.publish(&batch).await;
             let full = report.claimed >= u64::from(self.options.batch_size);
-            let next = if full && takes_marks {
+            let next = if full {
                 match self
                     .settle_then_claim(db, &batch, &settlement, &mut report)
                     .await
@@ -717,7 +719,8 @@ impl<P: Publisher> Relay<P> {
         Ok(ClaimedBatch::new(lease, rows))
     }
 
-    /// The settle of `batch` and the claim of the next batch, in one transaction.
+    /// The settle of `batch` and the claim of the next batch, in one transaction, bounded
+    /// against a silent client from its start where the claim does not bound itself.
     async fn settle_then_claim(
         &self,
         db: &DatabaseConnection,
@@ -729,9 +732,15 @@ impl<P: Publisher> Relay<P> {
         let statements = self.settle_statements(backend, batch, settlement)?;
         let (lease, plan) = self.new_claim(backend)?;
         let options = plan.transaction_options().unwrap_or_default();
+        let silence = if plan.bounds_its_silence() {
+            None
+        } else {
+            silence_statement(backend, self.partition_timeout)?
+        };
         let writer = db.clone();
         let work = async move {
             let txn = writer.begin_with_options(options).await?;
+            bound_silence(&txn, silence.as_deref()).await?;
             let counts = execute_counted(&txn, statements).await?;
             let rows = claim_rows(&txn, plan).await?;
             txn.commit().await?;

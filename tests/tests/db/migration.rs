@@ -391,24 +391,24 @@ mod half_rollback {
             refused_naming(&refused, &["DELETE FROM inbox"]);
             nothing_rolled_back(&conn, "Migrator::down").await;
 
-            // Two steps reach CreateOutbox (its unsent row), one does not.
-            let refused = MigratorWithOutbox::down(&conn, Some(2))
+            // Three steps reach CreateOutbox (its unsent row), two do not.
+            let refused = MigratorWithOutbox::down(&conn, Some(3))
                 .await
-                .expect_err("two steps reach the outbox");
+                .expect_err("three steps reach the outbox");
             refused_naming(&refused, &["DELETE FROM outbox WHERE sent_at IS NULL"]);
-            nothing_rolled_back(&conn, "down -n 2").await;
-            MigratorWithOutbox::down(&conn, Some(1))
+            nothing_rolled_back(&conn, "down -n 3").await;
+            MigratorWithOutbox::down(&conn, Some(2))
                 .await
-                .expect("one step stops short of CreateOutbox");
+                .expect("two steps stop short of CreateOutbox");
             MigratorWithOutbox::up(&conn, None).await.expect("up again");
 
-            // With the row sent, four steps stop short of CreateInbox and go through.
+            // With the row sent, five steps stop short of CreateInbox and go through.
             conn.execute_unprepared("UPDATE outbox SET sent_at = available_at")
                 .await
                 .expect("mark the row sent");
-            MigratorWithOutbox::down(&conn, Some(4))
+            MigratorWithOutbox::down(&conn, Some(5))
                 .await
-                .expect("four steps stop short of CreateInbox");
+                .expect("five steps stop short of CreateInbox");
             assert_eq!(
                 applied::<MigratorWithOutbox>(&conn).await,
                 ["m20261130_000001_create_inbox"]
