@@ -38,6 +38,9 @@ usage: cargo run --release -p inbox-bench -- [flags]
   --instructions N    first count client-side instructions per message of raw, claim
                       and process under callgrind (needs valgrind), N and 2N messages
                       on SQLite in memory; with --no-sqlite and no server, only that
+  --server-counters N  measure no rate: run N messages of each --modes mode on one
+                      MySQL/MariaDB worker and print the server's status counters
+                      (Com_*, Handler_*, Innodb_*) per message
   --csv PATH          write every measurement as CSV
   --svg PATH          write the chart (throughput as a fraction of base) as SVG
   --tables PATH       write the tables and targets of every backend as Markdown
@@ -69,6 +72,8 @@ pub struct Args {
     pub instructions: Option<u64>,
     /// `MODE:N`: the child process `--instructions` runs under callgrind.
     pub count_only: Option<String>,
+    /// Messages per mode for the server's counters instead of the phases.
+    pub server_counters: Option<u64>,
     pub tables: Option<String>,
     /// Print each purge's time split.
     pub purge_detail: bool,
@@ -122,6 +127,7 @@ impl Args {
                 "--purge-concurrency" => raw.purge_concurrency = Some(parse_list(&value()?)?),
                 "--instructions" => raw.instructions = Some(value()?.parse()?),
                 "--count-only" => raw.count_only = Some(value()?),
+                "--server-counters" => raw.server_counters = Some(value()?.parse()?),
                 "--tables" => raw.tables = Some(value()?),
                 "--phases" => raw.phases = Some(parse_names(&value()?)),
                 "--purge-detail" => raw.purge_detail = true,
@@ -156,6 +162,7 @@ struct RawArgs {
     purge_concurrency: Option<Vec<usize>>,
     instructions: Option<u64>,
     count_only: Option<String>,
+    server_counters: Option<u64>,
     tables: Option<String>,
     phases: Option<Vec<String>>,
     modes: Option<Vec<String>>,
@@ -186,6 +193,9 @@ impl RawArgs {
         }
         if self.instructions == Some(0) {
             return Err("--instructions needs a positive message count".into());
+        }
+        if self.server_counters == Some(0) {
+            return Err("--server-counters needs a positive message count".into());
         }
         let purge_concurrency = self
             .purge_concurrency
@@ -226,6 +236,7 @@ impl RawArgs {
             purge_concurrency,
             instructions: self.instructions,
             count_only: self.count_only,
+            server_counters: self.server_counters,
             tables: self.tables,
             phases,
             modes: self.modes.unwrap_or_default(),
@@ -315,6 +326,21 @@ mod tests {
     }
 
     #[test]
+    fn server_counters_take_a_message_count() -> Result<(), BoxError> {
+        let args = parse(&[
+            "--no-sqlite",
+            "--mysql",
+            "mysql://x/y",
+            "--server-counters",
+            "800",
+        ])?
+        .ok_or("usage instead of args")?;
+        assert_eq!(args.server_counters, Some(800));
+        assert_eq!(parse(&[])?.ok_or("usage")?.server_counters, None);
+        Ok(())
+    }
+
+    #[test]
     fn refuses_bad_flags() {
         assert!(parse(&["--bogus"]).is_err());
         assert!(parse(&["--rounds"]).is_err());
@@ -325,6 +351,7 @@ mod tests {
         assert!(parse(&["--growth-points", "10M,1M"]).is_err());
         assert!(parse(&["--growth-points", "1G"]).is_err());
         assert!(parse(&["--database", "x; DROP"]).is_err());
+        assert!(parse(&["--server-counters", "0"]).is_err());
         assert!(matches!(parse(&["--help"]), Ok(None)));
     }
 }

@@ -16,6 +16,7 @@
 
 mod args;
 mod callgrind;
+mod counters;
 mod curve;
 mod db;
 mod growth;
@@ -183,14 +184,9 @@ struct Bench<'a> {
 
 async fn bench_backend(args: &Args, target: &Target) -> Result<Report, BoxError> {
     let mut bench = Bench::open(args, target).await?;
-    bench.main_phase().await?;
-    if !args.growth_points.is_empty() && args.runs("growth") {
-        bench.report.curve = bench.curve_phase().await?;
-    } else if args.growth_rows > 0 && (args.runs("growth") || args.runs("purge")) {
-        let cohorts = bench.growth_phase().await?;
-        if args.runs("purge") {
-            bench.purge_phase(cohorts).await?;
-        }
+    match args.server_counters {
+        Some(messages) => bench.counters_phase(messages).await?,
+        None => bench.phases().await?,
     }
     let Bench {
         db,
@@ -234,24 +230,42 @@ impl<'a> Bench<'a> {
         })
     }
 
+    /// The phases `--phases` names.
+    async fn phases(&mut self) -> Result<(), BoxError> {
+        self.main_phase().await?;
+        if !self.args.growth_points.is_empty() && self.args.runs("growth") {
+            self.report.curve = self.curve_phase().await?;
+        } else if self.args.growth_rows > 0 && (self.args.runs("growth") || self.args.runs("purge"))
+        {
+            let cohorts = self.growth_phase().await?;
+            if self.args.runs("purge") {
+                self.purge_phase(cohorts).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The server's counters per message of each `--modes` mode, on the most workers
+    /// `--concurrency` names, instead of the phases.
+    async fn counters_phase(&self, messages: u64) -> Result<(), BoxError> {
+        let modes = self.modes()?;
+        let workers = self.args.concurrency.iter().copied().max().unwrap_or(1);
+        let workers = self
+            .workers
+            .get(..workers)
+            .ok_or("fewer workers than asked")?;
+        counters::measure(workers, &modes, messages).await
+    }
+
     /// Every mode at every concurrency, in interleaved rounds; then ours and the peers'
     /// protocols again in the duplicate-heavy mix (as far as `--phases` and `--modes`
     /// keep them).
     async fn main_phase(&mut self) -> Result<(), BoxError> {
+        let named = self.modes()?;
         let modes: Vec<Mode> = Mode::ALL
             .into_iter()
-            .filter(|mode| {
-                self.args.modes.is_empty() || self.args.modes.iter().any(|m| m == mode.name())
-            })
+            .filter(|mode| named.contains(mode))
             .collect();
-        if let Some(unknown) = self
-            .args
-            .modes
-            .iter()
-            .find(|name| !Mode::ALL.iter().any(|mode| mode.name() == name.as_str()))
-        {
-            return Err(format!("unknown mode {unknown} in --modes").into());
-        }
         if self.args.runs("main") {
             self.rounds("main", &modes).await?;
         }
@@ -259,6 +273,23 @@ impl<'a> Bench<'a> {
             self.rounds("mix", &Mode::MIX).await?;
         }
         Ok(())
+    }
+
+    /// The main-phase modes `--modes` names, in its order (all of them without it).
+    fn modes(&self) -> Result<Vec<Mode>, BoxError> {
+        if self.args.modes.is_empty() {
+            return Ok(Mode::ALL.to_vec());
+        }
+        self.args
+            .modes
+            .iter()
+            .map(|name| {
+                Mode::ALL
+                    .into_iter()
+                    .find(|mode| mode.name() == name.as_str())
+                    .ok_or_else(|| format!("unknown mode {name} in --modes").into())
+            })
+            .collect()
     }
 
     /// `claim` and `raw` again with `--growth-rows` old markers in the inbox, seeded in

@@ -83,8 +83,8 @@ pub(super) trait Dialect: Sync {
     /// error names the index but not its table; `None` where it names the table too.
     fn confirm_inbox_duplicate(&self) -> Option<&'static str>;
 
-    /// The statements of a batch claim of `rows` distinct ids of one consumer.
-    fn batch_claim(&self, rows: usize) -> BatchClaimSql;
+    /// The statements of a batch claim of `rows` distinct ids of `consumer`.
+    fn batch_claim(&self, rows: usize, consumer: &str) -> BatchClaimSql;
 
     /// A batch's proof that it still holds one of its markers. Binds: message_id,
     /// consumer, tag.

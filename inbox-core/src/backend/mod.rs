@@ -426,15 +426,16 @@ pub(crate) enum BatchClaimSql {
     #[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
     Returning(String),
     /// A multi-row INSERT that returns message_id, consumer, claim_token of every id's row
-    /// (written now or met on a unique key) where the server supports it (MariaDB 10.5+),
-    /// and nothing elsewhere (MySQL 8, older MariaDB): then `read`, a locking read of the
-    /// consumer's rows for every id of the batch, through the inbox index, returning the
-    /// same columns. Binds of `read`: consumer, then the ids in batch order.
+    /// (written now or met on a unique key) where the server supports it (MariaDB 10.5+;
+    /// the consumer NULL where it is the batch's own), and nothing elsewhere (MySQL 8,
+    /// older MariaDB): then `read`, a locking read of the consumer's rows for every id of
+    /// the batch, through the inbox index, returning the same columns. Binds of `read`:
+    /// consumer, then the ids in batch order.
     #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
     InsertThenRead { insert: String, read: String },
 }
 
-/// The batch claim for `rows` distinct ids of one consumer. Binds of the INSERT per row:
+/// The batch claim for `rows` distinct ids of `consumer`. Binds of the INSERT per row:
 /// message_id, consumer, received_at, tag.
 ///
 /// Every row carries this call's tag in `claim_token`, so the caller tells its own rows
@@ -444,8 +445,9 @@ pub(crate) fn batch_claim_sql(
     backend: DbBackend,
     table: &InboxTable,
     rows: usize,
+    consumer: &str,
 ) -> Result<BatchClaimSql, InboxError> {
-    Ok(match dialect(backend)?.batch_claim(rows) {
+    Ok(match dialect(backend)?.batch_claim(rows, consumer) {
         BatchClaimSql::Returning(insert) => {
             BatchClaimSql::Returning(retarget(backend, table, insert)?)
         }

@@ -166,13 +166,23 @@ impl Dialect for MySql {
     /// this batch. A conflict on another unique key returns another message's row, or one
     /// id's row twice, and fails that check; so it cannot pass for "claimed before". One
     /// statement instead of two saves MariaDB a round trip and a second index probe per id.
-    fn batch_claim(&self, rows: usize) -> BatchClaimSql {
+    ///
+    /// The consumer comes back NULL where it is `consumer`, byte for byte (every row the
+    /// INSERT wrote): the server then sends no copy of it per row, and the client decodes
+    /// none (13 bytes an id for a 12-byte name, a quarter of what the batch received per
+    /// id). It goes into the text as a hex literal, which needs no escaping and reads the
+    /// same under every `sql_mode`; the text stays the same from call to call of one
+    /// consumer, so its prepared statement is reused. (A bind would do too on MariaDB, but
+    /// MySQL 8 skips the comment and would then get one bind more than placeholders.)
+    fn batch_claim(&self, rows: usize, consumer: &str) -> BatchClaimSql {
         BatchClaimSql::InsertThenRead {
             insert: format!(
                 "INSERT INTO inbox (message_id, consumer, received_at, claim_token) VALUES {} \
                  ON DUPLICATE KEY UPDATE consumer = consumer \
-                 /*M!100500 RETURNING message_id, consumer, claim_token */",
-                repeat_list("(?, ?, ?, ?)", rows)
+                 /*M!100500 RETURNING message_id, \
+                 IF(CAST(consumer AS BINARY) = {}, NULL, consumer) AS consumer, claim_token */",
+                repeat_list("(?, ?, ?, ?)", rows),
+                hex_literal(consumer.as_bytes())
             ),
             read: format!(
                 "SELECT message_id, consumer, claim_token FROM inbox \
@@ -652,6 +662,24 @@ mod tests {
             MySql.claim_marker_with_silence_bound(&on_bounded_connection),
             None
         );
+    }
+
+    /// MariaDB's batch INSERT returns the consumer only where it is not the batch's own,
+    /// byte for byte: a hex literal, whatever the name holds.
+    #[test]
+    fn batch_claim_returns_only_a_foreign_consumer() {
+        let BatchClaimSql::InsertThenRead { insert, read } = MySql.batch_claim(2, "o'b\\ ?") else {
+            panic!("MySQL reads the batch back where RETURNING is missing");
+        };
+        assert_eq!(
+            insert,
+            "INSERT INTO inbox (message_id, consumer, received_at, claim_token) \
+             VALUES (?, ?, ?, ?), (?, ?, ?, ?) ON DUPLICATE KEY UPDATE consumer = consumer \
+             /*M!100500 RETURNING message_id, \
+             IF(CAST(consumer AS BINARY) = x'6f27625c203f', NULL, consumer) AS consumer, claim_token */"
+        );
+        assert_eq!(insert.matches('?').count(), 8, "no bind beyond the rows'");
+        assert!(read.starts_with("SELECT message_id, consumer, claim_token"));
     }
 
     /// The pool's after-connect statement sets what the marker's text query would, in

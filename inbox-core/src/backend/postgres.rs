@@ -148,7 +148,7 @@ impl Dialect for Postgres {
 
     /// DO NOTHING skips the rows that meet a committed marker, so RETURNING lists exactly
     /// the rows this INSERT wrote.
-    fn batch_claim(&self, rows: usize) -> BatchClaimSql {
+    fn batch_claim(&self, rows: usize, _consumer: &str) -> BatchClaimSql {
         let values: Vec<String> = (0..rows)
             .map(|row| format!("({})", numbered(row * 4 + 1, 4)))
             .collect();
@@ -520,7 +520,7 @@ mod tests {
             silence: Duration::from_secs(20),
             bounded_connection,
         };
-        let BatchClaimSql::Returning(batch) = Postgres.batch_claim(2) else {
+        let BatchClaimSql::Returning(batch) = Postgres.batch_claim(2, "c") else {
             panic!("PostgreSQL's batch claim returns the rows it inserted");
         };
         for sql in [

@@ -78,7 +78,7 @@ impl Dialect for Sqlite {
 
     /// DO NOTHING skips the rows that meet a committed marker, so RETURNING lists exactly
     /// the rows this INSERT wrote.
-    fn batch_claim(&self, rows: usize) -> BatchClaimSql {
+    fn batch_claim(&self, rows: usize, _consumer: &str) -> BatchClaimSql {
         BatchClaimSql::Returning(format!(
             "INSERT INTO inbox (message_id, consumer, received_at, claim_token) VALUES {} \
              ON CONFLICT (message_id, consumer) DO NOTHING RETURNING message_id, consumer, claim_token",

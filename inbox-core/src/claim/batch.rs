@@ -250,7 +250,7 @@ pub(crate) async fn insert_batch<C: ConnectionTrait>(
             Value::from(tag),
         ]);
     }
-    let (rows, read) = match batch_claim_sql(backend, table, ids.len())? {
+    let (rows, read) = match batch_claim_sql(backend, table, ids.len(), consumer)? {
         BatchClaimSql::Returning(insert) => {
             let statement = Statement::from_sql_and_values(backend, insert, values);
             let rows = conn.query_all_raw(statement).await.map_err(fail)?;
@@ -340,7 +340,9 @@ enum RowsRead {
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct BatchRow {
     message_id: MessageId,
-    consumer: String,
+    /// `None` where the statement left out the batch's own consumer (MariaDB's RETURNING
+    /// sends NULL for it).
+    consumer: Option<String>,
     claim_token: Option<Uuid>,
 }
 
@@ -374,10 +376,9 @@ fn sort_out(
                 "the batch met the row of message {id}, which is not in the batch"
             ));
         }
-        if row.consumer != consumer {
+        if let Some(other) = row.consumer.as_deref().filter(|other| *other != consumer) {
             return Err(format!(
-                "the batch met the row of message {id} for consumer {:?}, not {consumer:?}",
-                row.consumer
+                "the batch met the row of message {id} for consumer {other:?}, not {consumer:?}"
             ));
         }
         if !seen.insert(id) {
@@ -426,7 +427,7 @@ mod tests {
     fn row(n: u128, consumer: &str, token: Option<Uuid>) -> BatchRow {
         BatchRow {
             message_id: id(n),
-            consumer: consumer.to_owned(),
+            consumer: Some(consumer.to_owned()),
             claim_token: token,
         }
     }
@@ -442,6 +443,23 @@ mod tests {
         let batch = sort_out(&[id(1), id(2), id(3)], "c", tag, &rows, RowsRead::EveryId).unwrap();
         assert_eq!(batch.claimed, [id(1)]);
         assert_eq!(batch.duplicates, [id(2), id(3)]);
+    }
+
+    /// A row whose consumer the statement left out is the batch consumer's: sorted by its
+    /// tag like any other.
+    #[test]
+    fn a_row_without_its_consumer_is_the_batch_consumers() {
+        let tag = Uuid::new_v4();
+        let bare = |n, token| BatchRow {
+            consumer: None,
+            ..row(n, "c", token)
+        };
+        let rows = [bare(1, Some(tag)), bare(2, Some(Uuid::new_v4()))];
+        let batch = sort_out(&[id(1), id(2)], "c", tag, &rows, RowsRead::EveryId).unwrap();
+        assert_eq!(batch.claimed, [id(1)]);
+        assert_eq!(batch.duplicates, [id(2)]);
+        let twice = [bare(1, Some(tag)), row(1, "c", Some(tag))];
+        assert!(sort_out(&[id(1)], "c", tag, &twice, RowsRead::EveryId).is_err());
     }
 
     #[test]
