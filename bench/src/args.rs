@@ -36,8 +36,9 @@ usage: cargo run --release -p inbox-bench -- [flags]
   --modes LIST        main-phase modes to run, comma separated (default all; names as in
                       the tables, e.g. batch,batch_raw)
   --instructions N    first count client-side instructions per message of raw, claim,
-                      process, batch_raw and batch under callgrind (needs valgrind), N and 2N messages
-                      on SQLite in memory; with --no-sqlite and no server, only that
+                      process, batch_raw and batch (per transaction) under callgrind
+                      (needs valgrind), N and 2N messages on SQLite in memory; with
+                      --no-sqlite and no server, only that
   --csv PATH          write every measurement as CSV
   --svg PATH          write the chart (throughput as a fraction of base) as SVG
   --tables PATH       write the tables and targets of every backend as Markdown
