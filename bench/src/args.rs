@@ -35,9 +35,10 @@ usage: cargo run --release -p inbox-bench -- [flags]
                       (default all; purge seeds the growth rows without measuring growth)
   --modes LIST        main-phase modes to run, comma separated (default all; names as in
                       the tables, e.g. batch,batch_raw)
-  --instructions N    first count client-side instructions per message of raw, claim
-                      and process under callgrind (needs valgrind), N and 2N messages
-                      on SQLite in memory; with --no-sqlite and no server, only that
+  --instructions N    first count client-side instructions per message of raw, claim,
+                      process, batch_raw and batch (per transaction) under callgrind
+                      (needs valgrind), N and 2N messages on SQLite in memory; with
+                      --no-sqlite and no server, only that
   --server-counters N  measure no rate: run N messages of each --modes mode on one
                       MySQL/MariaDB worker and print the server's status counters
                       (Com_*, Handler_*, Innodb_*) per message

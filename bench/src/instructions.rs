@@ -8,8 +8,8 @@
 
 use crate::BoxError;
 use crate::callgrind::collected;
-use crate::db;
-use crate::modes::{Deliveries, Mode, Worker};
+use crate::db::{self, BenchDb, Target};
+use crate::modes::{BATCH_IDS, Deliveries, Mode, Worker};
 use crate::peers::Mixer;
 use sea_orm::{ConnectOptions, Database};
 use sea_orm_inbox_migration::{Migrator, MigratorTrait};
@@ -17,8 +17,16 @@ use std::fmt;
 use std::process::Command;
 use std::sync::Arc;
 
-/// The modes counted, the floor first.
-const MODES: [Mode; 4] = [Mode::Raw, Mode::ClaimUnchecked, Mode::Claim, Mode::Process];
+/// The modes counted, the floor first; the batches last, counted per transaction of
+/// [`BATCH_IDS`] ids.
+const MODES: [Mode; 6] = [
+    Mode::Raw,
+    Mode::ClaimUnchecked,
+    Mode::Claim,
+    Mode::Process,
+    Mode::BatchRaw,
+    Mode::Batch,
+];
 
 /// Instructions per message of each counted mode.
 #[derive(Debug)]
@@ -43,8 +51,17 @@ impl fmt::Display for Counts {
             "| mode | instructions per message | / raw |\n|---|---:|---:|"
         )?;
         let raw = self.of(Mode::Raw).unwrap_or(f64::NAN);
+        let batch_raw = self.of(Mode::BatchRaw).unwrap_or(f64::NAN);
         for (mode, count) in &self.per_message {
-            writeln!(f, "| {} | {count:.0} | {:.3} |", mode.name(), count / raw)?;
+            match mode {
+                Mode::Batch | Mode::BatchRaw => writeln!(
+                    f,
+                    "| {} (per transaction of {BATCH_IDS} ids) | {count:.0} | / batch_raw {:.3} |",
+                    mode.name(),
+                    count / batch_raw
+                )?,
+                _ => writeln!(f, "| {} | {count:.0} | {:.3} |", mode.name(), count / raw)?,
+            }
         }
         writeln!(
             f,
@@ -87,33 +104,64 @@ pub fn measure(messages: u64) -> Result<Counts, BoxError> {
 }
 
 /// Runs `MODE:N` messages on one worker over an in-memory SQLite database (the child
-/// process [`measure`] starts under callgrind).
+/// process [`measure`] starts under callgrind), or `MODE:N:URL` over a database of its own
+/// created through the server URL (dropped afterwards): the client's work on a server
+/// backend, its dialect's statements and bounds included.
 pub async fn count_only(run: &str) -> Result<(), BoxError> {
-    let (name, count) = run
+    let (name, rest) = run
         .split_once(':')
-        .ok_or("--count-only takes MODE:N, for example claim:1000")?;
+        .ok_or("--count-only takes MODE:N[:URL], for example claim:1000")?;
+    let (count, url) = match rest.split_once(':') {
+        Some((count, url)) => (count, Some(url)),
+        None => (rest, None),
+    };
     let mode = MODES
         .into_iter()
         .find(|mode| mode.name() == name)
         .ok_or_else(|| {
-            format!("--count-only counts raw, claim_unchecked, claim or process, not {name}")
+            format!(
+                "--count-only counts raw, claim_unchecked, claim, process, batch_raw or batch, \
+                 not {name}"
+            )
         })?;
     let count: u64 = count.parse()?;
-    let mut options = ConnectOptions::new("sqlite::memory:");
-    options
-        .max_connections(1)
-        .min_connections(1)
-        .idle_timeout(None::<std::time::Duration>)
-        .max_lifetime(None::<std::time::Duration>)
-        .test_before_acquire(false)
-        .sqlx_logging(false);
-    let conn = Database::connect(options).await?;
-    Migrator::up(&conn, None).await?;
+    let server = match url {
+        Some(url) => Some(
+            BenchDb::create(&Target {
+                name: "server",
+                admin_url: Some(url.to_owned()),
+                database: format!("inbox_count_{}", std::process::id()),
+            })
+            .await?,
+        ),
+        None => None,
+    };
+    let conn = match &server {
+        Some(server) => server.connect().await?,
+        None => {
+            let mut options = ConnectOptions::new("sqlite::memory:");
+            options
+                .max_connections(1)
+                .min_connections(1)
+                .idle_timeout(None::<std::time::Duration>)
+                .max_lifetime(None::<std::time::Duration>)
+                .test_before_acquire(false)
+                .sqlx_logging(false);
+            let conn = Database::connect(options).await?;
+            Migrator::up(&conn, None).await?;
+            conn
+        }
+    };
     db::create_accounts(&conn, 1).await?;
     let sql = db::sql(conn.get_database_backend())?;
-    let worker = Worker::new(conn, 1, sql, Vec::new(), Arc::new(Mixer::default()))?;
+    let worker = Worker::new(conn.clone(), 1, sql, Vec::new(), Arc::new(Mixer::default()))?;
     for _ in 0..count {
         worker.run(mode, Deliveries::Fresh).await?;
+    }
+    drop(worker);
+    conn.close().await?;
+    if let Some(server) = server {
+        server.drop_database().await?;
     }
     Ok(())
 }

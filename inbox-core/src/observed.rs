@@ -8,9 +8,10 @@
 //! (transaction control, several statements in one string): the marker is proven before
 //! COMMIT, as on the manual path.
 //!
-//! Each statement runs to completion on a task of its own, so that a handler (or the
-//! `process` around it) dropped while a statement is in flight cannot leave its connection
-//! halfway through an exchange with the server (see `ObservedTransaction::observe`).
+//! Each statement runs to completion, on a task of its own from the moment its caller is
+//! dropped, so that a handler (or the `process` around it) dropped while a statement is in
+//! flight cannot leave its connection halfway through an exchange with the server (see
+//! `ObservedTransaction::observe`).
 
 use crate::backend::{
     AfterFailure, after_failure, drain_queued_rollbacks, roll_back_stranded, to_completion,
@@ -331,13 +332,14 @@ impl ObservedTransaction {
     /// Runs one statement (`statement` makes it on the shared transaction) unless the
     /// transaction already ended, and records what its result shows.
     ///
-    /// The statement runs on a task of its own ([`to_completion`]): sqlx's MySQL connection
+    /// The statement runs to completion ([`to_completion`]): sqlx's MySQL connection
     /// counts the replies it owes only for the request it is sending, not for the
     /// PREPARE a statement with bound values sends first, so a statement dropped between
     /// PREPARE and its reply leaves the connection waiting, when the pool tests it on its
     /// way back, for a reply the server never sends: the pool's connection is lost, and a
-    /// one-connection pool hangs. On its task the statement always finishes, and the
-    /// connection goes back whole once nobody holds the transaction.
+    /// one-connection pool hangs. Handed to a task of its own when its caller is dropped,
+    /// the statement always finishes, and the connection goes back whole once nobody holds
+    /// the transaction.
     async fn observe<T, F>(
         &self,
         kind: StatementKind,

@@ -7,12 +7,16 @@ use super::dialect::{
 };
 use super::{AfterFailure, BatchClaimSql, DbErrorKind};
 use crate::InboxMigration;
+use crate::claim::MAX_CLAIM_BATCH;
 use chrono::{DateTime, Utc};
 use sea_orm::sea_query::Expr;
 use sea_orm::sqlx::error::DatabaseError;
 use sea_orm::sqlx::postgres::PgDatabaseError;
 use sea_orm::{ColumnTrait, DbErr, TransactionOptions, Value};
 use sea_orm_inbox_entity::{InboxTable, inbox};
+use std::borrow::Cow;
+use std::fmt::Write as _;
+use std::sync::LazyLock;
 use std::time::Duration;
 
 pub(super) struct Postgres;
@@ -149,13 +153,14 @@ impl Dialect for Postgres {
     /// DO NOTHING skips the rows that meet a committed marker, so RETURNING lists exactly
     /// the rows this INSERT wrote.
     fn batch_claim(&self, rows: usize, _consumer: &str) -> BatchClaimSql {
-        let values: Vec<String> = (0..rows)
-            .map(|row| format!("({})", numbered(row * 4 + 1, 4)))
-            .collect();
-        BatchClaimSql::Returning(format!(
-            r#"INSERT INTO inbox (message_id, consumer, received_at, claim_token) VALUES {} ON CONFLICT ("message_id", "consumer") DO NOTHING RETURNING message_id, consumer, claim_token"#,
-            values.join(", ")
-        ))
+        let values = batch_values(rows);
+        let mut sql = String::with_capacity(200 + values.len());
+        sql.push_str("INSERT INTO inbox (message_id, consumer, received_at, claim_token) VALUES ");
+        sql.push_str(&values);
+        sql.push_str(
+            r#" ON CONFLICT ("message_id", "consumer") DO NOTHING RETURNING message_id, consumer, claim_token"#,
+        );
+        BatchClaimSql::Returning(sql)
     }
 
     fn batch_marker_held(&self) -> &'static str {
@@ -425,6 +430,47 @@ impl Dialect for Postgres {
 }
 
 /// `count` placeholders numbered from `$first`, separated by commas: `$3, $4, $5`.
+/// The VALUES list of a batch claim of `rows` rows, four numbered placeholders a row: cut
+/// from one list of [`MAX_CLAIM_BATCH`] rows written once, since formatting a number per
+/// placeholder at every call cost more than the rest of the claim's client work.
+fn batch_values(rows: usize) -> Cow<'static, str> {
+    static LONGEST: LazyLock<(String, Vec<usize>)> = LazyLock::new(|| {
+        let mut list = String::new();
+        let mut ends = Vec::with_capacity(MAX_CLAIM_BATCH);
+        write_batch_values(&mut list, &mut ends, MAX_CLAIM_BATCH);
+        (list, ends)
+    });
+    let (list, ends) = &*LONGEST;
+    match rows.checked_sub(1).and_then(|last| ends.get(last)) {
+        Some(&end) => Cow::Borrowed(list.get(..end).unwrap_or(list)),
+        None if rows == 0 => Cow::Borrowed(""),
+        // Longer than any batch may be: written for this call.
+        None => {
+            let mut list = String::new();
+            write_batch_values(&mut list, &mut Vec::new(), rows);
+            Cow::Owned(list)
+        }
+    }
+}
+
+/// Writes `rows` rows of four numbered placeholders to `list`, and where each row ends
+/// to `ends`.
+fn write_batch_values(list: &mut String, ends: &mut Vec<usize>, rows: usize) {
+    for row in 0..rows {
+        let first = row * 4 + 1;
+        let separator = if row == 0 { "" } else { ", " };
+        // Writing to a String cannot fail.
+        let _ = write!(
+            list,
+            "{separator}(${first}, ${}, ${}, ${})",
+            first + 1,
+            first + 2,
+            first + 3
+        );
+        ends.push(list.len());
+    }
+}
+
 fn numbered(first: usize, count: usize) -> String {
     let placeholders: Vec<String> = (first..first + count).map(|n| format!("${n}")).collect();
     placeholders.join(", ")
@@ -481,6 +527,36 @@ mod tests {
     use super::*;
     use crate::backend::ProcessMarker;
     use sea_orm_inbox_entity::TABLE_NAME;
+
+    /// A batch's INSERT numbers its placeholders row after row, four to a row.
+    #[test]
+    fn the_batch_claim_numbers_four_placeholders_a_row() {
+        let BatchClaimSql::Returning(sql) = Postgres.batch_claim(2, "c") else {
+            panic!("PostgreSQL returns the inserted rows");
+        };
+        assert_eq!(
+            sql,
+            r#"INSERT INTO inbox (message_id, consumer, received_at, claim_token) VALUES ($1, $2, $3, $4), ($5, $6, $7, $8) ON CONFLICT ("message_id", "consumer") DO NOTHING RETURNING message_id, consumer, claim_token"#
+        );
+    }
+
+    /// The cut list is the list written for that many rows, up to the longest batch and
+    /// past it.
+    #[test]
+    fn batch_values_cut_from_the_longest_list_match_a_list_written_for_them() {
+        for rows in [
+            1,
+            7,
+            MAX_CLAIM_BATCH - 1,
+            MAX_CLAIM_BATCH,
+            MAX_CLAIM_BATCH + 1,
+        ] {
+            let mut written = String::new();
+            write_batch_values(&mut written, &mut Vec::new(), rows);
+            assert_eq!(batch_values(rows), written, "{rows} rows");
+        }
+        assert_eq!(batch_values(0), "");
+    }
 
     /// The NOTIFY carries no bind (a transaction pooler cannot carry one outside a
     /// transaction), so the channel is a literal whose quotes cannot end it.

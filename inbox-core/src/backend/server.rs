@@ -88,16 +88,21 @@ impl ConnectionBoundsKnown {
         bound: Option<Duration>,
     ) -> bool {
         let backend = db.get_database_backend();
-        let probe = dialect(backend)
-            .ok()
-            .and_then(|dialect| dialect.connection_bounds_probe(lock_wait, silence));
-        let (Some(probe), Some(pool)) = (probe, PoolIdentity::of(db)) else {
+        let Some(pool) = PoolIdentity::of(db) else {
             return false;
         };
         let bounds = (lock_wait, silence);
+        // Before the probe is made: its text is formatted, and a pool is remembered only
+        // after a probe of its backend ran.
         if let Some(carried) = self.known.remembered(&pool, &bounds) {
             return carried;
         }
+        let probe = dialect(backend)
+            .ok()
+            .and_then(|dialect| dialect.connection_bounds_probe(lock_wait, silence));
+        let Some(probe) = probe else {
+            return false;
+        };
         let carried = match probe {
             BoundsProbe::RowCount { sql, carried } => {
                 let read = within_bound(bound, db.execute_unprepared(&sql)).await;

@@ -10,22 +10,49 @@ use sea_orm::{
     Statement, TransactionOptions, TransactionTrait,
 };
 use std::future::Future;
+use std::pin::Pin;
 
-/// Runs `work` on a task of its own and awaits it, so that a caller dropped meanwhile (an
-/// aborted consumer task, a `select!` that picked shutdown) cannot cut a transaction off
-/// halfway. sqlx counts a transaction only once BEGIN's reply is read, so a BEGIN cut off
-/// before then is never rolled back and its connection goes back to the pool inside the
-/// transaction (MySQL/MariaDB then fail the next BEGIN on it with 1568). On its own task
-/// the work always finishes, and a transaction nobody awaits any more is dropped, which
-/// rolls it back.
+/// Runs `work` to its end even if the caller stops awaiting it, so that a caller dropped
+/// meanwhile (an aborted consumer task, a `select!` that picked shutdown, a step's
+/// partition bound) cannot cut a transaction off halfway. sqlx counts a transaction only
+/// once BEGIN's reply is read, so a BEGIN cut off before then is never rolled back and its
+/// connection goes back to the pool inside the transaction (MySQL/MariaDB then fail the
+/// next BEGIN on it with 1568).
+///
+/// The work is polled inline, in the caller's task, for as long as the caller awaits it: a
+/// task of its own per statement cost the runtime's scheduling of it on every message,
+/// where it is needed only when the caller goes away. A caller dropped before the work
+/// finished hands it to a task of its own then ([`Unfinished`]), where it finishes, and a
+/// transaction nobody awaits any more is dropped, which rolls it back.
 pub(crate) async fn to_completion<T: Send + 'static>(
     work: impl Future<Output = Result<T, DbErr>> + Send + 'static,
 ) -> Result<T, DbErr> {
-    tokio::spawn(work).await.unwrap_or_else(|ended| {
-        Err(DbErr::Custom(format!(
-            "the task running the database call ended abnormally: {ended}"
-        )))
+    let mut unfinished = Unfinished(Some(Box::pin(work)));
+    let result = std::future::poll_fn(|cx| match unfinished.0.as_mut() {
+        Some(work) => work.as_mut().poll(cx),
+        // Only after `Ready`, which ends this `poll_fn`: never polled again.
+        None => std::task::Poll::Pending,
     })
+    .await;
+    unfinished.0 = None;
+    result
+}
+
+/// Work [`to_completion`] polls, until it finished. Dropped before then, it hands the work
+/// to a task of its own on the current runtime. Without one (the runtime shutting down, a
+/// drop outside it) the work is dropped, as the runtime drops its tasks when it shuts down.
+struct Unfinished<F: Future + Send + 'static>(Option<Pin<Box<F>>>);
+
+impl<F: Future + Send + 'static> Drop for Unfinished<F> {
+    fn drop(&mut self) {
+        if let Some(work) = self.0.take()
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
+            drop(runtime.spawn(async move {
+                work.await;
+            }));
+        }
+    }
 }
 
 /// Begins a transaction on `db` through [`to_completion`], so that a BEGIN in flight
@@ -234,5 +261,79 @@ fn database_error(err: &DbErr) -> Option<&dyn DatabaseError> {
             _ => None,
         },
         _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sea_orm::Database;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::task::{Context, Waker};
+    use std::time::Duration;
+
+    /// A caller dropped after the work began (here between its INSERT and its COMMIT, the
+    /// COMMIT waiting on a gate) does not cut it off: the work, COMMIT included, finishes
+    /// on a task of its own.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn work_dropped_by_its_caller_still_commits() {
+        let path = std::env::temp_dir().join(format!("to-completion-{}.db", std::process::id()));
+        let url = format!("sqlite://{}?mode=rwc", path.display());
+        let db = Database::connect(&url).await.expect("a SQLite file");
+        db.execute_unprepared("CREATE TABLE IF NOT EXISTS t (x INTEGER); DELETE FROM t")
+            .await
+            .expect("a table");
+        let gate = Arc::new(tokio::sync::Notify::new());
+        let inserted = Arc::new(AtomicBool::new(false));
+        let work = {
+            let (db, gate, inserted) = (db.clone(), Arc::clone(&gate), Arc::clone(&inserted));
+            async move {
+                let txn = db.begin().await?;
+                txn.execute_unprepared("INSERT INTO t VALUES (1)").await?;
+                inserted.store(true, Ordering::SeqCst);
+                gate.notified().await;
+                txn.commit().await
+            }
+        };
+        let mut caller = Box::pin(to_completion(work));
+        let mut cx = Context::from_waker(Waker::noop());
+        for _ in 0..10_000 {
+            assert!(
+                caller.as_mut().poll(&mut cx).is_pending(),
+                "the gate is shut"
+            );
+            if inserted.load(Ordering::SeqCst) {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        assert!(inserted.load(Ordering::SeqCst), "the INSERT never ran");
+        drop(caller);
+        gate.notify_one();
+
+        let mut committed = 0;
+        for _ in 0..500 {
+            let row = db
+                .query_one_raw(Statement::from_string(
+                    DbBackend::Sqlite,
+                    "SELECT COUNT(*) FROM t",
+                ))
+                .await
+                .expect("a count");
+            committed = row.map_or(0, |row| row.try_get_by_index::<i64>(0).unwrap_or(0));
+            if committed == 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        std::fs::remove_file(&path).ok();
+        assert_eq!(committed, 1, "the dropped caller's COMMIT never landed");
+    }
+
+    /// The work's value comes back to a caller that awaited it to the end.
+    #[tokio::test]
+    async fn awaited_work_returns_its_value() {
+        assert_eq!(to_completion(async { Ok(7) }).await.ok(), Some(7));
     }
 }
