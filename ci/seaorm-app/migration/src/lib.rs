@@ -7,6 +7,7 @@ mod m20261201_000003_inbox_unique_constraint;
 mod m20261201_000004_create_outbox;
 mod m20261204_000005_add_outbox_first_published;
 mod m20261204_000006_create_kafka_offsets;
+mod m20261204_000007_outbox_fillfactor;
 
 pub struct Migrator;
 
@@ -21,6 +22,7 @@ impl MigratorTrait for Migrator {
             Box::new(m20261201_000004_create_outbox::Migration),
             Box::new(m20261204_000005_add_outbox_first_published::Migration),
             Box::new(m20261204_000006_create_kafka_offsets::Migration),
+            Box::new(m20261204_000007_outbox_fillfactor::Migration),
         ]
     }
 }
