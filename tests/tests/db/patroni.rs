@@ -470,7 +470,8 @@ async fn fill_for_the_purge(conn: &DatabaseConnection) {
 
 /// Leases and a purge across `event`:
 /// 1. a slow purge (60 s window, batches of 10, 1 % busy) over 60,000 completed markers
-///    and 20 old unfinished leases, cut off by the event once it has deleted some;
+///    and 20 old unfinished leases, cut off by the event once it has deleted some (a
+///    switchover may instead fall between two batches, and the purge rides through it);
 /// 2. meanwhile, right before the event, 40 leases claimed through the stable address
 ///    (replica A), 20 of them completed;
 /// 3. after the event: the completed leases are `Duplicate`, the open ones `Held`
@@ -545,6 +546,14 @@ async fn leases_and_a_purge_across(event: Event) {
                     );
                     err.to_string()
                 }
+                // A clean switchover can fall between two of the purge's batches: its
+                // connection closes while it rests and the next batch reconnects to the new
+                // leader (seen once in CI, 2,990 batches of 10). Riding through is correct;
+                // a killed leader always cuts a batch off.
+                Ok(report) if matches!(event, Event::Switchover) => format!(
+                    "rode through it, {} rows in {} batches",
+                    report.rows, report.batches
+                ),
                 Ok(report) => panic!("the purge was still running when the event hit: {report:?}"),
             };
 
@@ -637,7 +646,7 @@ async fn leases_and_a_purge_across(event: Event) {
                 "Patroni, {event}: leases: {} completed before the event stayed Duplicate, {} \
              held ones stayed Held, then {taken_over} taken over (attempt 2) and the old holder \
              fenced (StaleLease); purge: the run cut off by the event deleted {} markers \
-             ({deleted_when_hit} when the event began) and failed ({cut_off}); resumed, it deleted \
+             ({deleted_when_hit} when the event began) and ended: {cut_off}; resumed, it deleted \
              {} more in {} batches; {kept} kept, {wrongly_deleted} deleted that had to stay, \
              {expired_left} expired left ({} -> {})",
                 LEASES / 2,
