@@ -86,6 +86,10 @@ pub const OUTBOX_MESSAGE_ID_INDEX_NAME: &str = "ix_outbox_message_id";
 /// order, and that the purge of sent rows walks by sending time.
 pub const OUTBOX_PENDING_INDEX_NAME: &str = "ix_outbox_pending";
 
+/// Name of the PostgreSQL index on `(sent_at, id)` of the rows still due (`WHERE sent_at
+/// IS NULL AND dead_at IS NULL`) that the relay's claim walks in enqueue order.
+pub const OUTBOX_DUE_INDEX_NAME: &str = "ix_outbox_due";
+
 /// Name of the index on `(partition_key, id)` that tells the relay whether an earlier row
 /// of the same key is still unsent.
 pub const OUTBOX_KEY_INDEX_NAME: &str = "ix_outbox_key";

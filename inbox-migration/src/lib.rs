@@ -8,6 +8,7 @@ mod m20261201_000004_create_outbox;
 mod m20261204_000005_add_outbox_first_published;
 mod m20261204_000006_create_kafka_offsets;
 mod m20261204_000007_outbox_fillfactor;
+mod m20261205_000008_outbox_due_index;
 pub mod rollback;
 
 pub use m20261130_000001_create_inbox::CreateInbox;
@@ -17,6 +18,7 @@ pub use m20261201_000004_create_outbox::CreateOutbox;
 pub use m20261204_000005_add_outbox_first_published::AddOutboxFirstPublished;
 pub use m20261204_000006_create_kafka_offsets::CreateKafkaOffsets;
 pub use m20261204_000007_outbox_fillfactor::{OUTBOX_FILLFACTOR, OutboxFillfactor};
+pub use m20261205_000008_outbox_due_index::OutboxDueIndex;
 /// Re-exported for [`CreateInbox::for_table`] and its siblings.
 pub use sea_orm_inbox_entity::InboxTable;
 /// Re-exported so `Migrator::up(&db, None)` needs no direct `sea-orm-migration` import.
@@ -198,8 +200,8 @@ macro_rules! migrator_refusing_lossy_rollbacks {
 
 /// A ready migrator holding every inbox migration, for applications that have none.
 ///
-/// It does not hold [`CreateOutbox`], [`AddOutboxFirstPublished`] and
-/// [`OutboxFillfactor`]: the outbox is
+/// It does not hold [`CreateOutbox`], [`AddOutboxFirstPublished`], [`OutboxFillfactor`]
+/// and [`OutboxDueIndex`]: the outbox is
 /// opt-in. Add them to your own migrator, or run [`MigratorWithOutbox`] instead of this
 /// one. On a database that [`MigratorWithOutbox`] migrated, this one still runs: it leaves
 /// the outbox's records to that migrator (SeaORM otherwise refuses a migrator that does
@@ -247,8 +249,8 @@ migrator_refusing_lossy_rollbacks!(Migrator {
 });
 
 /// A ready migrator holding every inbox migration and then [`CreateOutbox`],
-/// [`AddOutboxFirstPublished`] and [`OutboxFillfactor`], for applications without a migrator of their own that use
-/// the outbox.
+/// [`AddOutboxFirstPublished`], [`OutboxFillfactor`] and [`OutboxDueIndex`], for
+/// applications without a migrator of their own that use the outbox.
 ///
 /// It lists [`Migrator`]'s migrations first, so a database [`Migrator`] already migrated
 /// upgrades in place, and [`Migrator`] still runs on a database this one migrated.
@@ -267,6 +269,7 @@ migrator_refusing_lossy_rollbacks!(MigratorWithOutbox {
         migrations.push(Box::new(CreateOutbox));
         migrations.push(Box::new(AddOutboxFirstPublished));
         migrations.push(Box::new(OutboxFillfactor));
+        migrations.push(Box::new(OutboxDueIndex));
         migrations
     }
 });

@@ -34,6 +34,7 @@ mod modes;
 mod observed;
 mod outbox;
 mod outbox_brokers;
+mod outbox_due;
 mod outbox_hot;
 mod outbox_partition;
 mod outbox_pooler;

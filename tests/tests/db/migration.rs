@@ -391,24 +391,24 @@ mod half_rollback {
             refused_naming(&refused, &["DELETE FROM inbox"]);
             nothing_rolled_back(&conn, "Migrator::down").await;
 
-            // Three steps reach CreateOutbox (its unsent row), two do not.
-            let refused = MigratorWithOutbox::down(&conn, Some(3))
+            // Four steps reach CreateOutbox (its unsent row), three do not.
+            let refused = MigratorWithOutbox::down(&conn, Some(4))
                 .await
-                .expect_err("three steps reach the outbox");
+                .expect_err("four steps reach the outbox");
             refused_naming(&refused, &["DELETE FROM outbox WHERE sent_at IS NULL"]);
-            nothing_rolled_back(&conn, "down -n 3").await;
-            MigratorWithOutbox::down(&conn, Some(2))
+            nothing_rolled_back(&conn, "down -n 4").await;
+            MigratorWithOutbox::down(&conn, Some(3))
                 .await
-                .expect("two steps stop short of CreateOutbox");
+                .expect("three steps stop short of CreateOutbox");
             MigratorWithOutbox::up(&conn, None).await.expect("up again");
 
-            // With the row sent, five steps stop short of CreateInbox and go through.
+            // With the row sent, six steps stop short of CreateInbox and go through.
             conn.execute_unprepared("UPDATE outbox SET sent_at = available_at")
                 .await
                 .expect("mark the row sent");
-            MigratorWithOutbox::down(&conn, Some(5))
+            MigratorWithOutbox::down(&conn, Some(6))
                 .await
-                .expect("five steps stop short of CreateInbox");
+                .expect("six steps stop short of CreateInbox");
             assert_eq!(
                 applied::<MigratorWithOutbox>(&conn).await,
                 ["m20261130_000001_create_inbox"]

@@ -96,9 +96,9 @@ async fn an_existing_outbox_gets_its_fillfactor_and_keeps_its_rows() {
     with_migrated_outbox_db(Backend::Postgres, async |db| {
         let conn = db.connect().await;
         assert_eq!(fillfactor(&conn).await, Some(i64::from(OUTBOX_FILLFACTOR)));
-        MigratorWithOutbox::down(&conn, Some(1))
+        MigratorWithOutbox::down(&conn, Some(2))
             .await
-            .expect("roll back OutboxFillfactor");
+            .expect("roll back OutboxDueIndex and OutboxFillfactor");
         assert_eq!(fillfactor(&conn).await, None);
         let txn = conn.begin().await.expect("begin");
         txn.enqueue(OutgoingMessage::new("hot", "kept"))

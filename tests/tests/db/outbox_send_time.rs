@@ -365,9 +365,9 @@ async fn the_first_publish_column_comes_from_its_own_migration(backend: Backend)
         let conn = db.connect().await;
         enqueue_held_back(&conn, "kept").await;
         verify_outbox_schema(&conn).await.expect("fully migrated");
-        MigratorWithOutbox::down(&conn, Some(2))
+        MigratorWithOutbox::down(&conn, Some(3))
             .await
-            .expect("roll back OutboxFillfactor and AddOutboxFirstPublished");
+            .expect("roll back OutboxDueIndex, OutboxFillfactor and AddOutboxFirstPublished");
         let found = verify_outbox_schema(&conn).await;
         assert!(
             matches!(&found, Err(SchemaError::OutboxColumns { missing }) if missing == "first_published_at"),

@@ -8,6 +8,7 @@ mod m20261201_000004_create_outbox;
 mod m20261204_000005_add_outbox_first_published;
 mod m20261204_000006_create_kafka_offsets;
 mod m20261204_000007_outbox_fillfactor;
+mod m20261205_000008_outbox_due_index;
 
 pub struct Migrator;
 
@@ -23,6 +24,7 @@ impl MigratorTrait for Migrator {
             Box::new(m20261204_000005_add_outbox_first_published::Migration),
             Box::new(m20261204_000006_create_kafka_offsets::Migration),
             Box::new(m20261204_000007_outbox_fillfactor::Migration),
+            Box::new(m20261205_000008_outbox_due_index::Migration),
         ]
     }
 }
