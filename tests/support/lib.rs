@@ -311,6 +311,46 @@ pub async fn connect_url(url: &str, max_connections: u32) -> DatabaseConnection 
     connect_pool(url, backend, max_connections).await
 }
 
+/// How many times SQLite prepared again, at a run, the statements of `conn`'s connection
+/// whose SQL contains `sql` (SQLite's `SQLITE_STMTSTATUS_REPREPARE`, summed). `conn` must be
+/// a SQLite pool of one connection ([`TestDb::connect_with`]`(1)`), so the statements the
+/// library ran are the ones counted. SQLite prepares a statement again at each run after a
+/// parameter whose value may change the plan was bound (a bare `LIMIT ?`): sqlx keeps the
+/// statement, so a statement the library runs repeatedly should count 0.
+pub async fn sqlite_reprepares(conn: &DatabaseConnection, sql: &str) -> u32 {
+    use libsqlite3_sys::{
+        SQLITE_STMTSTATUS_REPREPARE, sqlite3_next_stmt, sqlite3_sql, sqlite3_stmt_status,
+    };
+    let mut pooled = conn
+        .get_sqlite_connection_pool()
+        .acquire()
+        .await
+        .expect("the pool's connection");
+    let mut handle = pooled.lock_handle().await.expect("lock the SQLite handle");
+    let db = handle.as_raw_handle().as_ptr();
+    let mut reprepares = 0;
+    // SAFETY: `db` is the open connection `handle` keeps locked for this block, so sqlx's
+    // worker cannot prepare or finalize a statement meanwhile: the statements
+    // `sqlite3_next_stmt` lists stay alive, and `sqlite3_sql` returns their text as a
+    // NUL-terminated string each owns, read before the next call.
+    unsafe {
+        let mut stmt = sqlite3_next_stmt(db, std::ptr::null_mut());
+        while !stmt.is_null() {
+            let text = sqlite3_sql(stmt);
+            if !text.is_null()
+                && std::ffi::CStr::from_ptr(text)
+                    .to_string_lossy()
+                    .contains(sql)
+            {
+                let count = sqlite3_stmt_status(stmt, SQLITE_STMTSTATUS_REPREPARE, 0);
+                reprepares += u32::try_from(count).expect("a count");
+            }
+            stmt = sqlite3_next_stmt(db, stmt);
+        }
+    }
+    reprepares
+}
+
 /// Appends `line` to the file `INBOX_SOAK_REPORT` names, if set: CI sets it so a soak's
 /// counts reach its log without `--nocapture`.
 pub fn append_to_soak_report(line: &str) {

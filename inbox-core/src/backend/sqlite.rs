@@ -118,12 +118,15 @@ impl Dialect for Sqlite {
          WHERE message_id = ? AND consumer = ? AND claim_token = ? AND dead_at IS NULL"
     }
 
-    /// SQLite looks the ids of `id IN (subquery)` up by rowid.
+    /// SQLite looks the ids of `id IN (subquery)` up by rowid. The limit is an expression,
+    /// not a bare parameter: SQLite parses and plans a statement again at each run after a
+    /// bare `LIMIT ?` was bound (the value might change the plan), so every batch paid for
+    /// a fresh prepare (as the relay's claim did).
     fn purge_batch(&self) -> &'static str {
         "DELETE FROM inbox WHERE id IN \
          (SELECT id FROM inbox WHERE received_at < ? \
          AND (processed_at < ? OR (processed_at IS NULL AND lease_until IS NULL)) \
-         ORDER BY received_at LIMIT ?)"
+         ORDER BY received_at LIMIT ? + 0)"
     }
 
     fn newest_received_at(&self) -> &'static str {
@@ -290,10 +293,10 @@ impl Dialect for Sqlite {
         None
     }
 
-    /// As the inbox's purge: `id IN (subquery)` by rowid.
+    /// As the inbox's purge: `id IN (subquery)` by rowid, its limit no bare parameter.
     fn outbox_purge_batch(&self) -> &'static str {
         "DELETE FROM outbox WHERE id IN \
-         (SELECT id FROM outbox WHERE sent_at < ? ORDER BY sent_at LIMIT ?)"
+         (SELECT id FROM outbox WHERE sent_at < ? ORDER BY sent_at LIMIT ? + 0)"
     }
 
     fn outbox_backlog(&self) -> &'static str {

@@ -3,26 +3,32 @@
 //! shutdown returns the totals.
 
 use inbox_tests::{
-    Backend, RecordingPublisher, on_every_backend, scalar_i64, stmt, with_migrated_outbox_db,
+    Backend, RecordingPublisher, on_every_backend, scalar_i64, sqlite_reprepares, stmt,
+    with_migrated_outbox_db,
 };
-use sea_orm::{ConnectionTrait, TransactionTrait};
+use sea_orm::{ConnectionTrait, DatabaseConnection, TransactionTrait};
 use sea_orm_inbox::{
-    OutboxError, OutboxExt, OutgoingMessage, Relay, RelayOptions, spawn_outbox_purger,
-    timestamp_value,
+    OutboxError, OutboxExt, OutgoingMessage, Relay, RelayOptions, purge_sent_messages,
+    spawn_outbox_purger, timestamp_value,
 };
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// Enqueues `count` messages to `events` in one transaction.
+async fn enqueue_events(conn: &DatabaseConnection, count: u8) {
+    let txn = conn.begin().await.expect("begin");
+    for n in 0..count {
+        txn.enqueue(OutgoingMessage::new("events", vec![n]))
+            .await
+            .expect("enqueue");
+    }
+    txn.commit().await.expect("commit");
+}
+
 async fn the_timer_purges_sent_rows_and_keeps_the_rest(backend: Backend) {
     with_migrated_outbox_db(backend, async |db| {
         let conn = db.connect().await;
-        let txn = conn.begin().await.expect("begin");
-        for n in 0..7u8 {
-            txn.enqueue(OutgoingMessage::new("events", vec![n]))
-                .await
-                .expect("enqueue");
-        }
-        txn.commit().await.expect("commit");
+        enqueue_events(&conn, 7).await;
         let relay = Relay::new(Arc::new(RecordingPublisher::default()))
             .with_options(RelayOptions::default())
             .expect("options");
@@ -66,6 +72,30 @@ async fn the_timer_purges_sent_rows_and_keeps_the_rest(backend: Backend) {
 }
 
 on_every_backend!(the_timer_purges_sent_rows_and_keeps_the_rest);
+
+/// The outbox's purge on SQLite prepares its DELETE once: with a bare `LIMIT ?` SQLite
+/// prepared it again at every batch (a bound limit may change the plan).
+#[tokio::test]
+async fn a_purge_on_sqlite_prepares_its_batch_once() {
+    with_migrated_outbox_db(Backend::Sqlite, async |db| {
+        let conn = db.connect_with(1).await;
+        enqueue_events(&conn, 7).await;
+        let two_days_ago = chrono::Utc::now() - chrono::Duration::days(2);
+        let backend = conn.get_database_backend();
+        conn.execute_raw(stmt(
+            backend,
+            "UPDATE outbox SET sent_at = ?",
+            vec![timestamp_value(backend, two_days_ago)],
+        ))
+        .await
+        .expect("send the rows two days ago");
+        let cutoff = chrono::Utc::now() - chrono::Duration::days(1);
+        let purged = purge_sent_messages(&conn, cutoff, 2).await.expect("purge");
+        assert_eq!(purged, 7, "in four batches");
+        assert_eq!(sqlite_reprepares(&conn, "DELETE FROM outbox").await, 0);
+    })
+    .await;
+}
 
 #[tokio::test]
 async fn bad_settings_are_refused() {

@@ -5,7 +5,8 @@
 
 use chrono::{DateTime, DurationRound, TimeDelta, Utc};
 use inbox_tests::{
-    Backend, on_every_backend, on_pgbouncer, on_server_backends, scalar_i64, stmt, with_migrated_db,
+    Backend, on_every_backend, on_pgbouncer, on_server_backends, scalar_i64, sqlite_reprepares,
+    stmt, with_migrated_db,
 };
 use sea_orm::{ConnectionTrait, DatabaseConnection, TransactionTrait, Value};
 use sea_orm_inbox::{
@@ -651,6 +652,26 @@ async fn a_purge_batch_reads_no_primary_key(backend: Backend) {
         txn.rollback().await.unwrap();
         assert!(plan.contains(index), "{plan}");
         assert!(!plan.contains("inbox_pkey"), "{plan}");
+    })
+    .await;
+}
+
+/// A purge on SQLite prepares its DELETE once: with a bare `LIMIT ?` SQLite prepared it
+/// again at every batch (a bound limit may change the plan).
+#[tokio::test]
+async fn a_purge_on_sqlite_prepares_its_batch_once() {
+    with_migrated_db(Backend::Sqlite, async |db| {
+        let conn = db.connect_with(1).await;
+        insert(&conn, Marker::OnePhase, now() - TimeDelta::hours(3), 50).await;
+        insert(&conn, Marker::OnePhase, now() - TimeDelta::minutes(1), 1).await;
+        let policy = RetentionPolicy::with_window(Duration::from_secs(3600))
+            .and_then(|policy| policy.with_downtime_gap(RetentionPolicy::MAX_WINDOW))
+            .and_then(|policy| policy.with_batch_size(10))
+            .unwrap()
+            .with_pacing(PurgePacing::UNPACED);
+        let report = purge(&conn, &policy).await.unwrap();
+        assert_eq!((report.rows, report.batches), (50, 5));
+        assert_eq!(sqlite_reprepares(&conn, "DELETE FROM inbox").await, 0);
     })
     .await;
 }
