@@ -499,7 +499,7 @@ fn default_pacing_name(backend: &str) -> String {
     };
     let pacing = sea_orm_inbox::PurgePacing::default();
     let budget = pacing
-        .batch_budget_on(backend)
+        .batch_budget(backend)
         .map_or_else(|| "unpaced".to_owned(), |b| format!("{}ms", b.as_millis()));
     format!("library, default ({budget}/{}%)", pacing.busy_percent())
 }

@@ -27,7 +27,7 @@ pub(super) struct Pacer {
 impl Pacer {
     pub(super) fn new(policy: &RetentionPolicy, backend: DbBackend) -> Self {
         let ceiling = u64::from(policy.batch_size());
-        let budget = policy.pacing().batch_budget_on(backend);
+        let budget = policy.pacing().batch_budget(backend);
         let next = match budget {
             // Start below most budgets and grow: the first batch of a cold purge is its
             // slowest. (At 100 rows, seven batches of doubling went by before a purge on

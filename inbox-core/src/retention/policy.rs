@@ -448,15 +448,9 @@ impl PurgePacing {
         })
     }
 
-    /// The time budget of one batch, if the batch size adapts to one; for the default
-    /// budget, SQLite's [`DEFAULT_BATCH_BUDGET`](Self::DEFAULT_BATCH_BUDGET) (the servers'
-    /// is [`batch_budget_on`](Self::batch_budget_on)).
-    pub fn batch_budget(&self) -> Option<Duration> {
-        self.batch_budget_on(DbBackend::Sqlite)
-    }
-
     /// The time budget of one batch on `backend`, if the batch size adapts to one: the
-    /// budget set, or the backend's default (see above).
+    /// budget set, or the backend's default (see above). One getter for the one fact: a
+    /// default pacing's budget exists only on a backend.
     ///
     /// ```
     /// use sea_orm::DbBackend;
@@ -464,13 +458,14 @@ impl PurgePacing {
     /// use std::time::Duration;
     ///
     /// let pacing = PurgePacing::default();
-    /// assert_eq!(pacing.batch_budget_on(DbBackend::Sqlite), Some(Duration::from_millis(20)));
-    /// assert_eq!(pacing.batch_budget_on(DbBackend::MySql), Some(Duration::from_millis(100)));
+    /// assert_eq!(pacing.batch_budget(DbBackend::Sqlite), Some(Duration::from_millis(20)));
+    /// assert_eq!(pacing.batch_budget(DbBackend::MySql), Some(Duration::from_millis(100)));
     /// let set = pacing.with_batch_budget(Duration::from_millis(10))?;
-    /// assert_eq!(set.batch_budget_on(DbBackend::Postgres), Some(Duration::from_millis(10)));
+    /// assert_eq!(set.batch_budget(DbBackend::Postgres), Some(Duration::from_millis(10)));
+    /// assert_eq!(pacing.without_batch_budget().batch_budget(DbBackend::Sqlite), None);
     /// # Ok::<(), sea_orm_inbox::InboxError>(())
     /// ```
-    pub fn batch_budget_on(&self, backend: DbBackend) -> Option<Duration> {
+    pub fn batch_budget(&self, backend: DbBackend) -> Option<Duration> {
         match self.batch_budget {
             Budget::BackendDefault => Some(default_purge_batch_budget(backend)),
             Budget::Set(budget) => Some(budget),
@@ -550,15 +545,26 @@ pub(super) mod tests {
     fn pacing_settings_are_validated() {
         let pacing = PurgePacing::default();
         assert_eq!(
-            pacing.batch_budget(),
+            pacing.batch_budget(DbBackend::Sqlite),
             Some(PurgePacing::DEFAULT_BATCH_BUDGET)
         );
+        for server in [DbBackend::Postgres, DbBackend::MySql] {
+            assert_eq!(
+                pacing.batch_budget(server),
+                Some(PurgePacing::DEFAULT_SERVER_BATCH_BUDGET)
+            );
+        }
         assert_eq!(pacing.busy_percent(), PurgePacing::DEFAULT_BUSY_PERCENT);
         assert!(pacing.with_batch_budget(Duration::ZERO).is_err());
         assert!(pacing.with_batch_budget(Duration::from_secs(61)).is_err());
         assert!(pacing.with_busy_percent(0).is_err());
         assert!(pacing.with_busy_percent(101).is_err());
-        assert_eq!(pacing.without_batch_budget().batch_budget(), None);
+        assert_eq!(
+            pacing
+                .without_batch_budget()
+                .batch_budget(DbBackend::Postgres),
+            None
+        );
         assert_eq!(hour_window().pacing(), PurgePacing::default());
     }
 }
