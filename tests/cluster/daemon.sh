@@ -1,6 +1,7 @@
-# Sourced by the scripts that run one local server for a test suite (kafka.sh, sqs.sh): the
-# pid and port files, the free port, the start that waits for the port, the stop that kills
-# only the pid it wrote, and the start|stop|url command line they share.
+# Sourced by the scripts that run one local server for a test suite (kafka.sh, sqs.sh,
+# pgbouncer.sh, pg18.sh): the pid and port files, the free port, the start that waits for
+# the port, the stop that kills only the pid it wrote, and the start|stop|url command line
+# they share.
 #
 # Before sourcing, the script sets DAEMON_NAME (the server's name in messages and file
 # names), DAEMON_DIR (where its pid, port and log files go) and DAEMON_START_TRIES (tenths
@@ -9,6 +10,13 @@
 #   daemon_args PORT        sets the array DAEMON_ARGS to the binary's arguments;
 #   daemon_address PORT     prints the address a client is given.
 # Then it calls `daemon_main "$@"`.
+#
+# A server that puts itself in the background on a fixed port (pgbouncer.sh: PgBouncer's
+# -d; pg18.sh: pg_ctl) gets its own start and url instead: the script defines them after
+# sourcing this file, and its start writes PID_FILE. It shares running, stop and the
+# command line, and may set DAEMON_STOP_SIGNAL (default TERM) and DAEMON_STOP_TRIES (tenths
+# of a second to wait for the exit, default 50), and define daemon_cleanup, which stop runs
+# once the server is gone.
 
 PID_FILE=$DAEMON_DIR/$DAEMON_NAME.pid
 PORT_FILE=$DAEMON_DIR/$DAEMON_NAME.port
@@ -70,13 +78,16 @@ stop() {
     if running; then
         local pid
         pid=$(cat "$PID_FILE")
-        kill "$pid"
-        for _ in $(seq 50); do
+        kill -"${DAEMON_STOP_SIGNAL:-TERM}" "$pid"
+        for _ in $(seq "${DAEMON_STOP_TRIES:-50}"); do
             kill -0 "$pid" 2>/dev/null || break
             sleep 0.1
         done
     fi
     rm -f "$PID_FILE" "$PORT_FILE"
+    if declare -F daemon_cleanup >/dev/null; then
+        daemon_cleanup
+    fi
 }
 
 daemon_main() {

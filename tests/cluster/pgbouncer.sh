@@ -15,11 +15,16 @@ PGBOUNCER_DIR=${PGBOUNCER_DIR:-/tmp/inbox-pgbouncer}
 PGBOUNCER_PORT=${PGBOUNCER_PORT:-6432}
 UPSTREAM_HOST=${PGBOUNCER_UPSTREAM_HOST:-127.0.0.1}
 UPSTREAM_PORT=${PGBOUNCER_UPSTREAM_PORT:-5432}
-PID_FILE=$PGBOUNCER_DIR/pgbouncer.pid
 
+DAEMON_NAME=pgbouncer
+DAEMON_DIR=$PGBOUNCER_DIR
+
+# shellcheck source=tests/cluster/daemon.sh
+source "$(dirname "${BASH_SOURCE[0]}")/daemon.sh"
+
+# The port is fixed and PgBouncer puts itself in the background (-d, writing PID_FILE):
+# url and start are this script's own.
 url() { echo "postgres://postgres@127.0.0.1:$PGBOUNCER_PORT/test"; }
-
-running() { [[ -f $PID_FILE ]] && kill -0 "$(cat "$PID_FILE")" 2>/dev/null; }
 
 write_config() {
     mkdir -p "$PGBOUNCER_DIR"
@@ -32,7 +37,7 @@ listen_addr = 127.0.0.1
 listen_port = $PGBOUNCER_PORT
 unix_socket_dir = $PGBOUNCER_DIR
 pidfile = $PID_FILE
-logfile = $PGBOUNCER_DIR/pgbouncer.log
+logfile = $LOG
 auth_type = trust
 auth_file = $PGBOUNCER_DIR/userlist.txt
 admin_users = postgres
@@ -68,29 +73,8 @@ start() {
         sleep 0.1
     done
     echo "pgbouncer did not answer on port $PGBOUNCER_PORT; log:" >&2
-    tail -20 "$PGBOUNCER_DIR/pgbouncer.log" >&2 || true
+    tail -20 "$LOG" >&2 || true
     exit 1
 }
 
-stop() {
-    if running; then
-        local pid
-        pid=$(cat "$PID_FILE")
-        kill "$pid"
-        for _ in $(seq 50); do
-            kill -0 "$pid" 2>/dev/null || break
-            sleep 0.1
-        done
-    fi
-    rm -f "$PID_FILE"
-}
-
-case ${1:-} in
-start) start ;;
-stop) stop ;;
-url) url ;;
-*)
-    echo "usage: $0 start|stop|url" >&2
-    exit 2
-    ;;
-esac
+daemon_main "$@"

@@ -37,7 +37,7 @@
 use futures_util::FutureExt;
 use sea_orm::{
     ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DatabaseTransaction, DbBackend,
-    Statement, TransactionSession, TransactionTrait,
+    Statement, TransactionSession, TransactionTrait, TryGetable,
 };
 use sea_orm_inbox::{
     CLAIM_TRANSACTION, Claim, ClaimedMessage, InboxTransactionExt, for_transaction_pooler,
@@ -410,9 +410,13 @@ pub async fn run(conn: &impl ConnectionTrait, sql: &str) {
         .unwrap_or_else(|e| panic!("{sql}: {e}"));
 }
 
-/// Reads one integer (`COUNT(*)`, a balance) from the first column of the first row, in a
-/// transaction of its own (a savepoint inside one), as a transaction pooler needs.
-pub async fn scalar_i64(conn: &(impl ConnectionTrait + TransactionTrait), sql: &str) -> i64 {
+/// Reads one value (`COUNT(*)`, a balance, a setting as text) from the first column of the
+/// first row, in a transaction of its own (a savepoint inside one), as a transaction pooler
+/// needs.
+pub async fn scalar<T: TryGetable>(
+    conn: &(impl ConnectionTrait + TransactionTrait),
+    sql: &str,
+) -> T {
     let txn = conn
         .begin()
         .await
@@ -425,8 +429,13 @@ pub async fn scalar_i64(conn: &(impl ConnectionTrait + TransactionTrait), sql: &
     txn.commit()
         .await
         .unwrap_or_else(|e| panic!("{sql}: commit: {e}"));
-    row.try_get_by_index::<i64>(0)
+    row.try_get_by_index::<T>(0)
         .unwrap_or_else(|e| panic!("{sql}: {e}"))
+}
+
+/// [`scalar`] for the integers most tests count.
+pub async fn scalar_i64(conn: &(impl ConnectionTrait + TransactionTrait), sql: &str) -> i64 {
+    scalar(conn, sql).await
 }
 
 /// Builds a statement with `?` placeholders rewritten to `$n` on PostgreSQL.

@@ -412,6 +412,22 @@ impl ConsumerContext for OffsetContext {
     }
 }
 
+/// The handler [`KafkaInbox::process_record`] (and the deprecated [`KafkaInbox::run`])
+/// takes: given the record's transaction and the record, the future of its business
+/// writes. Every closure or function of that shape implements it; one caller calls it at a
+/// time, so it may keep state (`FnMut`). The loop's handler ([`KafkaGroupConsumer::run`])
+/// is shared by its partitions' tasks instead (`Fn + Sync + 'static`).
+pub trait RecordHandlerMut:
+    for<'t> FnMut(&'t ObservedTransaction, Arc<OwnedMessage>) -> HandlerFuture<'t, (), BoxError> + Send
+{
+}
+
+impl<F> RecordHandlerMut for F where
+    F: for<'t> FnMut(&'t ObservedTransaction, Arc<OwnedMessage>) -> HandlerFuture<'t, (), BoxError>
+        + Send
+{
+}
+
 /// The consumer [`KafkaInbox::run`] reads from.
 pub type KafkaConsumer = StreamConsumer<OffsetContext>;
 
@@ -486,20 +502,13 @@ impl KafkaInbox {
     /// inbox's retries of transient failures). A duplicate or a refused record only
     /// advances the offset; with a [`DeadLetterTopic`], a record no redelivery can fix is
     /// produced there first (see [`RecordOutcome::DeadLettered`]).
-    pub async fn process_record<F>(
+    pub async fn process_record<F: RecordHandlerMut>(
         &self,
         db: &DatabaseConnection,
         record: &Arc<OwnedMessage>,
         expected: Option<i64>,
         handler: &mut F,
-    ) -> Result<RecordOutcome, KafkaError>
-    where
-        F: for<'t> FnMut(
-                &'t ObservedTransaction,
-                Arc<OwnedMessage>,
-            ) -> HandlerFuture<'t, (), BoxError>
-            + Send,
-    {
+    ) -> Result<RecordOutcome, KafkaError> {
         let (topic, partition, next) = (record.topic(), record.partition(), record.offset() + 1);
         let delivery =
             match delivery(record.as_ref(), &self.id_header) {
@@ -577,20 +586,13 @@ impl KafkaInbox {
     /// (rolled back, nothing of it applied): the caller then processes the records one by
     /// one with [`process_record`](Self::process_record), so a failing record is retried
     /// or dead-lettered alone and the others still commit.
-    pub(crate) async fn process_batch<F>(
+    pub(crate) async fn process_batch<F: RecordHandlerMut>(
         &self,
         db: &DatabaseConnection,
         records: &[Arc<OwnedMessage>],
         expected: Option<i64>,
         handler: &mut F,
-    ) -> BatchResult
-    where
-        F: for<'t> FnMut(
-                &'t ObservedTransaction,
-                Arc<OwnedMessage>,
-            ) -> HandlerFuture<'t, (), BoxError>
-            + Send,
-    {
+    ) -> BatchResult {
         let (Some(first), Some(last)) = (records.first(), records.last()) else {
             return BatchResult::Failed;
         };
@@ -746,7 +748,7 @@ impl KafkaInbox {
     #[deprecated(
         note = "run KafkaGroupConsumer instead: partitions in parallel, revocations handled, and the records already fetched of a partition committed in one transaction"
     )]
-    pub async fn run<F, S>(
+    pub async fn run<F: RecordHandlerMut, S>(
         &self,
         consumer: &KafkaConsumer,
         db: &DatabaseConnection,
@@ -754,11 +756,6 @@ impl KafkaInbox {
         shutdown: S,
     ) -> Result<RunReport, KafkaError>
     where
-        F: for<'t> FnMut(
-                &'t ObservedTransaction,
-                Arc<OwnedMessage>,
-            ) -> HandlerFuture<'t, (), BoxError>
-            + Send,
         S: Future,
     {
         let mut report = RunReport::default();

@@ -2,7 +2,9 @@
 //! replicas with their own pools claiming overlapping batches get disjoint winners whose
 //! union is every id exactly once.
 
-use inbox_tests::{Backend, on_every_backend, on_pgbouncer, run, scalar_i64, with_migrated_db};
+use inbox_tests::{
+    Backend, on_every_backend, on_pgbouncer, run, scalar, scalar_i64, with_migrated_db,
+};
 use sea_orm::{
     ConnectionTrait, DatabaseConnection, DatabaseTransaction, Statement, TransactionTrait,
 };
@@ -303,15 +305,7 @@ async fn batch_commit_is_ok_only_when_the_markers_committed(backend: Backend) {
 /// Whether the server runs `INSERT ... RETURNING` on the MySQL family: MariaDB 10.5+
 /// (MySQL 8 has none). Read from `VERSION()`, e.g. `10.11.19-MariaDB-0+deb12u1`.
 async fn mysql_server_returns_rows(conn: &DatabaseConnection) -> bool {
-    let row = conn
-        .query_one_raw(Statement::from_string(
-            conn.get_database_backend(),
-            "SELECT CAST(VERSION() AS CHAR)",
-        ))
-        .await
-        .unwrap()
-        .unwrap();
-    let version: String = row.try_get_by_index(0).unwrap();
+    let version: String = scalar(conn, "SELECT CAST(VERSION() AS CHAR)").await;
     let numbers: Vec<u32> = version
         .split(|c: char| !c.is_ascii_digit())
         .take(2)
@@ -361,18 +355,16 @@ async fn a_batch_claim_is_one_statement_where_the_server_returns_its_rows(backen
     .await;
 }
 
-/// What the server sent on this transaction's connection so far (`Bytes_sent`).
+/// What the server sent on this transaction's connection so far (`Bytes_sent`). The read's
+/// own traffic (its savepoint, statement and reply) is the same each time: the caller
+/// measures it and takes it off.
 async fn bytes_sent(txn: &DatabaseTransaction) -> i64 {
-    let row = txn
-        .query_one_raw(Statement::from_string(
-            txn.get_database_backend(),
-            "SHOW SESSION STATUS LIKE 'Bytes_sent'",
-        ))
-        .await
-        .unwrap()
-        .unwrap();
-    let sent: String = row.try_get_by_index(1).unwrap();
-    sent.parse().unwrap()
+    scalar_i64(
+        txn,
+        "SELECT CAST(VARIABLE_VALUE AS SIGNED) FROM information_schema.SESSION_STATUS \
+         WHERE VARIABLE_NAME = 'BYTES_SENT'",
+    )
+    .await
 }
 
 /// The best hand-written batch INSERT on MariaDB, tagged, returning message_id and the tag

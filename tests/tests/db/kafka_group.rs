@@ -615,6 +615,224 @@ async fn shutdown_finishes_or_abandons(backend: Backend) {
     .await
 }
 
+/// The messages of the rebalance test (each produced twice): stored before the second
+/// consumer joins, held in flight by the first when it does, and produced after.
+const SETTLED_MESSAGES: u32 = 60;
+const HELD_MESSAGES: u32 = 60;
+const LATER_MESSAGES: u32 = 60;
+/// The longest the rebalance test waits for any one step.
+const REBALANCE_STEP: Duration = Duration::from_secs(90);
+
+/// The first consumer's gate: once `closed`, each of its handlers writes its effect, notes
+/// its partition in `held` and waits, inside its transaction, until the test opens it.
+struct Gate {
+    closed: std::sync::atomic::AtomicBool,
+    open: tokio::sync::watch::Sender<bool>,
+    held: std::sync::Mutex<std::collections::BTreeSet<i32>>,
+}
+
+impl Gate {
+    fn new() -> Arc<Self> {
+        Arc::new(Self {
+            closed: std::sync::atomic::AtomicBool::new(false),
+            open: tokio::sync::watch::Sender::new(false),
+            held: std::sync::Mutex::default(),
+        })
+    }
+
+    fn held(&self) -> std::collections::BTreeSet<i32> {
+        self.held.lock().expect("the gate's partitions").clone()
+    }
+}
+
+/// The first consumer's handler: [`insert_effect`], then the gate.
+fn effect_then_gate(
+    gate: Arc<Gate>,
+) -> impl for<'t> Fn(&'t ObservedTransaction, Arc<OwnedMessage>) -> HandlerFuture<'t, (), BoxError>
++ Send
++ Sync
++ 'static {
+    move |txn, record| {
+        let gate = Arc::clone(&gate);
+        Box::pin(async move {
+            insert_effect(txn, &record).await?;
+            if gate.closed.load(Ordering::SeqCst) {
+                gate.held
+                    .lock()
+                    .expect("the gate's partitions")
+                    .insert(record.partition());
+                let mut open = gate.open.subscribe();
+                // The test opens the gate or fails first; this bound only ends the handler
+                // of a test that failed.
+                tokio::time::timeout(2 * REBALANCE_STEP, open.wait_for(|open| *open))
+                    .await
+                    .map_err(|_| "the rebalance test never opened the gate")??;
+            }
+            Ok(())
+        })
+    }
+}
+
+/// Claims in this database waiting on the server: the second consumer's claim of a record
+/// whose marker the first consumer's transaction, held at the gate, inserted (A's own
+/// connections sit idle in their transactions meanwhile). MariaDB's INNODB_TRX did not
+/// list such a waiting INSERT for seconds at a time; its process list shows it at once.
+async fn claims_waiting(conn: &DatabaseConnection, backend: Backend) -> i64 {
+    let sql = match backend {
+        Backend::Postgres => {
+            "SELECT COUNT(*) FROM pg_stat_activity \
+             WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        }
+        _ => {
+            "SELECT COUNT(*) FROM information_schema.PROCESSLIST \
+             WHERE DB = DATABASE() AND INFO LIKE 'INSERT INTO inbox%' AND TIME >= 1"
+        }
+    };
+    scalar_i64(conn, sql).await
+}
+
+/// Kafka's committed offsets are no further than the database's stored ones.
+async fn assert_committed_within_stored(
+    conn: &DatabaseConnection,
+    group: &str,
+    topic: &str,
+    when: &str,
+) {
+    let committed = committed_offsets(group, topic);
+    let stored = stored_offsets(conn, group, topic, PARTITIONS).await;
+    assert!(
+        committed.iter().zip(&stored).all(|(kafka, db)| kafka <= db),
+        "{when}: Kafka's committed offsets {committed:?} ran ahead of the database's {stored:?}"
+    );
+}
+
+/// Issue 31's rebalance through two live loops, driven at known points rather than by
+/// timing: consumer A alone stores the first messages; then its gate closes and the next
+/// messages' handlers wait inside their transactions (effect and marker written, offset
+/// not yet advanced) on every partition; consumer B joins the group. The group revokes
+/// A's partitions and gives B its share, and B's claim of the first record A holds waits
+/// for A's transaction: that wait, seen on the server, shows the rebalance happened
+/// with records in flight. Then the gate opens, more messages arrive, and both loops run
+/// to the partitions' ends: every message applied once (effect rows and inbox markers),
+/// the stored offsets at the ends, Kafka's committed offsets never past the database's.
+async fn rebalance_mid_stream_applies_each_once(backend: Backend) {
+    with_migrated_db(backend, async |db| {
+        let conn = db.connect().await;
+        prepare(&conn).await;
+        let topic = format!("reb-{}", uuid::Uuid::new_v4().simple());
+        let group = group_of(&topic);
+        create_topic(&topic, PARTITIONS).await;
+        let settled_end = SETTLED_MESSAGES;
+        let held_end = settled_end + HELD_MESSAGES;
+        let later_end = held_end + LATER_MESSAGES;
+        // A's held transactions stay open until the gate opens: the handler's (and the
+        // server's) silence bound, 20 s by default, would end them first on a slow join.
+        let inbox = Inbox::new("billing")
+            .unwrap()
+            .with_partition_timeout(Duration::from_secs(600))
+            .unwrap();
+        let kafka = KafkaInbox::new(inbox, &group)
+            .unwrap()
+            .with_retry_delay(Duration::from_millis(100));
+        let loop_of = |client: &str| {
+            let mut config = kafka_consumer_config();
+            config.set("client.id", client);
+            KafkaGroupConsumer::new(kafka.clone(), &config, [topic.as_str()])
+        };
+
+        // A alone: the first messages stored and hinted to Kafka.
+        produce_twice(&topic, 0..settled_end).await;
+        let settled = end_offsets_of(&topic, i64::from(settled_end) * 2).await;
+        let gate = Gate::new();
+        let (stop_a, a_stopped) = tokio::sync::oneshot::channel::<()>();
+        let a = tokio::spawn(loop_of("rebalance-a").run(
+            db.connect_with(8).await,
+            effect_then_gate(Arc::clone(&gate)),
+            a_stopped,
+        ));
+        wait_for_ends(&conn, &group, &topic, &settled, REBALANCE_STEP).await;
+
+        // A mid-stream: a transaction held open on every partition.
+        gate.closed.store(true, Ordering::SeqCst);
+        produce_twice(&topic, settled_end..held_end).await;
+        let held_ends = end_offsets_of(&topic, i64::from(held_end) * 2).await;
+        let fed: std::collections::BTreeSet<i32> = (0..PARTITIONS)
+            .filter(|&partition| held_ends[partition as usize] > settled[partition as usize])
+            .collect();
+        assert_eq!(
+            fed.len(),
+            PARTITIONS as usize,
+            "the held messages reached partitions {fed:?} only: the test needs records in flight on every one"
+        );
+        let started = Instant::now();
+        while gate.held() != fed {
+            assert!(
+                started.elapsed() < REBALANCE_STEP,
+                "A's handlers reached the gate on partitions {:?} of {fed:?} within {REBALANCE_STEP:?}",
+                gate.held()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(
+            stored_offsets(&conn, &group, &topic, PARTITIONS).await,
+            settled,
+            "nothing held at the gate is stored"
+        );
+        assert_committed_within_stored(&conn, &group, &topic, "A at the gate").await;
+
+        // B joins; the rebalance moves partitions A holds records of to B.
+        let (stop_b, b_stopped) = tokio::sync::oneshot::channel::<()>();
+        let b = tokio::spawn(loop_of("rebalance-b").run(
+            db.connect_with(8).await,
+            effect_then_pause(Duration::ZERO, None),
+            b_stopped,
+        ));
+        let started = Instant::now();
+        while claims_waiting(&conn, backend).await == 0 {
+            assert!(
+                started.elapsed() < REBALANCE_STEP,
+                "B never waited on a record A holds within {REBALANCE_STEP:?}: no rebalance gave it a partition (stored {:?}, committed {:?})",
+                stored_offsets(&conn, &group, &topic, PARTITIONS).await,
+                committed_offsets(&group, &topic)
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let joined_after = started.elapsed();
+        assert_eq!(
+            stored_offsets(&conn, &group, &topic, PARTITIONS).await,
+            settled,
+            "B waits for A's transactions: nothing more is stored"
+        );
+        assert_committed_within_stored(&conn, &group, &topic, "B waiting on A").await;
+
+        // The gate opens; more messages for both to share.
+        gate.open.send_replace(true);
+        produce_twice(&topic, held_end..later_end).await;
+        let total = i64::from(later_end) * 2;
+        let ends = end_offsets_of(&topic, total).await;
+        wait_for_ends(&conn, &group, &topic, &ends, REBALANCE_STEP).await;
+        assert_committed_within_stored(&conn, &group, &topic, "both at the ends").await;
+        stop_a.send(()).expect("A runs");
+        stop_b.send(()).expect("B runs");
+        let a = a.await.expect("A's task").expect("A's loop");
+        let b = b.await.expect("B's task").expect("B's loop");
+        eprintln!(
+            "{backend:?}: {total} records; B reached A's held records {joined_after:?} after it started; A: {a}; B: {b}"
+        );
+        assert_each_once(&conn, later_end).await;
+        assert_eq!(
+            scalar_i64(&conn, "SELECT COUNT(*) FROM inbox").await,
+            i64::from(later_end),
+            "inbox markers"
+        );
+        assert_eq!(stored_offsets(&conn, &group, &topic, PARTITIONS).await, ends);
+        assert_committed_within_stored(&conn, &group, &topic, "after both stopped").await;
+        assert!(b.processed > 0, "B processed nothing after the rebalance: {b}");
+        conn.close().await.ok();
+    })
+    .await
+}
+
 mod shutdown {
     use super::shutdown_finishes_or_abandons;
     inbox_tests::on_every_backend!(
@@ -636,6 +854,14 @@ mod round_trips {
     inbox_tests::on_server_backends!(
         needs(inbox_kafka, "set INBOX_TEST_KAFKA_BOOTSTRAP (tests/cluster/kafka.sh start)");
         round_trips_per_record_below_the_hand_written
+    );
+}
+
+mod rebalance {
+    use super::rebalance_mid_stream_applies_each_once;
+    inbox_tests::on_server_backends!(
+        needs(inbox_kafka, "set INBOX_TEST_KAFKA_BOOTSTRAP (tests/cluster/kafka.sh start)");
+        rebalance_mid_stream_applies_each_once
     );
 }
 

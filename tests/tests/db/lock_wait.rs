@@ -12,9 +12,9 @@
 
 use inbox_tests::{
     Backend, create_accounts, credit_once, hold_claim_then_roll_back, impatient_replica,
-    on_pgbouncer, run, scalar_i64, stmt, with_migrated_db,
+    on_pgbouncer, run, scalar, scalar_i64, stmt, with_migrated_db,
 };
-use sea_orm::{ConnectionTrait, DatabaseConnection, DbErr, Statement, TransactionTrait};
+use sea_orm::{ConnectionTrait, DatabaseConnection, DbErr, TransactionTrait};
 use sea_orm_inbox::prelude::*;
 use sea_orm_inbox::{DbErrorKind, classify};
 use std::time::{Duration, Instant};
@@ -79,26 +79,13 @@ async fn held_claim_ends_as_transient_within_the_lock_timeout(backend: Backend) 
         // The pool's only connection is back, usable, and its session setting untouched:
         // the bound was SET LOCAL, so it ended with the claim transaction (through PgBouncer:
         // no server connection it lends out keeps it).
-        let setting = tokio::time::timeout(Duration::from_secs(10), async {
-            let txn = replica.begin().await.expect("begin");
-            let row = txn
-                .query_one_raw(Statement::from_string(
-                    replica.get_database_backend(),
-                    "SHOW lock_timeout",
-                ))
-                .await
-                .expect("SHOW lock_timeout")
-                .expect("one row");
-            txn.commit().await.expect("commit");
-            row
-        })
+        let setting: String = tokio::time::timeout(
+            Duration::from_secs(10),
+            scalar(&replica, "SHOW lock_timeout"),
+        )
         .await
         .expect("the pooled connection is free");
-        assert_eq!(
-            setting.try_get_by_index::<String>(0).expect("text"),
-            "0",
-            "the session keeps its own lock_timeout"
-        );
+        assert_eq!(setting, "0", "the session keeps its own lock_timeout");
         holder.abort();
     })
     .await;
@@ -251,16 +238,11 @@ async fn mysql_pool_bound_by_the_helper_ends_a_held_claim_within_the_bound() {
             replica.begin().await.unwrap(),
         );
         for txn in [&first, &second] {
-            let bound = txn
-                .query_one_raw(Statement::from_string(
-                    txn.get_database_backend(),
-                    "SELECT CAST(@@session.innodb_lock_wait_timeout AS SIGNED)",
-                ))
-                .await
-                .unwrap()
-                .expect("a row")
-                .try_get_by_index::<i64>(0)
-                .unwrap();
+            let bound = scalar_i64(
+                txn,
+                "SELECT CAST(@@session.innodb_lock_wait_timeout AS SIGNED)",
+            )
+            .await;
             assert_eq!(bound, 1, "every connection of the pool");
         }
         drop((first, second));

@@ -4,7 +4,7 @@
 
 use inbox_tests::{
     Backend, LostReplyProxy, TestDb, on_every_backend, on_pgbouncer, on_server_backends,
-    poll_then_drop, scalar_i64, with_migrated_db, with_migrated_outbox_db,
+    poll_then_drop, scalar, scalar_i64, with_migrated_db, with_migrated_outbox_db,
 };
 use sea_orm::{ConnAcquireErr, ConnectionTrait, DatabaseConnection, DbErr, TransactionTrait};
 use sea_orm_inbox::{
@@ -774,15 +774,8 @@ async fn a_confirmed_batch_costs_the_relay_one_statement_per_step(backend: Backe
             "the first attempt of each"
         );
         if backend == Backend::Postgres {
-            let row = conn
-                .query_one_raw(sea_orm::Statement::from_string(
-                    conn.get_database_backend(),
-                    "SELECT current_setting('synchronous_commit')",
-                ))
-                .await
-                .expect("read the setting")
-                .expect("a row");
-            let setting: String = row.try_get_by_index(0).expect("text");
+            let setting: String =
+                scalar(&conn, "SELECT current_setting('synchronous_commit')").await;
             assert_eq!(
                 setting, "on",
                 "the claim's setting ended with its transaction"

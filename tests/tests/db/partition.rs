@@ -16,8 +16,8 @@
 //! PostgreSQL and MariaDB only: SQLite is embedded, with no network to lose.
 
 use inbox_tests::{
-    Backend, ProxiedDb, create_accounts, credit, credit_once, on_server_backends, run, scalar_i64,
-    stmt, with_migrated_db, with_proxied_db,
+    Backend, ProxiedDb, create_accounts, credit, credit_once, on_server_backends, run, scalar,
+    scalar_i64, stmt, with_migrated_db, with_proxied_db,
 };
 use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend, DbErr, Statement, TransactionTrait};
 use sea_orm_inbox::{
@@ -690,14 +690,8 @@ async fn a_batch_commit_reply_lost_returns_in_doubt_and_the_redelivery_finds_it_
 }
 
 /// A setting of the connection, as text.
-async fn setting(conn: &impl ConnectionTrait, name: &str) -> String {
-    let sql = format!("SELECT current_setting('{name}')");
-    let row = conn
-        .query_one_raw(Statement::from_string(conn.get_database_backend(), sql))
-        .await
-        .expect("read the setting")
-        .expect("a row");
-    row.try_get_by_index(0).expect("a text setting")
+async fn setting(conn: &(impl ConnectionTrait + TransactionTrait), name: &str) -> String {
+    scalar(conn, &format!("SELECT current_setting('{name}')")).await
 }
 
 /// On PostgreSQL `claim_message`'s INSERT asks the server to end the caller's transaction
