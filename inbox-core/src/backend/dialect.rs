@@ -289,14 +289,11 @@ pub(crate) enum ConnectionBounds {
 pub(super) enum OutboxClaimSql {
     /// One UPDATE that leases the due rows and returns them as leased (`attempts` already
     /// counting this attempt, `first_published_at` stamped with the claim's time where it
-    /// was NULL), sent on its own in autocommit. Binds: leased_until, token, now (the
-    /// stamp), now, now again, limit.
+    /// was NULL), in a transaction of its own begun with these options; it also bounds how
+    /// long the server keeps that transaction once its client is silent. Binds:
+    /// leased_until, token, now (the stamp), now, now again, limit, and the partition
+    /// timeout as text in milliseconds.
     // Each variant is one backend's; a build without that backend never makes it.
-    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
-    Alone(&'static str),
-    /// The same UPDATE, in a transaction of its own begun with these options; it also
-    /// bounds how long the server keeps that transaction once its client is silent, from a
-    /// sixth bind: the partition timeout as text in milliseconds.
     #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     InTransaction(&'static str, TransactionOptions),
     /// For a database without `UPDATE ... RETURNING`, three statements, each on its own in
@@ -312,6 +309,19 @@ pub(super) enum OutboxClaimSql {
         candidates: &'static str,
         lease: fn(usize) -> String,
         leased: fn(usize) -> String,
+    },
+    /// For a database with one writer at a time (SQLite), two statements in a
+    /// transaction begun with `options`, which takes the write lock at its start: a read
+    /// of the due rows as the lease leaves them (`read`: `attempts` counting this attempt,
+    /// `first_published_at` as stored, NULL for the claim to stamp; binds: now, now again,
+    /// limit), then `lease(n)`, an UPDATE of those `n` rows by primary key (binds:
+    /// leased_until, token, now (the stamp), the ids). No other writer runs between them,
+    /// so the lease takes every row read.
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+    ReadThenLease {
+        read: &'static str,
+        lease: fn(usize) -> String,
+        options: TransactionOptions,
     },
 }
 

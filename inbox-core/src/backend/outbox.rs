@@ -46,14 +46,35 @@ pub(crate) fn insert_statement(
 
 /// How the relay claims a batch on a backend, with the statement's binds.
 pub(crate) enum ClaimPlan {
-    /// One statement that leases the due rows and returns them as leased, sent on its own.
-    Alone(Statement),
-    /// That statement in a transaction of its own, begun with these options; the
-    /// statement bounds how long the server keeps the transaction for a silent client.
+    /// One statement that leases the due rows and returns them as leased, in a
+    /// transaction of its own begun with these options; the statement bounds how long the
+    /// server keeps the transaction for a silent client.
     InTransaction(Statement, TransactionOptions),
     /// A read of the due rows' ids, a lease of some of them by primary key, then a read of
     /// the rows the lease took, each statement on its own.
     ReadLeaseReadBack(ReadLeaseReadBack),
+    /// A read of the due rows as the lease leaves them, then the lease of exactly those,
+    /// in a transaction begun with these options that holds the only write lock.
+    ReadThenLease(ReadThenLease),
+}
+
+/// The statements of [`ClaimPlan::ReadThenLease`].
+pub(crate) struct ReadThenLease {
+    pub(crate) read: Statement,
+    lease: fn(usize) -> String,
+    /// The lease's binds before the ids: leased_until, token, the claim's time.
+    leasing: [Value; 3],
+    options: TransactionOptions,
+}
+
+impl ReadThenLease {
+    /// The lease of the rows `ids` that the read returned.
+    pub(crate) fn lease(&self, ids: &[i64]) -> Statement {
+        let mut values = Vec::with_capacity(self.leasing.len() + ids.len());
+        values.extend(self.leasing.iter().cloned());
+        values.extend(ids.iter().map(|id| Value::from(*id)));
+        Statement::from_sql_and_values(self.read.db_backend, (self.lease)(ids.len()), values)
+    }
 }
 
 /// The statements of [`ClaimPlan::ReadLeaseReadBack`].
@@ -91,8 +112,9 @@ impl ClaimPlan {
     /// The options of the transaction the claim needs, `None` for a claim sent on its own.
     pub(crate) fn transaction_options(&self) -> Option<TransactionOptions> {
         match self {
-            Self::Alone(_) | Self::ReadLeaseReadBack(_) => None,
+            Self::ReadLeaseReadBack(_) => None,
             Self::InTransaction(_, options) => Some(*options),
+            Self::ReadThenLease(plan) => Some(plan.options),
         }
     }
 
@@ -143,7 +165,6 @@ pub(crate) fn claim_plan(
         Statement::from_sql_and_values(backend, sql, values)
     };
     Ok(match dialect.outbox_claim() {
-        OutboxClaimSql::Alone(sql) => ClaimPlan::Alone(one_statement(sql, None)),
         OutboxClaimSql::InTransaction(sql, options) => {
             let bound = Value::from(format!("{}ms", silence.as_millis()));
             ClaimPlan::InTransaction(one_statement(sql, Some(bound)), options)
@@ -163,6 +184,20 @@ pub(crate) fn claim_plan(
                 due,
                 limit,
                 token,
+            })
+        }
+        OutboxClaimSql::ReadThenLease {
+            read,
+            lease,
+            options,
+        } => {
+            let mut values = due.to_vec();
+            values.push(Value::from(limit));
+            ClaimPlan::ReadThenLease(ReadThenLease {
+                read: Statement::from_sql_and_values(backend, read, values),
+                lease,
+                leasing,
+                options,
             })
         }
     })

@@ -5,7 +5,7 @@ use super::dialect::{
     BoundsProbe, ConnectionBounds, Dialect, Marker, OutboxClaimSql, migration_of_column_named_in,
     repeat_list,
 };
-use super::{AfterFailure, BatchClaimSql, DbErrorKind};
+use super::{AfterFailure, BatchClaimSql, CLAIM_TRANSACTION, DbErrorKind};
 use crate::InboxMigration;
 use chrono::{DateTime, Utc};
 use sea_orm::sea_query::Expr;
@@ -233,28 +233,37 @@ impl Dialect for Sqlite {
         r#"INSERT INTO "outbox" ("message_id", "destination", "partition_key", "payload", "headers", "created_at", "available_at") VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT ("message_id") DO NOTHING"#
     }
 
-    /// One UPDATE, on its own: an UPDATE statement takes SQLite's write lock at its
-    /// start, before it reads, so two relays' claims queue in the busy handler and no
-    /// other writer runs between the inner SELECT and the lease (what the IMMEDIATE
-    /// transaction did, without its BEGIN and COMMIT statements). No locking clause:
-    /// the write lock is the lock. It returns only what a publish reads: SQLite copies
-    /// every returned value of every row into its result and the driver's row again.
+    /// A read, then the lease by primary key, in an IMMEDIATE transaction: it takes
+    /// SQLite's write lock at BEGIN, so two relays' claims queue in the busy handler and no
+    /// other writer runs between the read and the lease, which therefore takes every row
+    /// read. No locking clause: the write lock is the lock. The read returns only what a
+    /// publish reads, as the lease leaves it. What one `UPDATE ... RETURNING` cost instead
+    /// (SQLite 3.40's `.stats`, 100 due rows of 2,000): 8,731 virtual machine steps, where
+    /// this read and lease take 2,316 and 3,114; RETURNING runs a trigger program per row
+    /// and stores each returned row in a temporary table before the first is handed out.
     /// The limit is an expression, not a bare parameter: SQLite parses and plans a
     /// statement again at each run after its bare `LIMIT ?` was bound (the value might
     /// change the plan), about 4,000 instructions a row for a batch of 100.
     fn outbox_claim(&self) -> OutboxClaimSql {
-        OutboxClaimSql::Alone(
-            "UPDATE outbox SET attempts = attempts + 1, leased_until = ?, lease_token = ?, \
-             first_published_at = COALESCE(first_published_at, ?) \
-             WHERE id IN (SELECT o.id FROM outbox o \
-             WHERE o.sent_at IS NULL AND o.dead_at IS NULL AND o.available_at <= ? \
-             AND (o.leased_until IS NULL OR o.leased_until <= ?) \
-             AND (o.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM outbox e \
-             WHERE e.partition_key = o.partition_key AND e.id < o.id AND e.sent_at IS NULL)) \
-             ORDER BY o.id LIMIT ? + 0) \
-             RETURNING id, message_id, destination, partition_key, payload, headers, \
-             created_at, attempts, first_published_at",
-        )
+        OutboxClaimSql::ReadThenLease {
+            read: "SELECT o.id, o.message_id, o.destination, o.partition_key, o.payload, \
+                   o.headers, o.created_at, o.attempts + 1 AS attempts, o.first_published_at \
+                   FROM outbox o \
+                   WHERE o.sent_at IS NULL AND o.dead_at IS NULL AND o.available_at <= ? \
+                   AND (o.leased_until IS NULL OR o.leased_until <= ?) \
+                   AND (o.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM outbox e \
+                   WHERE e.partition_key = o.partition_key AND e.id < o.id AND e.sent_at IS NULL)) \
+                   ORDER BY o.id LIMIT ? + 0",
+            lease: |ids| {
+                format!(
+                    "UPDATE outbox SET attempts = attempts + 1, leased_until = ?, \
+                     lease_token = ?, first_published_at = COALESCE(first_published_at, ?) \
+                     WHERE id IN ({})",
+                    repeat_list("?", ids)
+                )
+            },
+            options: CLAIM_TRANSACTION,
+        }
     }
 
     /// No transaction pooler stands in front of SQLite.

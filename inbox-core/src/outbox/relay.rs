@@ -13,8 +13,8 @@ use crate::metrics::facade;
 use crate::silence::within;
 use chrono::{DateTime, Utc};
 use sea_orm::{
-    ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend, DbErr, FromQueryResult,
-    Statement, TransactionTrait,
+    ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend, DbErr, Statement,
+    TransactionTrait,
 };
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
@@ -949,8 +949,25 @@ async fn claim_rows<C: ConnectionTrait>(
     plan: ClaimPlan,
 ) -> Result<Vec<ClaimedRow>, DbErr> {
     let mut rows = match plan {
-        ClaimPlan::Alone(update) | ClaimPlan::InTransaction(update, _) => {
-            ClaimedRow::find_by_statement(update).all(conn).await?
+        ClaimPlan::InTransaction(update, _) => {
+            ClaimedRow::decode_all(&conn.query_all_raw(update).await?)?
+        }
+        ClaimPlan::ReadThenLease(plan) => {
+            let rows = ClaimedRow::decode_all(&conn.query_all_raw(plan.read.clone()).await?)?;
+            if rows.is_empty() {
+                return Ok(rows);
+            }
+            let ids: Vec<i64> = rows.iter().map(ClaimedRow::id).collect();
+            let leased = conn.execute_raw(plan.lease(&ids)).await?.rows_affected();
+            // Only a trigger that skips rows could take fewer under the write lock: none
+            // of the batch is published unleased (the error rolls the claim back).
+            if leased != ids.len() as u64 {
+                return Err(DbErr::Custom(format!(
+                    "the relay's lease took {leased} of the {} rows it read",
+                    ids.len()
+                )));
+            }
+            rows
         }
         ClaimPlan::ReadLeaseReadBack(plan) => {
             let candidates: Vec<i64> = conn
@@ -971,9 +988,7 @@ async fn claim_rows<C: ConnectionTrait>(
             {
                 return Ok(Vec::new());
             }
-            ClaimedRow::find_by_statement(plan.leased(&candidates))
-                .all(conn)
-                .await?
+            ClaimedRow::decode_all(&conn.query_all_raw(plan.leased(&candidates)).await?)?
         }
     };
     // `UPDATE ... RETURNING` returns its rows in no promised order.
