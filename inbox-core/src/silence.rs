@@ -28,15 +28,17 @@ pub(crate) async fn answered_within<F: Future>(
         .map_err(|waited| InboxError::DatabaseSilent { operation, waited })
 }
 
-/// [`answered_within`] with [`Inbox::DEFAULT_PARTITION_TIMEOUT`], for a call on a
-/// connection of `backend` that has no option to change it (a batch claim on the caller's
-/// transaction).
+/// [`answered_within`] with [`Inbox::DEFAULT_PARTITION_TIMEOUT`] on `timer`, for a call on
+/// a connection of `backend` that has no option to change it (a batch claim on the
+/// caller's transaction).
 pub(crate) async fn answered_on<F: Future>(
+    timer: &mut StepTimer,
     backend: DbBackend,
     operation: &'static str,
     future: F,
 ) -> Result<F::Output, InboxError> {
-    within(backend, Inbox::DEFAULT_PARTITION_TIMEOUT, future)
+    timer
+        .within(bound_for(backend, Inbox::DEFAULT_PARTITION_TIMEOUT), future)
         .await
         .map_err(|waited| InboxError::DatabaseSilent { operation, waited })
 }

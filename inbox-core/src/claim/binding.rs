@@ -154,18 +154,21 @@ pub(crate) async fn commit_claim(
     failed: impl FnOnce(DbErr) -> InboxError,
 ) -> Result<(), InboxError> {
     // One timer for the commit's steps: settling (which waits only for a statement the
-    // caller left in flight), the proof when one is needed, and COMMIT.
-    let mut timer = StepTimer::default();
+    // caller left in flight), the proof when one is needed, and COMMIT; on an observed
+    // transaction, the one its claim ran on.
     let observed = match given.0 {
         Given::Plain(txn) => {
             if let Some(ClaimBinding::Observed(_)) = binding {
                 roll_back(txn).await;
                 return Err(held.not_claiming());
             }
-            return held.commit(txn, &mut timer, silent, failed).await;
+            return held
+                .commit(txn, &mut StepTimer::default(), silent, failed)
+                .await;
         }
         Given::Observed(observed) => observed,
     };
+    let mut timer = observed.take_step_timer();
     let given = observed.binding();
     let bound = bound_for(
         observed.get_database_backend(),
