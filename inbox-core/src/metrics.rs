@@ -73,6 +73,42 @@ impl InboxMetrics {
     }
 }
 
+/// How a delivery was settled, as the `inbox.outcome` label and the span's `outcome`
+/// field name it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Settled {
+    Processed,
+    Duplicate,
+    Refused,
+    HandlerError,
+    Failed,
+    RetriesExhausted,
+}
+
+impl Settled {
+    /// Every outcome, in the order [`facade::ConsumerKeys`] keeps their keys.
+    #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+    const ALL: [Settled; 6] = [
+        Settled::Processed,
+        Settled::Duplicate,
+        Settled::Refused,
+        Settled::HandlerError,
+        Settled::Failed,
+        Settled::RetriesExhausted,
+    ];
+
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            Settled::Processed => "processed",
+            Settled::Duplicate => "duplicate",
+            Settled::Refused => "refused",
+            Settled::HandlerError => "handler_error",
+            Settled::Failed => "failed",
+            Settled::RetriesExhausted => "retries_exhausted",
+        }
+    }
+}
+
 /// The names under which the crate reports through the [`metrics`](https://docs.rs/metrics)
 /// facade when its `metrics` feature is on, after OpenTelemetry's messaging conventions
 /// where one fits. A Prometheus exporter writes the dots as underscores
@@ -116,25 +152,98 @@ pub mod metric_names {
 /// compiler removes, so callers never look at the feature.
 #[cfg(feature = "metrics")]
 pub(crate) mod facade {
+    use super::Settled;
     use super::metric_names::*;
+    use metrics::{Key, Level, Metadata};
     use std::time::Duration;
 
-    pub(crate) fn settled(consumer: &str, outcome: &'static str, took: Duration) {
-        let labels = [
-            (CONSUMER_LABEL, consumer.to_owned()),
-            (OUTCOME_LABEL, outcome.to_owned()),
-        ];
-        metrics::counter!(CONSUMED_MESSAGES, &labels).increment(1);
-        metrics::histogram!(PROCESS_DURATION, &labels).record(took.as_secs_f64());
+    /// What the facade's macros pass with each call (this module and INFO).
+    static METADATA: Metadata<'static> =
+        Metadata::new(module_path!(), Level::INFO, Some(module_path!()));
+
+    /// The keys of one consumer's metrics, labels included, built once per `Inbox` rather
+    /// than per message (two labels, their strings and the key's hash each time). Each
+    /// call still asks the recorder installed at that moment, as the macros do.
+    #[derive(Debug)]
+    pub(crate) struct ConsumerKeys {
+        /// Per outcome, in [`Settled::ALL`]'s order: the consumed counter and the
+        /// duration histogram.
+        settled: [(Key, Key); 6],
+        claim_wait: Key,
+        transient_retries: Key,
     }
 
-    pub(crate) fn claim_wait(consumer: &str, took: Duration) {
-        metrics::histogram!(CLAIM_WAIT, CONSUMER_LABEL => consumer.to_owned())
-            .record(took.as_secs_f64());
+    impl ConsumerKeys {
+        pub(crate) fn new(consumer: &str) -> Self {
+            let by_consumer = |name: &'static str| {
+                Key::from_parts(name, &[(CONSUMER_LABEL, consumer.to_owned())])
+            };
+            Self {
+                settled: Settled::ALL.map(|outcome| {
+                    let labels = [
+                        (CONSUMER_LABEL, consumer.to_owned()),
+                        (OUTCOME_LABEL, outcome.label().to_owned()),
+                    ];
+                    (
+                        Key::from_parts(CONSUMED_MESSAGES, &labels),
+                        Key::from_parts(PROCESS_DURATION, &labels),
+                    )
+                }),
+                claim_wait: by_consumer(CLAIM_WAIT),
+                transient_retries: by_consumer(TRANSIENT_RETRIES),
+            }
+        }
+
+        /// The consumed counter's and the duration histogram's keys of `outcome`.
+        pub(super) fn settled(&self, outcome: Settled) -> (&Key, &Key) {
+            let [
+                processed,
+                duplicate,
+                refused,
+                handler_error,
+                failed,
+                exhausted,
+            ] = &self.settled;
+            let (consumed, duration) = match outcome {
+                Settled::Processed => processed,
+                Settled::Duplicate => duplicate,
+                Settled::Refused => refused,
+                Settled::HandlerError => handler_error,
+                Settled::Failed => failed,
+                Settled::RetriesExhausted => exhausted,
+            };
+            (consumed, duration)
+        }
+
+        pub(super) fn claim_wait(&self) -> &Key {
+            &self.claim_wait
+        }
     }
 
-    pub(crate) fn transient_retry(consumer: &str) {
-        metrics::counter!(TRANSIENT_RETRIES, CONSUMER_LABEL => consumer.to_owned()).increment(1);
+    pub(crate) fn settled(keys: &ConsumerKeys, outcome: Settled, took: Duration) {
+        let (consumed, duration) = keys.settled(outcome);
+        metrics::with_recorder(|recorder| {
+            recorder.register_counter(consumed, &METADATA).increment(1);
+            recorder
+                .register_histogram(duration, &METADATA)
+                .record(took.as_secs_f64());
+        });
+    }
+
+    pub(crate) fn claim_wait(keys: &ConsumerKeys, took: Duration) {
+        metrics::with_recorder(|recorder| {
+            recorder
+                .register_histogram(keys.claim_wait(), &METADATA)
+                .record(took.as_secs_f64());
+        });
+    }
+
+    pub(crate) fn transient_retry(keys: &ConsumerKeys) {
+        metrics::with_recorder(|recorder| {
+            recorder
+                .register_counter(&keys.transient_retries, &METADATA)
+                .increment(1);
+        });
     }
 
     pub(crate) fn purged(rows: u64) {
@@ -150,15 +259,60 @@ pub(crate) mod facade {
 
 #[cfg(not(feature = "metrics"))]
 pub(crate) mod facade {
+    use super::Settled;
     use std::time::Duration;
 
-    pub(crate) fn settled(_consumer: &str, _outcome: &'static str, _took: Duration) {}
+    #[derive(Debug)]
+    pub(crate) struct ConsumerKeys;
 
-    pub(crate) fn claim_wait(_consumer: &str, _took: Duration) {}
+    impl ConsumerKeys {
+        pub(crate) fn new(_consumer: &str) -> Self {
+            Self
+        }
+    }
 
-    pub(crate) fn transient_retry(_consumer: &str) {}
+    pub(crate) fn settled(_keys: &ConsumerKeys, _outcome: Settled, _took: Duration) {}
+
+    pub(crate) fn claim_wait(_keys: &ConsumerKeys, _took: Duration) {}
+
+    pub(crate) fn transient_retry(_keys: &ConsumerKeys) {}
 
     pub(crate) fn purged(_rows: u64) {}
 
     pub(crate) fn outbox_relayed(_published: u64, _failed: u64, _dead: u64) {}
+}
+
+#[cfg(all(test, feature = "metrics"))]
+mod tests {
+    use super::Settled;
+    use super::facade::ConsumerKeys;
+    use super::metric_names::*;
+
+    /// The keys built once per inbox name what the macros named per message: each metric
+    /// with the consumer's label and, for a settlement, its outcome.
+    #[test]
+    fn keys_built_once_carry_the_labels_of_each_call() {
+        let keys = ConsumerKeys::new("billing");
+        let labels = |key: &metrics::Key| {
+            key.labels()
+                .map(|label| (label.key().to_owned(), label.value().to_owned()))
+                .collect::<Vec<_>>()
+        };
+        for outcome in [Settled::Processed, Settled::RetriesExhausted] {
+            let (consumed, duration) = keys.settled(outcome);
+            let expected = vec![
+                (CONSUMER_LABEL.to_owned(), "billing".to_owned()),
+                (OUTCOME_LABEL.to_owned(), outcome.label().to_owned()),
+            ];
+            assert_eq!(consumed.name(), CONSUMED_MESSAGES);
+            assert_eq!(duration.name(), PROCESS_DURATION);
+            assert_eq!(labels(consumed), expected);
+            assert_eq!(labels(duration), expected);
+        }
+        assert_eq!(
+            labels(keys.claim_wait()),
+            vec![(CONSUMER_LABEL.to_owned(), "billing".to_owned())]
+        );
+        assert_eq!(keys.claim_wait().name(), CLAIM_WAIT);
+    }
 }

@@ -5,8 +5,12 @@
 use crate::backend::over_network;
 use crate::{Inbox, InboxError};
 use sea_orm::{DatabaseConnection, DbBackend};
-use std::future::Future;
+use std::future::{Future, poll_fn};
+use std::pin::{Pin, pin};
+use std::task::Poll;
 use std::time::Duration;
+use tokio::task::coop;
+use tokio::time::{Instant, Sleep};
 
 /// Awaits `future`, a database call on `db`, at most `timeout`, and reports
 /// [`InboxError::DatabaseSilent`] for `operation` past it. Dropping the future gives up
@@ -24,15 +28,17 @@ pub(crate) async fn answered_within<F: Future>(
         .map_err(|waited| InboxError::DatabaseSilent { operation, waited })
 }
 
-/// [`answered_within`] with [`Inbox::DEFAULT_PARTITION_TIMEOUT`], for a call on a
-/// connection of `backend` that has no option to change it (a batch claim on the caller's
-/// transaction).
+/// [`answered_within`] with [`Inbox::DEFAULT_PARTITION_TIMEOUT`] on `timer`, for a call on
+/// a connection of `backend` that has no option to change it (a batch claim on the
+/// caller's transaction).
 pub(crate) async fn answered_on<F: Future>(
+    timer: &mut StepTimer,
     backend: DbBackend,
     operation: &'static str,
     future: F,
 ) -> Result<F::Output, InboxError> {
-    within(backend, Inbox::DEFAULT_PARTITION_TIMEOUT, future)
+    timer
+        .within(bound_for(backend, Inbox::DEFAULT_PARTITION_TIMEOUT), future)
         .await
         .map_err(|waited| InboxError::DatabaseSilent { operation, waited })
 }
@@ -52,6 +58,66 @@ pub(crate) async fn within_bound<F: Future>(
     match bound {
         Some(bound) => tokio::time::timeout(bound, future).await.map_err(|_| bound),
         None => Ok(future.await),
+    }
+}
+
+/// One timer for the steps of a call, each bounded on its own: a step that finishes at its
+/// first poll arms nothing, and the timer armed by the first step that waits serves every
+/// later one. A later step's deadline is never earlier than the one armed before it (its
+/// bound counts from a later start) unless its bound is shorter, so the timer fires at or
+/// before the deadline of the step waiting on it; fired early, it is armed again for that
+/// step's deadline. So each step still waits at most its bound, and a call registers one
+/// timer with the runtime instead of one per step (each registration takes the time
+/// driver's lock twice, to insert and to remove its entry).
+#[derive(Debug, Default)]
+pub(crate) struct StepTimer {
+    timer: Option<Pin<Box<Sleep>>>,
+}
+
+impl StepTimer {
+    /// Waits for `future` at most `bound` (without one, as long as it takes), counted from
+    /// its first wait; past it the future is dropped and the error is the bound waited.
+    pub(crate) async fn within<F: Future>(
+        &mut self,
+        bound: Option<Duration>,
+        future: F,
+    ) -> Result<F::Output, Duration> {
+        let Some(bound) = bound else {
+            return Ok(future.await);
+        };
+        let mut future = pin!(future);
+        let mut deadline = None;
+        poll_fn(|cx| {
+            let had_budget = coop::has_budget_remaining();
+            if let Poll::Ready(output) = future.as_mut().poll(cx) {
+                return Poll::Ready(Ok(output));
+            }
+            let deadline = *deadline.get_or_insert_with(|| Instant::now() + bound);
+            let timer = self
+                .timer
+                .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+            if timer.deadline() > deadline {
+                timer.as_mut().reset(deadline);
+            }
+            loop {
+                // As `tokio::time::timeout` does: when the step used up the task's budget,
+                // the timer is still asked, so a busy step cannot outlive its bound.
+                let fired = if had_budget && !coop::has_budget_remaining() {
+                    Pin::new(&mut coop::unconstrained(timer.as_mut())).poll(cx)
+                } else {
+                    timer.as_mut().poll(cx)
+                };
+                match fired {
+                    Poll::Pending => return Poll::Pending,
+                    // Armed for an earlier step's deadline: this step's is still to come.
+                    Poll::Ready(()) if timer.deadline() < deadline => {
+                        timer.as_mut().reset(deadline)
+                    }
+                    Poll::Ready(()) => return Poll::Ready(Err(bound)),
+                }
+            }
+        })
+        .await
     }
 }
 
@@ -81,5 +147,34 @@ mod tests {
         };
         let answer = answered_within(&db, Duration::from_millis(1), "a slow read", slow).await;
         assert_eq!(answer.ok(), Some("answered"));
+    }
+
+    /// The steps of one call share a timer and each keeps its own bound: a step longer
+    /// than an earlier step's bound but within its own finishes (the timer armed for the
+    /// earlier one fires early and is armed again), and a step past its own bound fails
+    /// at that bound, not at a later one an earlier step armed.
+    #[tokio::test]
+    async fn steps_sharing_a_timer_keep_their_own_bounds() {
+        let mut timer = StepTimer::default();
+        let ms = Duration::from_millis;
+        let quick = timer.within(Some(ms(50)), tokio::time::sleep(ms(10))).await;
+        assert_eq!(quick, Ok(()), "the first step arms the timer for 50 ms");
+        let longer = timer
+            .within(Some(ms(400)), tokio::time::sleep(ms(150)))
+            .await;
+        assert_eq!(longer, Ok(()), "150 ms is within this step's own 400 ms");
+        let started = std::time::Instant::now();
+        let stuck = timer
+            .within(Some(ms(30)), std::future::pending::<()>())
+            .await;
+        assert_eq!(stuck, Err(ms(30)));
+        assert!(
+            started.elapsed() < ms(250),
+            "a step is cut at its own bound, not at the one armed before it ({:?})",
+            started.elapsed()
+        );
+        let at_once = timer.within(Some(ms(1)), async { 7 }).await;
+        assert_eq!(at_once, Ok(7));
+        assert_eq!(StepTimer::default().within(None, async { 8 }).await, Ok(8));
     }
 }

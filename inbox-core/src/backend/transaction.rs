@@ -11,6 +11,7 @@ use sea_orm::{
 };
 use std::future::Future;
 use std::pin::Pin;
+use std::task::{Context, Poll, ready};
 
 /// Runs `work` to its end even if the caller stops awaiting it, so that a caller dropped
 /// meanwhile (an aborted consumer task, a `select!` that picked shutdown, a step's
@@ -24,24 +25,32 @@ use std::pin::Pin;
 /// where it is needed only when the caller goes away. A caller dropped before the work
 /// finished hands it to a task of its own then ([`Unfinished`]), where it finishes, and a
 /// transaction nobody awaits any more is dropped, which rolls it back.
-pub(crate) async fn to_completion<T: Send + 'static>(
+pub(crate) fn to_completion<T: Send + 'static>(
     work: impl Future<Output = Result<T, DbErr>> + Send + 'static,
-) -> Result<T, DbErr> {
-    let mut unfinished = Unfinished(Some(Box::pin(work)));
-    let result = std::future::poll_fn(|cx| match unfinished.0.as_mut() {
-        Some(work) => work.as_mut().poll(cx),
-        // Only after `Ready`, which ends this `poll_fn`: never polled again.
-        None => std::task::Poll::Pending,
-    })
-    .await;
-    unfinished.0 = None;
-    result
+) -> impl Future<Output = Result<T, DbErr>> + Send {
+    Unfinished(Some(Box::pin(work)))
 }
 
 /// Work [`to_completion`] polls, until it finished. Dropped before then, it hands the work
 /// to a task of its own on the current runtime. Without one (the runtime shutting down, a
 /// drop outside it) the work is dropped, as the runtime drops its tasks when it shuts down.
 struct Unfinished<F: Future + Send + 'static>(Option<Pin<Box<F>>>);
+
+impl<F: Future + Send + 'static> Future for Unfinished<F> {
+    type Output = F::Output;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        let Some(work) = self.0.as_mut() else {
+            // Polled again after `Ready`, which the `Future` contract leaves to the
+            // implementation: it never finishes twice.
+            return Poll::Pending;
+        };
+        let done = ready!(work.as_mut().poll(cx));
+        // Finished: nothing left to hand on when it is dropped.
+        self.0 = None;
+        Poll::Ready(done)
+    }
+}
 
 impl<F: Future + Send + 'static> Drop for Unfinished<F> {
     fn drop(&mut self) {

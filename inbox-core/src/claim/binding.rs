@@ -10,7 +10,7 @@ use crate::backend::{
     CLAIM_TRANSACTION, ConnectionBoundsKnown, SilentEnds, begin_to_completion, roll_back,
 };
 use crate::observed::{Binding, ObservedTransaction, Verdict};
-use crate::silence::{bound_for, within};
+use crate::silence::{StepTimer, bound_for};
 use crate::{Inbox, InboxError};
 use sea_orm::{ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbErr};
 use std::sync::LazyLock;
@@ -153,19 +153,29 @@ pub(crate) async fn commit_claim(
     silent: impl Fn(Step, Duration) -> InboxError,
     failed: impl FnOnce(DbErr) -> InboxError,
 ) -> Result<(), InboxError> {
+    // One timer for the commit's steps: settling (which waits only for a statement the
+    // caller left in flight), the proof when one is needed, and COMMIT; on an observed
+    // transaction, the one its claim ran on.
     let observed = match given.0 {
         Given::Plain(txn) => {
             if let Some(ClaimBinding::Observed(_)) = binding {
                 roll_back(txn).await;
                 return Err(held.not_claiming());
             }
-            return held.commit(txn, silent, failed).await;
+            return held
+                .commit(txn, &mut StepTimer::default(), silent, failed)
+                .await;
         }
         Given::Observed(observed) => observed,
     };
+    let mut timer = observed.take_step_timer();
     let given = observed.binding();
-    let backend = observed.get_database_backend();
-    let (txn, verdict) = within(backend, Inbox::DEFAULT_PARTITION_TIMEOUT, observed.settle())
+    let bound = bound_for(
+        observed.get_database_backend(),
+        Inbox::DEFAULT_PARTITION_TIMEOUT,
+    );
+    let (txn, verdict) = timer
+        .within(bound, observed.settle())
         .await
         .map_err(|waited| silent(Step::Proof, waited))?
         .map_err(|err| held.lost(Some(err)))?;
@@ -182,8 +192,8 @@ pub(crate) async fn commit_claim(
         Some(ClaimBinding::Observed(claimed))
             if verdict == Verdict::Clean && !claimed.silent_end =>
         {
-            Held::commit_unproven(txn, silent, failed).await
+            Held::commit_unproven(txn, &mut timer, silent, failed).await
         }
-        _ => held.commit(txn, silent, failed).await,
+        _ => held.commit(txn, &mut timer, silent, failed).await,
     }
 }

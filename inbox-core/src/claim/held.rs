@@ -14,7 +14,7 @@ use crate::backend::{
     batch_marker_held_sql, marker_held_statement, roll_back, savepoint_missing_in_open_transaction,
     transaction_ended,
 };
-use crate::silence::within;
+use crate::silence::{StepTimer, bound_for};
 use crate::{Inbox, InboxError, MessageId};
 use sea_orm::{ConnectionTrait, DatabaseTransaction, DbErr, Statement, Value};
 use sea_orm_inbox_entity::InboxTable;
@@ -288,31 +288,34 @@ impl<'a> Held<'a> {
     pub(crate) async fn commit(
         &self,
         txn: DatabaseTransaction,
+        timer: &mut StepTimer,
         silent: impl Fn(Step, Duration) -> InboxError,
         failed: impl FnOnce(DbErr) -> InboxError,
     ) -> Result<(), InboxError> {
-        let backend = txn.get_database_backend();
-        let timeout = Inbox::DEFAULT_PARTITION_TIMEOUT;
-        let proven = within(backend, timeout, self.prove(&txn))
+        let bound = bound_for(txn.get_database_backend(), Inbox::DEFAULT_PARTITION_TIMEOUT);
+        let proven = timer
+            .within(bound, self.prove(&txn))
             .await
             .map_err(|waited| silent(Step::Proof, waited))?;
         if let Err(lost) = proven {
             roll_back(txn).await;
             return Err(lost);
         }
-        Self::commit_unproven(txn, silent, failed).await
+        Self::commit_unproven(txn, timer, silent, failed).await
     }
 
     /// Commits `txn`, whose claim is already known to be held, waiting at most
-    /// [`Inbox::DEFAULT_PARTITION_TIMEOUT`] (past which `silent` makes the error; a COMMIT
-    /// that failed, `failed`).
+    /// [`Inbox::DEFAULT_PARTITION_TIMEOUT`] on `timer`, the one the commit's earlier steps
+    /// used (past which `silent` makes the error; a COMMIT that failed, `failed`).
     pub(crate) async fn commit_unproven(
         txn: DatabaseTransaction,
+        timer: &mut StepTimer,
         silent: impl Fn(Step, Duration) -> InboxError,
         failed: impl FnOnce(DbErr) -> InboxError,
     ) -> Result<(), InboxError> {
-        let backend = txn.get_database_backend();
-        within(backend, Inbox::DEFAULT_PARTITION_TIMEOUT, txn.commit())
+        let bound = bound_for(txn.get_database_backend(), Inbox::DEFAULT_PARTITION_TIMEOUT);
+        timer
+            .within(bound, txn.commit())
             .await
             .map_err(|waited| silent(Step::Commit, waited))?
             .map_err(failed)

@@ -4,7 +4,7 @@
 
 use crate::backend::ProcessMarker;
 use crate::consumer::validate_claim;
-use crate::silence::answered_on;
+use crate::silence::{StepTimer, answered_on};
 use crate::{Delivery, Inbox, InboxError, Refusal};
 use chrono::Utc;
 use sea_orm::{ConnectionTrait, DatabaseTransaction};
@@ -390,20 +390,42 @@ macro_rules! claims_on {
 claims_on!(DatabaseTransaction);
 claims_on!(ObservedTransaction);
 
-/// What a claim on a transaction binds to without a statement, if anything.
+/// What a claim on a transaction binds to without a statement, if anything, and the
+/// timer its bound runs on.
 trait ClaimBound {
     fn claim_binding(&self) -> Option<Binding>;
+
+    /// The timer of the transaction's bounded steps, taken for one; a fresh one where
+    /// the transaction keeps none.
+    fn step_timer(&self) -> StepTimer;
+
+    /// Gives back the timer [`step_timer`](Self::step_timer) took.
+    fn keep_step_timer(&self, timer: StepTimer);
 }
 
 impl ClaimBound for DatabaseTransaction {
     fn claim_binding(&self) -> Option<Binding> {
         None
     }
+
+    fn step_timer(&self) -> StepTimer {
+        StepTimer::default()
+    }
+
+    fn keep_step_timer(&self, _timer: StepTimer) {}
 }
 
 impl ClaimBound for ObservedTransaction {
     fn claim_binding(&self) -> Option<Binding> {
         self.binding()
+    }
+
+    fn step_timer(&self) -> StepTimer {
+        self.take_step_timer()
+    }
+
+    fn keep_step_timer(&self, timer: StepTimer) {
+        self.put_step_timer(timer);
     }
 }
 
@@ -450,7 +472,18 @@ fn claim_one<C: ConnectionTrait + ClaimBound + Sync>(
                     }
                 };
                 let backend = txn.get_database_backend();
-                unresponsive_within(backend, message_id, consumer, "the claim", claim).await?
+                let mut timer = txn.step_timer();
+                let claimed = unresponsive_within(
+                    &mut timer,
+                    backend,
+                    message_id,
+                    consumer,
+                    "the claim",
+                    claim,
+                )
+                .await;
+                txn.keep_step_timer(timer);
+                claimed?
             }
             Err(refusal) => {
                 // Bad input is still reported first, as for an admitted delivery.
@@ -491,6 +524,9 @@ fn claim_many<C: ConnectionTrait + ClaimBound + Sync>(
                 .map_err(|err| batch.held().lost(Some(err)))?;
             Ok(batch.bound_to(binding))
         };
-        answered_on(backend, "the batch claim", claim).await?
+        let mut timer = txn.step_timer();
+        let claimed = answered_on(&mut timer, backend, "the batch claim", claim).await;
+        txn.keep_step_timer(timer);
+        claimed?
     }
 }

@@ -9,7 +9,7 @@ use crate::backend::{
 };
 use crate::clock::now_micros;
 use crate::consumer::validate_claim;
-use crate::silence::within;
+use crate::silence::{StepTimer, bound_for, within};
 use crate::{Inbox, InboxError, MessageId};
 use sea_orm::sea_query::{Expr, ExprTrait, Query};
 use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend, DbErr};
@@ -221,16 +221,18 @@ impl ClaimedMessage {
 }
 
 /// Awaits `future`, a statement of a claim of `message_id` for `consumer` in a caller's
-/// transaction, at most [`Inbox::DEFAULT_PARTITION_TIMEOUT`], and reports
+/// transaction, at most [`Inbox::DEFAULT_PARTITION_TIMEOUT`] on `timer`, and reports
 /// [`InboxError::DatabaseUnresponsive`] for `step` past it.
 pub(super) async fn unresponsive_within<F: Future>(
+    timer: &mut StepTimer,
     backend: DbBackend,
     message_id: MessageId,
     consumer: &str,
     step: &'static str,
     future: F,
 ) -> Result<F::Output, InboxError> {
-    within(backend, Inbox::DEFAULT_PARTITION_TIMEOUT, future)
+    timer
+        .within(bound_for(backend, Inbox::DEFAULT_PARTITION_TIMEOUT), future)
         .await
         .map_err(|waited| unresponsive(message_id, consumer, step, false, waited))
 }

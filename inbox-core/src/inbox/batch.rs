@@ -5,7 +5,7 @@ use super::{AttemptError, Inbox, sort_inbox_error};
 use crate::backend::{CLAIM_TRANSACTION, begin_to_completion};
 use crate::cause::reported_text;
 use crate::claim::sorted_batch;
-use crate::metrics::{Counter, facade};
+use crate::metrics::{Counter, Settled, facade};
 use crate::observed::ObservedTransaction;
 use crate::{
     Delivery, HandlerFuture, InboxError, InboxTransactionExt, MessageId, ProcessError, Refusal,
@@ -196,11 +196,11 @@ impl Inbox {
             || MessageId::from_uuid(uuid::Uuid::nil()),
             Delivery::message_id,
         );
-        let bound = self.step_bound(db);
-        let silent_end = self.silent_ends.possible(db, bound).await;
+        let mut steps = self.steps(db);
+        let silent_end = self.silent_ends.possible(db, steps.bound).await;
         let txn = self
             .bounded(
-                bound,
+                &mut steps,
                 named,
                 "BEGIN",
                 begin_to_completion(db, CLAIM_TRANSACTION),
@@ -213,7 +213,7 @@ impl Inbox {
         {
             Ok(batch) => batch,
             Err(err) => {
-                self.roll_back(bound, named, txn).await;
+                self.roll_back(&mut steps, named, txn).await;
                 return Err(match err {
                     // The read-back missed the batch's rows after a silent brute-force
                     // abort: the database's doing, retried like a conflict.
@@ -225,7 +225,7 @@ impl Inbox {
             }
         };
         if batch.claimed.is_empty() {
-            self.roll_back(bound, named, txn).await;
+            self.roll_back(&mut steps, named, txn).await;
             return Ok(BatchOutcome {
                 value: None,
                 processed: Vec::new(),
@@ -236,16 +236,23 @@ impl Inbox {
         let observed = ObservedTransaction::new(txn);
         let returned = self
             .bounded(
-                bound,
+                &mut steps,
                 named,
                 "the handler",
                 handler(&observed, &batch.claimed),
             )
             .await?;
         let (value, txn) = self
-            .conclude(bound, named, observed, returned, &batch.held(), silent_end)
+            .conclude(
+                &mut steps,
+                named,
+                observed,
+                returned,
+                &batch.held(),
+                silent_end,
+            )
             .await?;
-        self.commit_attempt(bound, named, txn).await?;
+        self.commit_attempt(&mut steps, named, txn).await?;
         Ok(BatchOutcome {
             value: Some(value),
             processed: batch.claimed,
@@ -270,7 +277,7 @@ impl Inbox {
                         self.metrics.count(counter);
                     }
                 }
-                facade::settled(&self.consumer, "processed", started.elapsed());
+                facade::settled(&self.metric_keys, Settled::Processed, started.elapsed());
                 tracing::debug!(
                     processed = outcome.processed.len(),
                     duplicates = outcome.duplicates.len(),
@@ -280,7 +287,7 @@ impl Inbox {
             }
             Err(err) => {
                 self.metrics.count(Counter::Failure);
-                facade::settled(&self.consumer, "failed", started.elapsed());
+                facade::settled(&self.metric_keys, Settled::Failed, started.elapsed());
                 let error = match err.inbox_error() {
                     Some(cause) => cause.to_string(),
                     None => err.handler_error().map(reported_text).unwrap_or_default(),

@@ -5,10 +5,10 @@ use crate::backend::{
 use crate::cause::{db_cause, reported_text};
 use crate::claim::{Held, insert_marker, marker_token};
 use crate::consumer::{validate_consumer, validate_message_id};
-use crate::metrics::{Counter, InboxMetrics, facade};
+use crate::metrics::{Counter, InboxMetrics, Settled, facade};
 use crate::observed::{ObservedTransaction, Verdict};
 use crate::pooler::in_own_transaction;
-use crate::silence::{bound_for, within_bound};
+use crate::silence::{StepTimer, bound_for};
 use crate::{
     AdmissionFloor, Claim, Delivery, InboxError, MessageId, Outcome, ProcessError, RetryPolicy,
 };
@@ -83,6 +83,8 @@ pub struct Inbox {
     floor: Option<AdmissionFloor>,
     partition_timeout: Duration,
     metrics: Arc<InboxMetrics>,
+    /// The keys this consumer reports under to the `metrics` facade, built once.
+    metric_keys: Arc<facade::ConsumerKeys>,
     /// Whether the server of a pool can end a transaction silently: shared by
     /// the clones of an inbox, so that the replicas' tasks read it once.
     silent_ends: Arc<SilentEnds>,
@@ -108,6 +110,12 @@ impl<T> Call<T> {
             in_doubt: None,
         }
     }
+}
+
+/// The bound on each step of one attempt, and the timer its steps share.
+struct Steps {
+    bound: Option<Duration>,
+    timer: StepTimer,
 }
 
 /// How one attempt ended short of an outcome.
@@ -152,6 +160,7 @@ impl Inbox {
         let consumer = consumer.into();
         validate_consumer(&consumer)?;
         Ok(Self {
+            metric_keys: Arc::new(facade::ConsumerKeys::new(&consumer)),
             consumer: consumer.into(),
             table: InboxTable::default(),
             retry: RetryPolicy::default(),
@@ -438,7 +447,7 @@ impl Inbox {
             duration_ms = tracing::field::Empty,
         );
         let started = Instant::now();
-        async {
+        let run = async {
             // Before any transaction: with the database down, a nil id must still come
             // back as the input error it is, not as exhausted retries of BEGIN. The
             // consumer was checked when the inbox was made.
@@ -455,7 +464,10 @@ impl Inbox {
             let mut attempt = 1;
             let mut call = Call::new();
             let result = loop {
-                match self.attempt(db, message_id, &mut call, &mut handler).await {
+                // Boxed: the attempt's state is most of the call's, which its caller would
+                // otherwise move whole (a copy of every step's future) when it awaits it.
+                let attempt_once = Box::pin(self.attempt(db, message_id, &mut call, &mut handler));
+                match attempt_once.await {
                     Ok(outcome) => break Ok(outcome),
                     Err(err) => {
                         let in_doubt = call.in_doubt.is_some();
@@ -469,9 +481,13 @@ impl Inbox {
             };
             self.record(&result, attempt, started);
             result
+        };
+        // A span no subscriber wants is not entered at each poll of the call.
+        if span.is_disabled() {
+            run.await
+        } else {
+            run.instrument(span).await
         }
-        .instrument(span)
-        .await
     }
 
     /// After the failed attempt number `attempt`: `Ok` once the pause before the next one
@@ -509,7 +525,7 @@ impl Inbox {
 
     async fn before_retry(&self, attempt: u32, cause: &(dyn Display + Sync)) {
         self.metrics.count(Counter::TransientRetry);
-        facade::transient_retry(&self.consumer);
+        facade::transient_retry(&self.metric_keys);
         // INFO, not DEBUG: a retry is the first sign of contention or a failing server,
         // and operators filter at INFO.
         tracing::info!(attempt, error = %cause, "transient database failure; retrying in a fresh transaction");
@@ -527,15 +543,15 @@ impl Inbox {
         F: for<'t> FnMut(&'t ObservedTransaction) -> HandlerFuture<'t, T, E> + Send,
         E: 'static,
     {
-        let bound = self.step_bound(db);
-        let silent_end = self.silent_ends.possible(db, bound).await;
+        let mut steps = self.steps(db);
+        let silent_end = self.silent_ends.possible(db, steps.bound).await;
         let bounded_connection = self
             .connection_bounds
-            .carried(db, self.lock_timeout, self.partition_timeout, bound)
+            .carried(db, self.lock_timeout, self.partition_timeout, steps.bound)
             .await;
         let txn = self
             .bounded(
-                bound,
+                &mut steps,
                 message_id,
                 "BEGIN",
                 begin_to_completion(db, CLAIM_TRANSACTION),
@@ -551,15 +567,17 @@ impl Inbox {
         let claim_started = Instant::now();
         // The claim may wait for another transaction's lock first, as long as the lock
         // timeout allows: only silence beyond that is a partition.
+        let claim_bound = steps.bound.map(|bound| bound + self.lock_timeout);
         let claim = self
-            .bounded(
-                bound.map(|bound| bound + self.lock_timeout),
+            .bounded_by(
+                &mut steps.timer,
+                claim_bound,
                 message_id,
                 "the claim",
                 insert_marker(&txn, &self.table, message_id, &self.consumer, Some(process)),
             )
             .await?;
-        facade::claim_wait(&self.consumer, claim_started.elapsed());
+        facade::claim_wait(&self.metric_keys, claim_started.elapsed());
         let claimed = match claim {
             Ok(Claim::Claimed(claimed)) => {
                 // An earlier attempt's COMMIT did not land after all (or there was none).
@@ -567,32 +585,34 @@ impl Inbox {
                 claimed
             }
             Ok(Claim::Duplicate) => {
-                self.roll_back(bound, message_id, txn).await;
+                self.roll_back(&mut steps, message_id, txn).await;
                 return self.settle_duplicate(db, message_id, call).await;
             }
             // The marker insert itself refuses nothing (`process` admitted the delivery
             // before the first attempt); kept total rather than unreachable.
             Ok(Claim::Refused(refusal)) => {
-                self.roll_back(bound, message_id, txn).await;
+                self.roll_back(&mut steps, message_id, txn).await;
                 return Ok(Outcome::Refused(refusal));
             }
             Err(err) => {
                 // The failed INSERT may have ended the transaction (SQLite ends it on a
                 // trigger's RAISE(ROLLBACK), on SQLITE_FULL or IOERR): a dropped one would
                 // go back to the pool still counted as open.
-                self.roll_back(bound, message_id, txn).await;
+                self.roll_back(&mut steps, message_id, txn).await;
                 return Err(sort_inbox_error(err));
             }
         };
         let observed = ObservedTransaction::new(txn);
         let returned = self
-            .bounded(bound, message_id, "the handler", handler(&observed))
+            .bounded(&mut steps, message_id, "the handler", handler(&observed))
             .await?;
         let held = claimed.held();
         let (value, txn) = self
-            .conclude(bound, message_id, observed, returned, &held, silent_end)
+            .conclude(
+                &mut steps, message_id, observed, returned, &held, silent_end,
+            )
             .await?;
-        if let Err(err) = self.commit_attempt(bound, message_id, txn).await {
+        if let Err(err) = self.commit_attempt(&mut steps, message_id, txn).await {
             // The COMMIT may have landed with its reply lost, or be lost in a partition:
             // keep the value for the retry that finds out.
             call.in_doubt = Some(value);
@@ -614,7 +634,7 @@ impl Inbox {
     /// to commit.
     async fn conclude<T, E: 'static>(
         &self,
-        bound: Option<Duration>,
+        steps: &mut Steps,
         named: MessageId,
         observed: ObservedTransaction,
         returned: Result<T, E>,
@@ -622,13 +642,13 @@ impl Inbox {
         silent_end: bool,
     ) -> Result<(T, DatabaseTransaction), AttemptError<E>> {
         let (txn, verdict) = self
-            .bounded(bound, named, "the handler's statements", observed.settle())
+            .bounded(steps, named, "the handler's statements", observed.settle())
             .await?
             .map_err(|err| self.database_failure(named, err))?;
         let value = match returned {
             Ok(value) => value,
             Err(err) => {
-                self.roll_back(bound, named, txn).await;
+                self.roll_back(steps, named, txn).await;
                 return Err(Self::handler_failure(err, &verdict));
             }
         };
@@ -637,7 +657,7 @@ impl Inbox {
             // transaction: retried when that failure was transient (a deadlock, a lost
             // connection), `ClaimLost` (the handler went on after it) otherwise.
             Verdict::Ended(ending) => {
-                self.roll_back(bound, named, txn).await;
+                self.roll_back(steps, named, txn).await;
                 return Err(sort_inbox_error(held.lost(Some(ending))));
             }
             // Every statement succeeded in the transaction: it holds the marker, unless the
@@ -647,12 +667,12 @@ impl Inbox {
             Verdict::ProofNeeded => Proof::AfterHandlerFailure,
         };
         let proven = self
-            .bounded(bound, named, "the pre-commit check", held.prove(&txn))
+            .bounded(steps, named, "the pre-commit check", held.prove(&txn))
             .await?;
         match proven {
             Ok(()) => Ok((value, txn)),
             Err(err) => {
-                self.roll_back(bound, named, txn).await;
+                self.roll_back(steps, named, txn).await;
                 Err(match (proof, err) {
                     // No statement failed: the database ended the transaction on its own.
                     (Proof::AgainstSilentEnd, InboxError::ClaimLost { source: None, .. }) => {
@@ -671,34 +691,51 @@ impl Inbox {
     /// landed: its error says so.
     async fn commit_attempt<E>(
         &self,
-        bound: Option<Duration>,
+        steps: &mut Steps,
         named: MessageId,
         txn: DatabaseTransaction,
     ) -> Result<(), AttemptError<E>> {
-        match self.bounded(bound, named, "COMMIT", txn.commit()).await {
+        match self.bounded(steps, named, "COMMIT", txn.commit()).await {
             Ok(committed) => committed.map_err(|err| self.database_failure(named, err)),
             Err(AttemptError::Fatal(err)) => Err(AttemptError::Fatal(commit_in_doubt(err))),
             Err(err) => Err(err),
         }
     }
 
-    /// The bound on each step of an attempt on `db`: the partition timeout, or none where
-    /// no network can go silent (SQLite, whose waits its busy timeout bounds).
-    fn step_bound(&self, db: &DatabaseConnection) -> Option<Duration> {
-        bound_for(db.get_database_backend(), self.partition_timeout)
+    /// The bound on each step of an attempt on `db` (the partition timeout, or none where
+    /// no network can go silent: SQLite, whose waits its busy timeout bounds), and the one
+    /// timer the steps share.
+    fn steps(&self, db: &DatabaseConnection) -> Steps {
+        Steps {
+            bound: bound_for(db.get_database_backend(), self.partition_timeout),
+            timer: StepTimer::default(),
+        }
     }
 
-    /// Waits for one step of an attempt at most `bound`. Past it the step's future is
-    /// dropped, which gives up its connection; the attempt then drops its transaction
+    /// Waits for one step of an attempt at most `steps.bound`. Past it the step's future
+    /// is dropped, which gives up its connection; the attempt then drops its transaction
     /// without awaiting a ROLLBACK the silent database would not answer.
     async fn bounded<F: Future, E>(
         &self,
+        steps: &mut Steps,
+        message_id: MessageId,
+        step: &'static str,
+        future: F,
+    ) -> Result<F::Output, AttemptError<E>> {
+        self.bounded_by(&mut steps.timer, steps.bound, message_id, step, future)
+            .await
+    }
+
+    /// [`bounded`](Self::bounded) by `bound` instead of the attempt's own.
+    async fn bounded_by<F: Future, E>(
+        &self,
+        timer: &mut StepTimer,
         bound: Option<Duration>,
         message_id: MessageId,
         step: &'static str,
         future: F,
     ) -> Result<F::Output, AttemptError<E>> {
-        within_bound(bound, future).await.map_err(|waited| {
+        timer.within(bound, future).await.map_err(|waited| {
             AttemptError::Fatal(InboxError::DatabaseUnresponsive {
                 message_id,
                 consumer: self.consumer.to_string(),
@@ -709,15 +746,10 @@ impl Inbox {
         })
     }
 
-    /// Rolls `txn` back, within `bound`. A failed or unanswered rollback changes nothing:
-    /// the transaction is gone with its connection, or the server ends it.
-    async fn roll_back(
-        &self,
-        bound: Option<Duration>,
-        message_id: MessageId,
-        txn: DatabaseTransaction,
-    ) {
-        self.bounded::<_, ()>(bound, message_id, "ROLLBACK", roll_back(txn))
+    /// Rolls `txn` back, within the attempt's bound. A failed or unanswered rollback
+    /// changes nothing: the transaction is gone with its connection, or the server ends it.
+    async fn roll_back(&self, steps: &mut Steps, message_id: MessageId, txn: DatabaseTransaction) {
+        self.bounded::<_, ()>(steps, message_id, "ROLLBACK", roll_back(txn))
             .await
             .ok();
     }
@@ -739,12 +771,8 @@ impl Inbox {
         let read = in_own_transaction(db, async |txn| {
             marker_token(txn, &self.table, message_id, &self.consumer).await
         });
-        let token = self.bounded(
-            self.step_bound(db),
-            message_id,
-            "the lost-reply check",
-            read,
-        );
+        let mut steps = self.steps(db);
+        let token = self.bounded(&mut steps, message_id, "the lost-reply check", read);
         let token = match token.await {
             Ok(token) => token,
             Err(err) => {
@@ -790,16 +818,19 @@ impl Inbox {
         attempts: u32,
         started: Instant,
     ) {
-        let (counter, outcome) = match result {
-            Ok(Outcome::Processed(_)) => (Counter::Processed, "processed"),
-            Ok(Outcome::Duplicate) => (Counter::Duplicate, "duplicate"),
-            Ok(Outcome::Refused(_)) => (Counter::Refused, "refused"),
-            Err(ProcessError::Handler(_)) => (Counter::HandlerError, "handler_error"),
-            Err(ProcessError::Inbox(_)) => (Counter::Failure, "failed"),
-            Err(ProcessError::RetriesExhausted { .. }) => (Counter::Failure, "retries_exhausted"),
+        let (counter, settled) = match result {
+            Ok(Outcome::Processed(_)) => (Counter::Processed, Settled::Processed),
+            Ok(Outcome::Duplicate) => (Counter::Duplicate, Settled::Duplicate),
+            Ok(Outcome::Refused(_)) => (Counter::Refused, Settled::Refused),
+            Err(ProcessError::Handler(_)) => (Counter::HandlerError, Settled::HandlerError),
+            Err(ProcessError::Inbox(_)) => (Counter::Failure, Settled::Failed),
+            Err(ProcessError::RetriesExhausted { .. }) => {
+                (Counter::Failure, Settled::RetriesExhausted)
+            }
         };
         self.metrics.count(counter);
-        facade::settled(&self.consumer, outcome, started.elapsed());
+        facade::settled(&self.metric_keys, settled, started.elapsed());
+        let outcome = settled.label();
         let span = tracing::Span::current();
         span.record("outcome", outcome);
         span.record("attempts", attempts);
