@@ -382,10 +382,19 @@ impl Dialect for Postgres {
         false
     }
 
+    /// `(sent_at IS NULL) IS TRUE`, the same test as `sent_at IS NULL` (never unknown) but
+    /// not one an index can take, so the rows are found by primary key whatever the
+    /// table's statistics say. As a plain `sent_at IS NULL` it was an index condition on
+    /// `ix_outbox_pending`, and on a table without statistics (a new one; autovacuum
+    /// off) the plan was a bitmap of every unsent row: at 20,000 rows unsent each mark of
+    /// 100 read 20,000 index entries and 667 heap pages, 6-11 ms against 1.5 ms by key.
+    /// Below about 12,000 rows and without statistics the planner reads the table instead,
+    /// fewer pages than that bitmap visited. An `id = ANY(array)` instead of the list
+    /// changes none of this.
     fn outbox_mark_sent(&self, ids: usize) -> String {
         format!(
             "UPDATE outbox SET sent_at = $1, leased_until = NULL \
-             WHERE lease_token = $2 AND sent_at IS NULL AND id IN ({})",
+             WHERE lease_token = $2 AND (sent_at IS NULL) IS TRUE AND id IN ({})",
             numbered(3, ids)
         )
     }
@@ -395,10 +404,11 @@ impl Dialect for Postgres {
          WHERE id = $4 AND lease_token = $5 AND sent_at IS NULL"
     }
 
+    /// By primary key, as the mark.
     fn outbox_release(&self, ids: usize) -> String {
         format!(
             "UPDATE outbox SET leased_until = NULL, attempts = attempts - 1 \
-             WHERE lease_token = $1 AND sent_at IS NULL AND id IN ({})",
+             WHERE lease_token = $1 AND (sent_at IS NULL) IS TRUE AND id IN ({})",
             numbered(2, ids)
         )
     }
