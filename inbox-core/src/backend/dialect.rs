@@ -302,8 +302,8 @@ pub(super) enum OutboxClaimSql {
     /// times two), then `lease(n)` over `n` of those ids, an UPDATE by primary key that
     /// checks again that each is due and leases at most `limit` of them in `id` order
     /// (binds: leased_until, token, now (the stamp), the ids, now, now again, limit), then
-    /// `leased(n)`, a plain read of those ids' rows that the lease's token now holds
-    /// (binds: the ids, token).
+    /// `leased(n)`, a plain read of those ids' rows that the lease's token now holds, in
+    /// `id` order, at most as many as the lease took (binds: the ids, token, that count).
     #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
     ReadLeaseReadBack {
         candidates: &'static str,

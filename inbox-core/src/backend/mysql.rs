@@ -386,6 +386,13 @@ impl Dialect for MySql {
     /// Twice the batch in candidates lets a claim pass over a batch that another relay
     /// leased in the same instant and still fill its own.
     ///
+    /// The lease walks the primary key's ranges of the ids (`FORCE INDEX (PRIMARY)`), which
+    /// visits them in `id` order, so `LIMIT` alone keeps the oldest; with `ORDER BY id`
+    /// MariaDB buffered every row before writing it ("Using buffer": per batch of 100, 100
+    /// more row reads by position, `Handler_read_rnd`, and 579 pages visited against 379).
+    /// The read after it stops at the count the lease took (`LIMIT`): without it, it
+    /// looked up every candidate, twice the batch (`Handler_read_key` 200 against 100).
+    ///
     /// No transaction: the lease is one statement, which commits on its own, and the two
     /// reads lock nothing. What a claim in a transaction cost here (measured per batch of
     /// 100 on MariaDB 10.11 through the test proxy): `SET TRANSACTION ISOLATION LEVEL`
@@ -416,18 +423,19 @@ impl Dialect for MySql {
              ORDER BY o.id LIMIT ?",
             lease: |ids| {
                 format!(
-                    "UPDATE outbox SET attempts = attempts + 1, leased_until = ?, \
-                     lease_token = ?, first_published_at = COALESCE(first_published_at, ?) \
+                    "UPDATE outbox FORCE INDEX (PRIMARY) SET attempts = attempts + 1, \
+                     leased_until = ?, lease_token = ?, \
+                     first_published_at = COALESCE(first_published_at, ?) \
                      WHERE id IN ({}) AND sent_at IS NULL AND dead_at IS NULL \
                      AND available_at <= ? AND (leased_until IS NULL OR leased_until <= ?) \
-                     ORDER BY id LIMIT ?",
+                     LIMIT ?",
                     repeat_list("?", ids)
                 )
             },
             leased: |ids| {
                 format!(
                     "SELECT o.* FROM outbox o WHERE o.id IN ({}) AND o.lease_token = ? \
-                     ORDER BY o.id",
+                     ORDER BY o.id LIMIT ?",
                     repeat_list("?", ids)
                 )
             },

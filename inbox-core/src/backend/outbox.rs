@@ -100,10 +100,12 @@ impl ReadLeaseReadBack {
         Statement::from_sql_and_values(self.candidates.db_backend, (self.lease)(ids.len()), values)
     }
 
-    /// The read of the rows among `ids` that the lease took, in `id` order.
-    pub(crate) fn leased(&self, ids: &[i64]) -> Statement {
+    /// The read of the `took` rows among `ids` that the lease took, in `id` order: it
+    /// stops at the last of them instead of looking up every candidate.
+    pub(crate) fn leased(&self, ids: &[i64], took: u64) -> Statement {
         let mut values: Vec<Value> = ids.iter().map(|id| Value::from(*id)).collect();
         values.push(Value::from(self.token));
+        values.push(Value::from(took));
         Statement::from_sql_and_values(self.candidates.db_backend, (self.leased)(ids.len()), values)
     }
 }

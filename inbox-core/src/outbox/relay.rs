@@ -979,16 +979,15 @@ async fn claim_rows<C: ConnectionTrait>(
             if candidates.is_empty() {
                 return Ok(Vec::new());
             }
-            // A lease that took no row (another relay's took them all) needs no read.
-            if conn
+            let took = conn
                 .execute_raw(plan.lease(&candidates))
                 .await?
-                .rows_affected()
-                == 0
-            {
+                .rows_affected();
+            // A lease that took no row (another relay's took them all) needs no read.
+            if took == 0 {
                 return Ok(Vec::new());
             }
-            ClaimedRow::decode_all(&conn.query_all_raw(plan.leased(&candidates)).await?)?
+            ClaimedRow::decode_all(&conn.query_all_raw(plan.leased(&candidates, took)).await?)?
         }
     };
     // `UPDATE ... RETURNING` returns its rows in no promised order.
