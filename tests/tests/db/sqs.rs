@@ -645,24 +645,23 @@ fn explain(calls: &[Call], visibility: Duration) -> String {
             let delete = on_it
                 .iter()
                 .find(|call| matches!(&call.what, Called::Delete { receipt } if receipt == before));
-            let verdict = if again.ended < last_set + visibility {
-                "delivered again before the visibility the last beat (or the receive) set could have run out: not a lapse of the heartbeat, but SQS (moto) handing out a message in flight".to_owned()
-            } else if let Some(delete) = delete {
-                if delete.started < last_set + visibility {
-                    format!(
-                        "the delete was sent {} ms before the visibility ran out and answered {} ms after it was sent: a delete slower than the visibility the last beat left",
-                        last_set + visibility - delete.started,
-                        delete.ended - delete.started
-                    )
-                } else {
-                    format!(
-                        "the delete was sent {} ms after the visibility ran out: nothing beat between the last call that set it and the delete",
-                        delete.started - (last_set + visibility)
-                    )
-                }
-            } else {
-                "no delete of the earlier delivery: its visibility ran out with nothing beating"
-                    .to_owned()
+            let runs_out = last_set + visibility;
+            let verdict = match delete {
+                _ if again.ended < runs_out => "delivered again before the visibility the last beat (or the receive) set could have run out: not a lapse of the heartbeat, but SQS (moto) handing out a message in flight".to_owned(),
+                Some(delete) if delete.ok && delete.ended < runs_out => format!(
+                    "the earlier delivery's delete was answered OK {} ms before the visibility ran out, and the message came back: SQS (moto) lost the delete",
+                    runs_out - delete.ended
+                ),
+                Some(delete) if delete.started < runs_out => format!(
+                    "the delete was sent {} ms before the visibility ran out and answered {} ms after it was sent: a delete slower than the visibility the last beat left",
+                    runs_out - delete.started,
+                    delete.ended - delete.started
+                ),
+                Some(delete) => format!(
+                    "the delete was sent {} ms after the visibility ran out: nothing beat between the last call that set it and the delete",
+                    delete.started - runs_out
+                ),
+                None => "no delete of the earlier delivery: its visibility ran out with nothing beating".to_owned(),
             };
             let _ = writeln!(
                 out,
