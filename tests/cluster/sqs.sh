@@ -19,21 +19,26 @@ DAEMON_NAME=moto
 DAEMON_DIR=$SQS_DIR
 DAEMON_START_TRIES=300
 
-# Prints the path of moto_server, installing it into the cache if it is not there yet.
+# Prints the path of the Python that has moto_server, installing it into the cache if it
+# is not there yet.
 daemon_bin() {
     local venv=$SQS_CACHE/venv
     if [[ -x $venv/bin/moto_server ]] &&
         [[ $("$venv/bin/python" -c 'import moto; print(moto.__version__)' 2>/dev/null) == "$MOTO_VERSION" ]]; then
-        echo "$venv/bin/moto_server"
+        echo "$venv/bin/python"
         return
     fi
     mkdir -p "$SQS_CACHE"
     echo "installing moto[server] $MOTO_VERSION into $venv" >&2
     venv_install "$venv" "moto[server]==$MOTO_VERSION"
-    echo "$venv/bin/moto_server"
+    echo "$venv/bin/python"
 }
 
-daemon_args() { DAEMON_ARGS=(-H 127.0.0.1 -p "$1"); }
+# moto_server through moto_serialized.py: its SQS backend one call at a time (moto's own
+# races otherwise deliver a message twice, or bring a deleted one back; see the script).
+daemon_args() {
+    DAEMON_ARGS=("$(dirname "${BASH_SOURCE[0]}")/moto_serialized.py" -H 127.0.0.1 -p "$1")
+}
 
 daemon_address() { echo "http://127.0.0.1:$1"; }
 

@@ -407,8 +407,9 @@ pub(crate) trait Incoming: Send + 'static {
     fn is_stale(&self, _error: &BoxError) -> bool {
         false
     }
-    /// Runs beside the handler and never completes: SQS extends the message's visibility
-    /// timeout from it while the handler runs. Nothing by default.
+    /// Runs beside the handler, then beside an ack's or a dead letter's settlement (not a
+    /// nack's), and never completes: SQS extends the message's visibility timeout from it
+    /// until the message is deleted. Nothing by default.
     fn keep_alive(&self) -> impl Future<Output = Infallible> + Send {
         std::future::pending()
     }
@@ -582,33 +583,39 @@ where
     E: fmt::Display + Send + 'static,
 {
     let count = message.delivery_count();
-    let (ended, mut settlement, span) = match message.delivery() {
+    let delivery = message.delivery().map(|delivery| {
+        let received = Arc::new(message.received(delivery.message_id()));
+        (delivery, received)
+    });
+    let span = match &delivery {
+        Ok((_, received)) => tracing::info_span!(
+            "inbox.delivery",
+            broker_id = %received.broker_id,
+            message_id = %received.message_id,
+            delivery_count = count,
+        ),
+        Err(_) => tracing::Span::none(),
+    };
+    // One heartbeat for the whole delivery, the handler and then the settlement, so that
+    // its beats keep their schedule from the receive (a second one would first send every
+    // beat the handler's time had left behind).
+    let keep_alive = message.keep_alive().instrument(span.clone());
+    let mut keep_alive = std::pin::pin!(keep_alive);
+    let (ended, mut settlement) = match delivery {
         Err(err) => {
             tracing::warn!(error = %err, delivery_count = count, "a delivery without a usable message id: dead-lettered without running the handler");
-            (
-                Ended::Unmappable,
-                Settlement::DeadLetter,
-                tracing::Span::none(),
-            )
+            (Ended::Unmappable, Settlement::DeadLetter)
         }
-        Ok(delivery) => {
-            let received = Arc::new(message.received(delivery.message_id()));
-            let span = tracing::info_span!(
-                "inbox.delivery",
-                broker_id = %received.broker_id,
-                message_id = %received.message_id,
-                delivery_count = count,
-            );
+        Ok((delivery, received)) => {
             let process = shared
                 .inbox
                 .process(&shared.db, delivery, |txn| {
                     (shared.handler)(txn, Arc::clone(&received))
                 })
                 .instrument(span.clone());
-            let keep_alive = message.keep_alive().instrument(span.clone());
             let result = tokio::select! {
                 result = process => result,
-                never = keep_alive => match never {},
+                never = &mut keep_alive => match never {},
             };
             let settlement = shared.nack_delay.settle(&result, count);
             let ended = match &result {
@@ -622,14 +629,29 @@ where
                     Ended::Failed
                 }
             };
-            (ended, settlement, span)
+            (ended, settlement)
         }
     };
     if matches!(settlement, Settlement::Nack(_)) && message.last_delivery() {
         // The broker would drop it silently after this nack: dead-letter it instead.
         settlement = Settlement::DeadLetter;
     }
-    let told = match message.settle(settlement).await {
+    let settle = message.settle(settlement);
+    let settled = if matches!(settlement, Settlement::Nack(_)) {
+        // A nack sets when the message comes back (SQS: its visibility): a beat after it
+        // would set that back to the full timeout, so the heartbeat stops first.
+        settle.await
+    } else {
+        // A delete, or a dead letter's move, can take longer than the visibility the last
+        // beat left (the client's retries with backoff, a slow broker): beating on until
+        // it is done keeps the message from being delivered again meanwhile.
+        tokio::select! {
+            biased;
+            settled = settle => settled,
+            never = &mut keep_alive => match never {},
+        }
+    };
+    let told = match settled {
         Ok(()) => Told::Yes,
         Err(err) if message.is_stale(&err) => {
             span.in_scope(|| tracing::info!(error = %err, ?settlement, "the delivery was no longer this consumer's to settle; the broker delivered the message again, and that delivery settles it"));
@@ -671,6 +693,177 @@ mod tests {
             .map(|failures| options.reconnect_pause(failures).as_millis())
             .collect();
         assert_eq!(pauses, [100, 200, 400, 800, 1000, 1000]);
+    }
+
+    /// The heartbeat of [`handle`] against a message whose settlement is slow.
+    #[cfg(all(
+        feature = "sqlite",
+        any(feature = "lapin", feature = "async-nats", feature = "aws-sdk-sqs")
+    ))]
+    mod heartbeat {
+        use super::*;
+        use sea_orm::Database;
+        use sea_orm_migration::MigratorTrait;
+        use std::sync::Mutex;
+        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+        /// Beats wanted while a settlement runs: its call returns once it has seen them.
+        const BEATS: usize = 3;
+        const BEAT: Duration = Duration::from_millis(10);
+        /// How long a settlement waits for the beats before it gives up and returns: far
+        /// more than [`BEATS`] beats take on a loaded machine.
+        const PATIENCE: Duration = Duration::from_secs(2);
+
+        /// What a [`Slow`] message saw.
+        #[derive(Default)]
+        struct Seen {
+            settling: AtomicBool,
+            beats_while_settling: AtomicUsize,
+            settlements: Mutex<Vec<Settlement>>,
+        }
+
+        /// A message whose settlement takes until it has seen [`BEATS`] beats, or
+        /// [`PATIENCE`] without: a delete outlasting the visibility the last beat left.
+        struct Slow {
+            id: &'static str,
+            seen: Arc<Seen>,
+        }
+
+        impl Incoming for Slow {
+            fn delivery(&self) -> Result<Delivery, InboxError> {
+                MessageId::from_broker_id(self.id).map(Delivery::new)
+            }
+
+            fn delivery_count(&self) -> u32 {
+                1
+            }
+
+            fn last_delivery(&self) -> bool {
+                false
+            }
+
+            fn received(&mut self, message_id: MessageId) -> Received {
+                Received {
+                    payload: Vec::new(),
+                    headers: Vec::new(),
+                    message_id,
+                    broker_id: self.id.to_owned(),
+                    delivery_count: 1,
+                }
+            }
+
+            async fn settle(&self, settlement: Settlement) -> Result<(), BoxError> {
+                if let Ok(mut settlements) = self.seen.settlements.lock() {
+                    settlements.push(settlement);
+                }
+                self.seen.settling.store(true, Ordering::SeqCst);
+                let _ = tokio::time::timeout(PATIENCE, async {
+                    while self.seen.beats_while_settling.load(Ordering::SeqCst) < BEATS {
+                        tokio::time::sleep(Duration::from_millis(1)).await;
+                    }
+                })
+                .await;
+                Ok(())
+            }
+
+            async fn keep_alive(&self) -> Infallible {
+                loop {
+                    tokio::time::sleep(BEAT).await;
+                    if self.seen.settling.load(Ordering::SeqCst) {
+                        self.seen
+                            .beats_while_settling
+                            .fetch_add(1, Ordering::SeqCst);
+                    }
+                }
+            }
+        }
+
+        fn succeeds(
+            _txn: &ObservedTransaction,
+            _message: Arc<Received>,
+        ) -> HandlerFuture<'_, (), String> {
+            Box::pin(async { Ok(()) })
+        }
+
+        fn fails(
+            _txn: &ObservedTransaction,
+            _message: Arc<Received>,
+        ) -> HandlerFuture<'_, (), String> {
+            Box::pin(async { Err("a transient failure".to_owned()) })
+        }
+
+        /// [`handle`] of a [`Slow`] message `id` with `handler` on a migrated in-memory
+        /// SQLite database: what it settled, and the beats its settlement saw.
+        async fn settle_slowly<H: MessageHandler<(), String>>(
+            id: &'static str,
+            handler: H,
+        ) -> (Vec<Settlement>, usize) {
+            let db = Database::connect("sqlite::memory:").await.expect("SQLite");
+            sea_orm_inbox_migration::Migrator::up(&db, None)
+                .await
+                .expect("the inbox's tables");
+            let shared = Arc::new(Shared {
+                inbox: Inbox::new("heartbeat").expect("a consumer name"),
+                db,
+                handler,
+                nack_delay: NackDelay::default(),
+            });
+            let permit = Arc::new(Semaphore::new(1))
+                .acquire_owned()
+                .await
+                .expect("a permit");
+            let seen = Arc::new(Seen::default());
+            let message = Slow {
+                id,
+                seen: Arc::clone(&seen),
+            };
+            let tally = handle(message, shared, permit).await;
+            assert!(tally.told == Told::Yes, "the fake settles every delivery");
+            let settlements = seen
+                .settlements
+                .lock()
+                .map(|s| s.clone())
+                .unwrap_or_default();
+            (
+                settlements,
+                seen.beats_while_settling.load(Ordering::SeqCst),
+            )
+        }
+
+        /// The delete after a committed handler runs beside the heartbeat: a delete slower
+        /// than the visibility left does not hand the message to another consumer.
+        #[tokio::test]
+        async fn an_ack_is_settled_beside_the_heartbeat() {
+            let (settlements, beats) = settle_slowly("order-1", succeeds).await;
+            assert_eq!(settlements, [Settlement::Ack]);
+            assert!(
+                beats >= BEATS,
+                "{beats} beats while the delete ran for {PATIENCE:?}: the heartbeat stopped before the settlement"
+            );
+        }
+
+        /// So does a dead letter's move, here of a message without a usable id (the
+        /// handler never runs).
+        #[tokio::test]
+        async fn a_dead_letter_is_settled_beside_the_heartbeat() {
+            let (settlements, beats) = settle_slowly("", succeeds).await;
+            assert_eq!(settlements, [Settlement::DeadLetter]);
+            assert!(
+                beats >= BEATS,
+                "{beats} beats while the dead letter's move ran for {PATIENCE:?}: the heartbeat stopped before the settlement"
+            );
+        }
+
+        /// A nack is not: a beat after it would undo its redelivery delay.
+        #[tokio::test]
+        async fn a_nack_stops_the_heartbeat() {
+            let (settlements, beats) = settle_slowly("order-2", fails).await;
+            assert!(
+                matches!(settlements[..], [Settlement::Nack(Some(_))]),
+                "{settlements:?}"
+            );
+            assert_eq!(beats, 0, "a beat after the nack");
+        }
     }
 
     #[test]

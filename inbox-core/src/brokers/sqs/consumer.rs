@@ -18,7 +18,7 @@ use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 /// A running SQS consumer: the broker-neutral loop of [`ConsumerOptions`] (a task per
@@ -30,11 +30,14 @@ use std::time::{Duration, Instant};
 ///   [prefetch](ConsumerOptions::with_prefetch) and [`MAX_BATCH`]), so no message waits
 ///   unseen in memory while its visibility timeout runs.
 /// - Receives use this consumer's [visibility timeout](Self::with_visibility_timeout)
-///   (default 30 s). While a handler runs, a heartbeat extends the message's visibility by
-///   the timeout again every [heartbeat interval](Self::with_heartbeat) (default a third of
-///   the timeout), so a long handler does not see its message delivered to another replica
-///   meanwhile. When that happens anyway (a stalled replica, the heartbeat off), the inbox
-///   decides: the second delivery waits for the first's claim and becomes a duplicate.
+///   (default 30 s). While a handler runs, and on until its message is deleted or moved to
+///   the dead-letter queue, a heartbeat extends the message's visibility by the timeout
+///   again every [heartbeat interval](Self::with_heartbeat) (default a third of the
+///   timeout), so neither a long handler nor a slow delete (the client's retries, a slow
+///   endpoint) sees its message delivered to another replica meanwhile (a nack stops it
+///   first: its visibility change sets when the message returns). When a message is
+///   delivered again anyway (a stalled replica, the heartbeat off), the inbox decides: the
+///   second delivery waits for the first's claim and becomes a duplicate.
 /// - Dead letters go to the configured dead-letter queue, else to the target of the
 ///   queue's redrive policy, else are hidden for 12 h (see [`SqsQueue`]).
 /// - A settlement whose receipt handle expired counts in
@@ -278,6 +281,7 @@ impl SqsSession {
                 received_at,
                 visibility_timeout: receiving.visibility_timeout,
                 heartbeat: receiving.heartbeat,
+                settling: AtomicBool::new(false),
                 in_flight: None,
             });
         }
@@ -325,6 +329,9 @@ struct SqsMessage {
     received_at: Instant,
     visibility_timeout: Duration,
     heartbeat: Option<Duration>,
+    /// Set when the settlement starts: a beat that finds the receipt handle gone after
+    /// that crossed the delete, not a redelivery.
+    settling: AtomicBool,
     in_flight: Option<InFlight>,
 }
 
@@ -366,6 +373,7 @@ impl Incoming for SqsMessage {
     }
 
     async fn settle(&self, settlement: Settlement) -> Result<(), BoxError> {
+        self.settling.store(true, Ordering::Release);
         self.queue
             .settle_received(&self.message, settlement, self.received_at)
             .await
@@ -398,6 +406,12 @@ impl Incoming for SqsMessage {
                         sqs_message_id = sqs_id(&self.message),
                         "visibility extended while the handler runs"
                     );
+                }
+                Err(err @ SettleError::ReceiptExpired { .. })
+                    if self.settling.load(Ordering::Acquire) =>
+                {
+                    tracing::debug!(error = %err, sqs_message_id = sqs_id(&self.message), "a beat crossed the settlement's delete");
+                    return std::future::pending().await;
                 }
                 Err(err @ SettleError::ReceiptExpired { .. }) => {
                     tracing::warn!(error = %err, "the visibility heartbeat came too late: the message was delivered again; the inbox decides which delivery applies it");
