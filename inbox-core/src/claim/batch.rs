@@ -5,6 +5,7 @@ use super::held::{Held, Step};
 use crate::backend::{BatchClaimSql, batch_claim_sql, silently_ended, timestamp_value};
 use crate::clock::now_micros;
 use crate::consumer::validate_consumer;
+use crate::silence::{ClaimTimer, StepTimer};
 use crate::{Delivery, InboxError, MessageId, Refusal};
 use chrono::{DateTime, Utc};
 use sea_orm::{ConnectionTrait, DbErr, QueryResult, Statement, Value};
@@ -58,6 +59,8 @@ pub struct BatchClaim {
     inserted: Vec<MessageId>,
     /// What ties the claim to the caller's transaction it was made on.
     binding: Option<ClaimBinding>,
+    /// The timer the claim's steps ran on, for its commit's.
+    timer: ClaimTimer,
 }
 
 impl BatchClaim {
@@ -117,7 +120,8 @@ impl BatchClaim {
     /// batch.commit(txn).await?; // proves the markers are held, then commits
     /// # Ok(()) }
     /// ```
-    pub async fn commit(self, txn: impl Into<ClaimingTransaction>) -> Result<(), InboxError> {
+    pub async fn commit(mut self, txn: impl Into<ClaimingTransaction>) -> Result<(), InboxError> {
+        let mut timer = std::mem::take(&mut self.timer.0);
         let named = self
             .claimed
             .first()
@@ -125,7 +129,8 @@ impl BatchClaim {
             .copied()
             .unwrap_or_else(|| MessageId::from_uuid(Uuid::nil()));
         let failed = |err| InboxError::from_claim(err, &self.table, named, &self.consumer);
-        commit_claim(self.held(), self.binding, txn.into(), silent, failed).await
+        let held = self.held();
+        commit_claim(held, self.binding, txn.into(), &mut timer, silent, failed).await
     }
 
     /// What the proof reads: one of the markers this transaction inserted, or without one,
@@ -139,6 +144,14 @@ impl BatchClaim {
     pub(super) fn bound_to(self, binding: ClaimBinding) -> Self {
         Self {
             binding: Some(binding),
+            ..self
+        }
+    }
+
+    /// This claim, with `timer`, the one its steps ran on, for its commit's.
+    pub(super) fn timed_by(self, timer: StepTimer) -> Self {
+        Self {
+            timer: ClaimTimer(timer),
             ..self
         }
     }
@@ -238,6 +251,7 @@ pub(crate) async fn insert_batch<C: ConnectionTrait>(
             tag,
             inserted: Vec::new(),
             binding: None,
+            timer: ClaimTimer::default(),
         });
     };
     let backend = conn.get_database_backend();
@@ -417,6 +431,7 @@ fn sort_out(
     Ok(BatchClaim {
         inserted: claimed.clone(),
         binding: None,
+        timer: ClaimTimer::default(),
         claimed,
         duplicates,
         refused: Vec::new(),
