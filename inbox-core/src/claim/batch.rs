@@ -257,22 +257,25 @@ pub(crate) async fn insert_batch<C: ConnectionTrait>(
     let backend = conn.get_database_backend();
     let fail = |err: DbErr| InboxError::from_claim(err, table, first, consumer);
     let received_at = timestamp_value(backend, now_micros());
-    let mut values = Vec::with_capacity(ids.len() * 4);
-    for id in &ids {
-        values.extend([
-            Value::from(id.as_uuid()),
-            Value::from(consumer),
-            received_at.clone(),
-            Value::from(tag),
-        ]);
-    }
     let (rows, read) = match batch_claim_sql(backend, table, ids.len(), consumer)? {
         BatchClaimSql::Returning(insert) => {
+            let mut values = Vec::with_capacity(ids.len() + 3);
+            values.extend([Value::from(consumer), received_at, Value::from(tag)]);
+            values.extend(ids.iter().map(|id| Value::from(id.as_uuid())));
             let statement = Statement::from_sql_and_values(backend, insert, values);
             let rows = conn.query_all_raw(statement).await.map_err(fail)?;
             (rows, RowsRead::InsertedOnly)
         }
         BatchClaimSql::InsertThenRead { insert, read } => {
+            let mut values = Vec::with_capacity(ids.len() * 4);
+            for id in &ids {
+                values.extend([
+                    Value::from(id.as_uuid()),
+                    Value::from(consumer),
+                    received_at.clone(),
+                    Value::from(tag),
+                ]);
+            }
             let rows = insert_then_read_back(conn, &ids, consumer, values, insert, read)
                 .await
                 .map_err(fail)?;
@@ -281,7 +284,7 @@ pub(crate) async fn insert_batch<C: ConnectionTrait>(
     };
     let rows = rows
         .iter()
-        .map(BatchRow::read)
+        .map(|row| BatchRow::read(row, read, tag))
         .collect::<Result<Vec<_>, _>>()
         .map_err(fail)?;
     let claim = match sort_out(&ids, consumer, tag, &rows, read) {
@@ -357,17 +360,29 @@ enum RowsRead {
 struct BatchRow {
     message_id: MessageId,
     /// `None` where the statement left out the batch's own consumer (MariaDB's RETURNING
-    /// sends NULL for it).
+    /// sends NULL for it; the INSERT's RETURNING of PostgreSQL and SQLite sends none).
     consumer: Option<String>,
     claim_token: Option<Uuid>,
 }
 
 impl BatchRow {
-    fn read(row: &QueryResult) -> Result<Self, DbErr> {
-        Ok(Self {
-            message_id: MessageId::from_uuid(row.try_get_by_index::<Uuid>(0)?),
-            consumer: row.try_get_by_index(1)?,
-            claim_token: row.try_get_by_index(2)?,
+    /// The row `row` of a batch whose statement gave back `read`, tagged with `tag`.
+    fn read(row: &QueryResult, read: RowsRead, tag: Uuid) -> Result<Self, DbErr> {
+        let message_id = MessageId::from_uuid(row.try_get_by_index::<Uuid>(0)?);
+        Ok(match read {
+            // A row the INSERT wrote holds what it bound: the batch's consumer and tag.
+            // Only its id is returned, as reading the rest cost more than the INSERT's
+            // other client work.
+            RowsRead::InsertedOnly => Self {
+                message_id,
+                consumer: None,
+                claim_token: Some(tag),
+            },
+            RowsRead::EveryId => Self {
+                message_id,
+                consumer: row.try_get_by_index(1)?,
+                claim_token: row.try_get_by_index(2)?,
+            },
         })
     }
 }
