@@ -299,7 +299,7 @@ impl<'a> Bench<'a> {
         let started = Instant::now();
         eprintln!("[{}] seeding {rows} inbox rows", self.report.backend);
         // Enough cohorts that each purge run takes one of its own, with some left over.
-        let purges = (purge::Purger::all().len()
+        let purges = (purge::Purger::all(self.db.backend).len()
             * self.args.rounds
             * self.args.purge_concurrency.len()) as u64;
         let cohorts = Cohorts::new(rows, purges + 2);

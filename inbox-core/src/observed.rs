@@ -17,7 +17,6 @@ use crate::backend::{
     AfterFailure, after_failure, drain_queued_rollbacks, roll_back_stranded, to_completion,
     transaction_ended,
 };
-use crate::silence::StepTimer;
 use sea_orm::{
     AccessMode, ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, ExecResult, IsolationLevel,
     QueryResult, Statement, TransactionError, TransactionOptions, TransactionSession,
@@ -77,9 +76,6 @@ pub struct ObservedTransaction {
     /// What a claim on this level binds to without a statement: set on the outermost level
     /// of a transaction begun for the manual path ([`ObservedTransaction::begin_on`]).
     binding: Option<Binding>,
-    /// The timer a claim on this level and its commit bound their steps on: one timer
-    /// registered per transaction rather than per step (see [`StepTimer`]).
-    step_timer: Mutex<StepTimer>,
 }
 
 /// The identity of one transaction begun for the manual path, unique in the process, with
@@ -266,27 +262,7 @@ impl ObservedTransaction {
             watch,
             savepoint_depth: 0,
             binding,
-            step_timer: Mutex::default(),
         }
-    }
-
-    /// The timer of this level's bounded steps, taken for one (see
-    /// [`put_step_timer`](Self::put_step_timer)).
-    pub(crate) fn take_step_timer(&self) -> StepTimer {
-        std::mem::take(
-            &mut *self
-                .step_timer
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner),
-        )
-    }
-
-    /// Gives back the timer [`take_step_timer`](Self::take_step_timer) took.
-    pub(crate) fn put_step_timer(&self, timer: StepTimer) {
-        *self
-            .step_timer
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner) = timer;
     }
 
     /// What a claim on this level binds to, if it binds without a statement.
@@ -433,7 +409,6 @@ impl ObservedTransaction {
             savepoint_depth: self.savepoint_depth + 1,
             backend: self.backend,
             binding: None,
-            step_timer: Mutex::default(),
         }
     }
 }

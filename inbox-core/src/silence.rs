@@ -121,6 +121,25 @@ impl StepTimer {
     }
 }
 
+/// The [`StepTimer`] a claim on a caller's transaction ran on, carried by the claim to its
+/// commit, whose steps run on it too: the claim owns it, so neither step shares it through
+/// the transaction (which the claim borrows shared) or a lock. Not part of what a claim
+/// is: any two compare equal, and it hashes to nothing.
+#[derive(Debug, Default)]
+pub(crate) struct ClaimTimer(pub(crate) StepTimer);
+
+impl PartialEq for ClaimTimer {
+    fn eq(&self, _other: &Self) -> bool {
+        true
+    }
+}
+
+impl Eq for ClaimTimer {}
+
+impl std::hash::Hash for ClaimTimer {
+    fn hash<H: std::hash::Hasher>(&self, _state: &mut H) {}
+}
+
 /// [`answered_within`] for a call whose error names more than the operation (a claim's
 /// message): `Err` carries how long it waited, for the caller to build its error.
 pub(crate) async fn within<F: Future>(

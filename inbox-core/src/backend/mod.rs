@@ -421,22 +421,23 @@ pub(crate) fn inbox_duplicate_confirmation(
 
 /// The statements of one [`claim_batch`](crate::InboxTransactionExt::claim_batch) call.
 pub(crate) enum BatchClaimSql {
-    /// One multi-row INSERT whose RETURNING lists exactly the rows it inserted: message_id,
-    /// consumer, claim_token (PostgreSQL, SQLite: `ON CONFLICT DO NOTHING RETURNING`).
+    /// One multi-row INSERT whose RETURNING lists the message_id of exactly the rows it
+    /// inserted (PostgreSQL, SQLite: `ON CONFLICT DO NOTHING RETURNING`), which carry the
+    /// batch's consumer and tag as bound. Binds: consumer, received_at, tag, then each id.
     #[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
     Returning(String),
     /// A multi-row INSERT that returns message_id, consumer, claim_token of every id's row
     /// (written now or met on a unique key) where the server supports it (MariaDB 10.5+;
     /// the consumer NULL where it is the batch's own), and nothing elsewhere (MySQL 8,
     /// older MariaDB): then `read`, a locking read of the consumer's rows for every id of
-    /// the batch, through the inbox index, returning the same columns. Binds of `read`:
-    /// consumer, then the ids in batch order.
+    /// the batch, through the inbox index, returning the same columns. Binds of `insert`
+    /// per row: message_id, consumer, received_at, tag; of `read`: consumer, then the ids
+    /// in batch order.
     #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
     InsertThenRead { insert: String, read: String },
 }
 
-/// The batch claim for `rows` distinct ids of `consumer`. Binds of the INSERT per row:
-/// message_id, consumer, received_at, tag.
+/// The batch claim for `rows` distinct ids of `consumer`; its binds: see [`BatchClaimSql`].
 ///
 /// Every row carries this call's tag in `claim_token`, so the caller tells its own rows
 /// from those a committed transaction wrote before (which the conflict clause leaves as

@@ -77,12 +77,16 @@ impl Dialect for Sqlite {
     }
 
     /// DO NOTHING skips the rows that meet a committed marker, so RETURNING lists exactly
-    /// the rows this INSERT wrote.
+    /// the rows this INSERT wrote. The consumer, the time and the tag are bound once
+    /// (`?1` to `?3`), each id after them.
     fn batch_claim(&self, rows: usize, _consumer: &str) -> BatchClaimSql {
+        let values: Vec<String> = (4..rows + 4)
+            .map(|id| format!("(?{id}, ?1, ?2, ?3)"))
+            .collect();
         BatchClaimSql::Returning(format!(
             "INSERT INTO inbox (message_id, consumer, received_at, claim_token) VALUES {} \
-             ON CONFLICT (message_id, consumer) DO NOTHING RETURNING message_id, consumer, claim_token",
-            repeat_list("(?, ?, ?, ?)", rows)
+             ON CONFLICT (message_id, consumer) DO NOTHING RETURNING message_id",
+            values.join(", ")
         ))
     }
 

@@ -5,6 +5,7 @@ use super::held::{Held, Step};
 use crate::backend::{BatchClaimSql, batch_claim_sql, silently_ended, timestamp_value};
 use crate::clock::now_micros;
 use crate::consumer::validate_consumer;
+use crate::silence::{ClaimTimer, StepTimer};
 use crate::{Delivery, InboxError, MessageId, Refusal};
 use chrono::{DateTime, Utc};
 use sea_orm::{ConnectionTrait, DbErr, QueryResult, Statement, Value};
@@ -58,6 +59,8 @@ pub struct BatchClaim {
     inserted: Vec<MessageId>,
     /// What ties the claim to the caller's transaction it was made on.
     binding: Option<ClaimBinding>,
+    /// The timer the claim's steps ran on, for its commit's.
+    timer: ClaimTimer,
 }
 
 impl BatchClaim {
@@ -117,7 +120,8 @@ impl BatchClaim {
     /// batch.commit(txn).await?; // proves the markers are held, then commits
     /// # Ok(()) }
     /// ```
-    pub async fn commit(self, txn: impl Into<ClaimingTransaction>) -> Result<(), InboxError> {
+    pub async fn commit(mut self, txn: impl Into<ClaimingTransaction>) -> Result<(), InboxError> {
+        let mut timer = std::mem::take(&mut self.timer.0);
         let named = self
             .claimed
             .first()
@@ -125,7 +129,8 @@ impl BatchClaim {
             .copied()
             .unwrap_or_else(|| MessageId::from_uuid(Uuid::nil()));
         let failed = |err| InboxError::from_claim(err, &self.table, named, &self.consumer);
-        commit_claim(self.held(), self.binding, txn.into(), silent, failed).await
+        let held = self.held();
+        commit_claim(held, self.binding, txn.into(), &mut timer, silent, failed).await
     }
 
     /// What the proof reads: one of the markers this transaction inserted, or without one,
@@ -139,6 +144,14 @@ impl BatchClaim {
     pub(super) fn bound_to(self, binding: ClaimBinding) -> Self {
         Self {
             binding: Some(binding),
+            ..self
+        }
+    }
+
+    /// This claim, with `timer`, the one its steps ran on, for its commit's.
+    pub(super) fn timed_by(self, timer: StepTimer) -> Self {
+        Self {
+            timer: ClaimTimer(timer),
             ..self
         }
     }
@@ -238,27 +251,31 @@ pub(crate) async fn insert_batch<C: ConnectionTrait>(
             tag,
             inserted: Vec::new(),
             binding: None,
+            timer: ClaimTimer::default(),
         });
     };
     let backend = conn.get_database_backend();
     let fail = |err: DbErr| InboxError::from_claim(err, table, first, consumer);
     let received_at = timestamp_value(backend, now_micros());
-    let mut values = Vec::with_capacity(ids.len() * 4);
-    for id in &ids {
-        values.extend([
-            Value::from(id.as_uuid()),
-            Value::from(consumer),
-            received_at.clone(),
-            Value::from(tag),
-        ]);
-    }
     let (rows, read) = match batch_claim_sql(backend, table, ids.len(), consumer)? {
         BatchClaimSql::Returning(insert) => {
+            let mut values = Vec::with_capacity(ids.len() + 3);
+            values.extend([Value::from(consumer), received_at, Value::from(tag)]);
+            values.extend(ids.iter().map(|id| Value::from(id.as_uuid())));
             let statement = Statement::from_sql_and_values(backend, insert, values);
             let rows = conn.query_all_raw(statement).await.map_err(fail)?;
             (rows, RowsRead::InsertedOnly)
         }
         BatchClaimSql::InsertThenRead { insert, read } => {
+            let mut values = Vec::with_capacity(ids.len() * 4);
+            for id in &ids {
+                values.extend([
+                    Value::from(id.as_uuid()),
+                    Value::from(consumer),
+                    received_at.clone(),
+                    Value::from(tag),
+                ]);
+            }
             let rows = insert_then_read_back(conn, &ids, consumer, values, insert, read)
                 .await
                 .map_err(fail)?;
@@ -267,7 +284,7 @@ pub(crate) async fn insert_batch<C: ConnectionTrait>(
     };
     let rows = rows
         .iter()
-        .map(BatchRow::read)
+        .map(|row| BatchRow::read(row, read, tag))
         .collect::<Result<Vec<_>, _>>()
         .map_err(fail)?;
     let claim = match sort_out(&ids, consumer, tag, &rows, read) {
@@ -343,19 +360,47 @@ enum RowsRead {
 struct BatchRow {
     message_id: MessageId,
     /// `None` where the statement left out the batch's own consumer (MariaDB's RETURNING
-    /// sends NULL for it).
+    /// sends NULL for it; the INSERT's RETURNING of PostgreSQL and SQLite sends none).
     consumer: Option<String>,
     claim_token: Option<Uuid>,
 }
 
 impl BatchRow {
-    fn read(row: &QueryResult) -> Result<Self, DbErr> {
-        Ok(Self {
-            message_id: MessageId::from_uuid(row.try_get_by_index::<Uuid>(0)?),
-            consumer: row.try_get_by_index(1)?,
-            claim_token: row.try_get_by_index(2)?,
+    /// The row `row` of a batch whose statement gave back `read`, tagged with `tag`.
+    fn read(row: &QueryResult, read: RowsRead, tag: Uuid) -> Result<Self, DbErr> {
+        let message_id = MessageId::from_uuid(row.try_get_by_index::<Uuid>(0)?);
+        Ok(match read {
+            // A row the INSERT wrote holds what it bound: the batch's consumer and tag.
+            // Only its id is returned, as reading the rest cost more than the INSERT's
+            // other client work.
+            RowsRead::InsertedOnly => Self {
+                message_id,
+                consumer: None,
+                claim_token: Some(tag),
+            },
+            RowsRead::EveryId => Self {
+                message_id,
+                consumer: nullable_text(row, 1)?,
+                claim_token: row.try_get_by_index(2)?,
+            },
         })
     }
+}
+
+/// The text at `index` of `row`, `None` for NULL. A MySQL row is read through sqlx
+/// itself: SeaORM reads a NULL as an error whose message it formats, which cost more per
+/// row (MariaDB's RETURNING sends NULL for the batch's own consumer, in every row the
+/// INSERT wrote) than the rest of the row's reading. Anything sqlx cannot read there is
+/// read again through SeaORM, for its error.
+fn nullable_text(row: &QueryResult, index: usize) -> Result<Option<String>, DbErr> {
+    #[cfg(feature = "mysql")]
+    if let Some(Ok(text)) = row
+        .try_as_mysql_row()
+        .map(|mysql| sea_orm::sqlx::Row::try_get::<Option<String>, _>(mysql, index))
+    {
+        return Ok(text);
+    }
+    row.try_get_by_index(index)
 }
 
 /// Splits the sorted batch `ids` into claimed and duplicates from the rows read back,
@@ -417,6 +462,7 @@ fn sort_out(
     Ok(BatchClaim {
         inserted: claimed.clone(),
         binding: None,
+        timer: ClaimTimer::default(),
         claimed,
         duplicates,
         refused: Vec::new(),

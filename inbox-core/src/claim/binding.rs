@@ -145,30 +145,27 @@ impl ObservedTransaction {
 /// Commits `given` for the claim `held`, bound by `binding`: COMMIT alone when it is the
 /// observed transaction the claim was made on and every statement succeeded (on a server
 /// that cannot end a transaction silently); otherwise the proof first, as on a plain
-/// transaction. Another transaction than the claiming one is rolled back.
+/// transaction. Another transaction than the claiming one is rolled back. Every step
+/// (settling, which waits only for a statement the caller left in flight, the proof when
+/// one is needed, and COMMIT) runs on `timer`, the one the claim ran on.
 pub(crate) async fn commit_claim(
     held: Held<'_>,
     binding: Option<ClaimBinding>,
     given: ClaimingTransaction,
+    timer: &mut StepTimer,
     silent: impl Fn(Step, Duration) -> InboxError,
     failed: impl FnOnce(DbErr) -> InboxError,
 ) -> Result<(), InboxError> {
-    // One timer for the commit's steps: settling (which waits only for a statement the
-    // caller left in flight), the proof when one is needed, and COMMIT; on an observed
-    // transaction, the one its claim ran on.
     let observed = match given.0 {
         Given::Plain(txn) => {
             if let Some(ClaimBinding::Observed(_)) = binding {
                 roll_back(txn).await;
                 return Err(held.not_claiming());
             }
-            return held
-                .commit(txn, &mut StepTimer::default(), silent, failed)
-                .await;
+            return held.commit(txn, timer, silent, failed).await;
         }
         Given::Observed(observed) => observed,
     };
-    let mut timer = observed.take_step_timer();
     let given = observed.binding();
     let bound = bound_for(
         observed.get_database_backend(),
@@ -192,8 +189,8 @@ pub(crate) async fn commit_claim(
         Some(ClaimBinding::Observed(claimed))
             if verdict == Verdict::Clean && !claimed.silent_end =>
         {
-            Held::commit_unproven(txn, &mut timer, silent, failed).await
+            Held::commit_unproven(txn, timer, silent, failed).await
         }
-        _ => held.commit(txn, &mut timer, silent, failed).await,
+        _ => held.commit(txn, timer, silent, failed).await,
     }
 }

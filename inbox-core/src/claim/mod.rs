@@ -390,42 +390,20 @@ macro_rules! claims_on {
 claims_on!(DatabaseTransaction);
 claims_on!(ObservedTransaction);
 
-/// What a claim on a transaction binds to without a statement, if anything, and the
-/// timer its bound runs on.
+/// What a claim on a transaction binds to without a statement, if anything.
 trait ClaimBound {
     fn claim_binding(&self) -> Option<Binding>;
-
-    /// The timer of the transaction's bounded steps, taken for one; a fresh one where
-    /// the transaction keeps none.
-    fn step_timer(&self) -> StepTimer;
-
-    /// Gives back the timer [`step_timer`](Self::step_timer) took.
-    fn keep_step_timer(&self, timer: StepTimer);
 }
 
 impl ClaimBound for DatabaseTransaction {
     fn claim_binding(&self) -> Option<Binding> {
         None
     }
-
-    fn step_timer(&self) -> StepTimer {
-        StepTimer::default()
-    }
-
-    fn keep_step_timer(&self, _timer: StepTimer) {}
 }
 
 impl ClaimBound for ObservedTransaction {
     fn claim_binding(&self) -> Option<Binding> {
         self.binding()
-    }
-
-    fn step_timer(&self) -> StepTimer {
-        self.take_step_timer()
-    }
-
-    fn keep_step_timer(&self, timer: StepTimer) {
-        self.put_step_timer(timer);
     }
 }
 
@@ -466,13 +444,15 @@ fn claim_one<C: ConnectionTrait + ClaimBound + Sync>(
                                 ClaimBinding::make(txn, binding).await.map_err(|err| {
                                     InboxError::from_claim(err, &table, message_id, consumer)
                                 })?;
-                            Ok(Claim::Claimed(claimed.bound_to(binding)))
+                            Ok::<_, InboxError>(Claim::Claimed(claimed.bound_to(binding)))
                         }
                         other => Ok(other),
                     }
                 };
                 let backend = txn.get_database_backend();
-                let mut timer = txn.step_timer();
+                // The claim's steps and its commit's run on one timer, which the claim
+                // hands to its commit.
+                let mut timer = StepTimer::default();
                 let claimed = unresponsive_within(
                     &mut timer,
                     backend,
@@ -481,9 +461,11 @@ fn claim_one<C: ConnectionTrait + ClaimBound + Sync>(
                     "the claim",
                     claim,
                 )
-                .await;
-                txn.keep_step_timer(timer);
-                claimed?
+                .await??;
+                Ok(match claimed {
+                    Claim::Claimed(claimed) => Claim::Claimed(claimed.timed_by(timer)),
+                    other => other,
+                })
             }
             Err(refusal) => {
                 // Bad input is still reported first, as for an admitted delivery.
@@ -522,11 +504,11 @@ fn claim_many<C: ConnectionTrait + ClaimBound + Sync>(
             let binding = ClaimBinding::make(txn, binding)
                 .await
                 .map_err(|err| batch.held().lost(Some(err)))?;
-            Ok(batch.bound_to(binding))
+            Ok::<_, InboxError>(batch.bound_to(binding))
         };
-        let mut timer = txn.step_timer();
-        let claimed = answered_on(&mut timer, backend, "the batch claim", claim).await;
-        txn.keep_step_timer(timer);
-        claimed?
+        // As for one message: the claim hands its timer to its commit.
+        let mut timer = StepTimer::default();
+        let claimed = answered_on(&mut timer, backend, "the batch claim", claim).await??;
+        Ok(claimed.timed_by(timer))
     }
 }

@@ -9,7 +9,7 @@ use crate::backend::{
 };
 use crate::clock::now_micros;
 use crate::consumer::validate_claim;
-use crate::silence::{StepTimer, bound_for, within};
+use crate::silence::{ClaimTimer, StepTimer, bound_for, within};
 use crate::{Inbox, InboxError, MessageId};
 use sea_orm::sea_query::{Expr, ExprTrait, Query};
 use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend, DbErr};
@@ -110,6 +110,8 @@ pub struct ClaimedMessage {
     /// What ties the claim to the caller's transaction it was made on (not
     /// `Inbox::process`'s, which owns its transaction).
     binding: Option<ClaimBinding>,
+    /// The timer the claim's steps ran on, for its commit's.
+    timer: ClaimTimer,
 }
 
 impl ClaimedMessage {
@@ -174,14 +176,16 @@ impl ClaimedMessage {
     /// [`InboxError::DatabaseUnresponsive`] when the database went silent: nack. With
     /// `commit_in_doubt` (step `COMMIT`) the COMMIT may have committed, its reply lost: the
     /// redelivery's claim tells, [`Claim::Duplicate`] if it did.
-    pub async fn commit(self, txn: impl Into<ClaimingTransaction>) -> Result<(), InboxError> {
+    pub async fn commit(mut self, txn: impl Into<ClaimingTransaction>) -> Result<(), InboxError> {
+        let mut timer = std::mem::take(&mut self.timer.0);
         let failed = |source| InboxError::Database {
             message_id: self.message_id,
             consumer: self.consumer.clone(),
             source,
         };
         let silent = |step, waited| self.unanswered(step, waited);
-        commit_claim(self.held(), self.binding, txn.into(), silent, failed).await
+        let held = self.held();
+        commit_claim(held, self.binding, txn.into(), &mut timer, silent, failed).await
     }
 
     /// What the proof reads: this claim's marker row.
@@ -200,6 +204,14 @@ impl ClaimedMessage {
     pub(super) fn bound_to(self, binding: ClaimBinding) -> Self {
         Self {
             binding: Some(binding),
+            ..self
+        }
+    }
+
+    /// This claim, with `timer`, the one its steps ran on, for its commit's.
+    pub(super) fn timed_by(self, timer: StepTimer) -> Self {
+        Self {
+            timer: ClaimTimer(timer),
             ..self
         }
     }
@@ -287,6 +299,7 @@ pub(crate) async fn insert_marker<C: ConnectionTrait>(
             marker_id,
             token,
             binding: None,
+            timer: ClaimTimer::default(),
         })),
         // The conflict clause met the marker of a committed claim.
         Ok(None) => Ok(Claim::Duplicate),

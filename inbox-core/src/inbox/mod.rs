@@ -471,8 +471,11 @@ impl Inbox {
                     Ok(outcome) => break Ok(outcome),
                     Err(err) => {
                         let in_doubt = call.in_doubt.is_some();
-                        if let Err(failed) = self.after_failed_attempt(err, attempt, in_doubt).await
-                        {
+                        // Boxed: its pause before the retry (a timer) would otherwise be
+                        // part of the call's future, which its caller moves whole, on the
+                        // path that needs no retry too.
+                        let after = Box::pin(self.after_failed_attempt(err, attempt, in_doubt));
+                        if let Err(failed) = after.await {
                             break Err(failed);
                         }
                         attempt += 1;
@@ -829,12 +832,16 @@ impl Inbox {
             }
         };
         self.metrics.count(counter);
-        facade::settled(&self.metric_keys, settled, started.elapsed());
+        let took = started.elapsed();
+        facade::settled(&self.metric_keys, settled, took);
         let outcome = settled.label();
         let span = tracing::Span::current();
-        span.record("outcome", outcome);
-        span.record("attempts", attempts);
-        span.record("duration_ms", started.elapsed().as_secs_f64() * 1e3);
+        // A span no subscriber wants records nothing.
+        if !span.is_disabled() {
+            span.record("outcome", outcome);
+            span.record("attempts", attempts);
+            span.record("duration_ms", took.as_secs_f64() * 1e3);
+        }
         match result {
             Ok(Outcome::Refused(refusal)) => {
                 tracing::warn!(outcome, %refusal, "delivery refused by the admission floor: dead-letter")
