@@ -1,4 +1,4 @@
-//! What the relay and the hand-written loop cost per row on SQLite, counted where it does
+//! What the relay and the hand-written loops cost per row on SQLite, counted where it does
 //! not depend on how busy the machine is: client instructions (callgrind, SQLite's own
 //! included, since it runs in the process), and the write transactions each commits
 //! (SQLite's commit hook; each is an fsync of the WAL with `synchronous = FULL`) and the
@@ -10,7 +10,7 @@
 //! mode enqueues the rows and does nothing else: its cost per row is taken off the others.
 
 use super::callgrind::collected;
-use super::{BATCH, BoxError, Instant0, fill, hand_written_run, relay_run};
+use super::{BATCH, BoxError, Instant0, MarkWay, fill, hand_written_run, leasing_run, relay_run};
 use sea_orm::{ConnectOptions, ConnectionTrait, Database, DatabaseConnection};
 use sea_orm_inbox::{Relay, RelayOptions};
 use sea_orm_inbox_migration::{MigratorTrait, MigratorWithOutbox};
@@ -18,8 +18,9 @@ use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// The modes counted: the fill every run starts with, then the two loops.
-const MODES: [&str; 3] = ["fill", "relay", "hand"];
+/// The modes counted: the fill every run starts with, then the relay, the hand-written
+/// loop, and the leasing loop with its mark alone and with the next lease.
+const MODES: [&str; 5] = ["fill", "relay", "hand", "lease-alone", "lease-next"];
 
 /// Counts each mode of [`MODES`] under callgrind and prints instructions, commits and
 /// statements per row.
@@ -75,7 +76,7 @@ pub(super) async fn count_only(run: &str) -> Result<(), BoxError> {
         .split_once(':')
         .ok_or("--count-only takes MODE:N, for example relay:1000")?;
     if !MODES.contains(&mode) {
-        return Err(format!("--count-only counts fill, relay or hand, not {mode}").into());
+        return Err(format!("--count-only counts one of {MODES:?}, not {mode}").into());
     }
     let rows: usize = count.parse()?;
     let dir = tempfile::tempdir()?;
@@ -106,6 +107,12 @@ pub(super) async fn count_only(run: &str) -> Result<(), BoxError> {
     match mode {
         "fill" => fill(&db, rows).await?,
         "relay" => relay_run(&db, &relay, rows).await.map(|_rate| ())?,
+        "lease-alone" => leasing_run(&db, rows, MarkWay::Alone)
+            .await
+            .map(|_rate| ())?,
+        "lease-next" => leasing_run(&db, rows, MarkWay::WithNextLease)
+            .await
+            .map(|_rate| ())?,
         _ => hand_written_run(&db, rows).await.map(|_rate| ())?,
     }
     println!(
@@ -118,7 +125,7 @@ pub(super) async fn count_only(run: &str) -> Result<(), BoxError> {
 }
 
 /// Counts the write transactions committed on `db`'s one connection from now on.
-async fn count_commits(db: &DatabaseConnection) -> Result<Arc<AtomicU64>, BoxError> {
+pub(super) async fn count_commits(db: &DatabaseConnection) -> Result<Arc<AtomicU64>, BoxError> {
     let commits = Arc::new(AtomicU64::new(0));
     let counter = Arc::clone(&commits);
     let mut conn = db.get_sqlite_connection_pool().acquire().await?;
