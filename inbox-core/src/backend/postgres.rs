@@ -352,8 +352,12 @@ impl Dialect for Postgres {
     /// What that risks is a lease lost when the server crashes within a fraction of a
     /// second of the claim; the row is then unleased and published again after the
     /// restart, with the same message id, as after any crash between publish and mark.
-    /// The settle that follows commits synchronously, and its flush makes the claim's WAL
-    /// records durable too. READ COMMITTED, the server's default isolation.
+    /// A settle on its own (`relay_once`, a drain's last batch) commits synchronously, and
+    /// its flush makes the claim's WAL records durable too. In a drain, the marks of a full
+    /// batch commit with the next claim, in this transaction: a server crash within that
+    /// fraction of a second can lose them as well, and their rows are then published
+    /// again after the restart (same message id), the duplicate the consumers' inbox
+    /// absorbs. READ COMMITTED, the server's default isolation.
     ///
     /// The same way, for the transaction only, the partition bound of
     /// [`silence_bound`](Dialect::silence_bound): a relay cut off before its COMMIT reaches
