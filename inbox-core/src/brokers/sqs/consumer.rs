@@ -481,34 +481,67 @@ mod tests {
     use aws_smithy_runtime_api::http::StatusCode;
     use aws_smithy_types::body::SdkBody;
     use std::sync::Mutex;
-    use tokio::sync::{Notify, oneshot};
+    use tokio::sync::{Notify, oneshot, watch};
 
     const VISIBILITY: Duration = Duration::from_secs(30);
     const BEAT: Duration = Duration::from_millis(20);
-    /// How long SQS holds a beat that no settlement's change releases: the fixed loop's
-    /// nack waits for the beat, so only this ends it.
-    const HOLD: Duration = Duration::from_millis(300);
+    /// How long after the handler failed SQS holds a beat that no settlement's change
+    /// released. The fixed loop's settlement waits for the beat, so only this ends it;
+    /// before the fix, the settlement's change went out at once, well within it, and
+    /// released the beat.
+    const HOLD: Duration = Duration::from_secs(1);
     /// Far longer than anything here takes on a loaded machine.
     const PATIENCE: Duration = Duration::from_secs(10);
 
     /// SQS behind a slow connection: the `ChangeMessageVisibility` of a beat (to the full
-    /// timeout) lands once a settlement's own change has landed, or after [`HOLD`]; every
-    /// other call lands at once. A request lands whether its future is still polled or
+    /// timeout) lands once a settlement's own change has landed, or [`HOLD`] after the
+    /// handler failed; every other call lands at once. A request lands whether its future is still polled or
     /// not: once the client has handed it to the connection, it is out.
-    #[derive(Debug, Default)]
+    #[derive(Debug)]
     struct Sqs {
         /// The visibility timeouts set, in seconds, in the order they landed.
         landed: Mutex<Vec<i64>>,
-        beat_out: Notify,
-        beat_landed: Notify,
+        /// How many beats are held right now.
+        held: watch::Sender<usize>,
+        /// Whether the handler has failed.
+        failed: watch::Sender<bool>,
         settlement_landed: Notify,
     }
 
     impl Sqs {
+        fn new() -> Arc<Self> {
+            Arc::new(Self {
+                landed: Mutex::default(),
+                held: watch::Sender::new(0),
+                failed: watch::Sender::new(false),
+                settlement_landed: Notify::new(),
+            })
+        }
+
         fn land(&self, seconds: i64) {
             if let Ok(mut landed) = self.landed.lock() {
                 landed.push(seconds);
             }
+        }
+
+        /// Waits until `held` says how many beats are held.
+        async fn until_held(&self, held: impl FnMut(&usize) -> bool) {
+            let mut beats = self.held.subscribe();
+            let waited = tokio::time::timeout(PATIENCE, beats.wait_for(held)).await;
+            assert!(
+                matches!(waited, Ok(Ok(_))),
+                "the beats held: not within {PATIENCE:?}"
+            );
+        }
+
+        /// Waits until the handler has failed.
+        async fn until_failed(&self) {
+            let mut failed = self.failed.subscribe();
+            let waited = tokio::time::timeout(PATIENCE, failed.wait_for(|f| *f)).await;
+            assert!(
+                matches!(waited, Ok(Ok(_))),
+                "the handler's failure: not within {PATIENCE:?}"
+            );
         }
     }
 
@@ -518,9 +551,13 @@ mod tests {
     impl HttpConnector for Connection {
         fn call(&self, request: HttpRequest) -> HttpConnectorFuture {
             let sqs = Arc::clone(&self.0);
+            // A ReceiveMessage has a VisibilityTimeout too.
+            let changes_visibility =
+                request.headers().get("x-amz-target") == Some("AmazonSQS.ChangeMessageVisibility");
             let visibility = request
                 .body()
                 .bytes()
+                .filter(|_| changes_visibility)
                 .and_then(|body| serde_json::from_slice::<serde_json::Value>(body).ok())
                 .and_then(|body| body["VisibilityTimeout"].as_i64());
             let (answer, answered) = oneshot::channel();
@@ -528,10 +565,16 @@ mod tests {
                 let full = i64::try_from(VISIBILITY.as_secs()).expect("in range");
                 match visibility {
                     Some(seconds) if seconds == full => {
-                        sqs.beat_out.notify_one();
-                        let _ = tokio::time::timeout(HOLD, sqs.settlement_landed.notified()).await;
+                        sqs.held.send_modify(|held| *held += 1);
+                        tokio::select! {
+                            () = sqs.settlement_landed.notified() => {}
+                            () = async {
+                                sqs.until_failed().await;
+                                tokio::time::sleep(HOLD).await;
+                            } => {}
+                        }
                         sqs.land(seconds);
-                        sqs.beat_landed.notify_one();
+                        sqs.held.send_modify(|held| *held -= 1);
                     }
                     Some(seconds) => {
                         sqs.land(seconds);
@@ -584,27 +627,24 @@ mod tests {
     }
 
     /// [`consume`]'s handling of a [`received`] message whose handler fails with
-    /// `failure()` while a beat is out: what the loop told SQS, and the visibility
-    /// changes SQS saw, in order, once that beat has landed too.
+    /// `failure()` while a beat is held: what the loop told SQS, and the visibility
+    /// changes SQS saw, in order, once no beat is held any more.
     async fn fail_during_a_beat<E>(failure: fn() -> E) -> (Option<Settlement>, Vec<i64>)
     where
         E: std::fmt::Display + Send + 'static,
     {
-        let sqs = Arc::new(Sqs::default());
+        let sqs = Sqs::new();
         let waits = Arc::clone(&sqs);
         let told = consume::handle_on_sqlite(received(&sqs), move |_: &ObservedTransaction, _| {
             let sqs = Arc::clone(&waits);
             Box::pin(async move {
-                tokio::time::timeout(PATIENCE, sqs.beat_out.notified())
-                    .await
-                    .expect("a beat within the patience");
+                sqs.until_held(|held| *held > 0).await;
+                sqs.failed.send_replace(true);
                 Err::<(), _>(failure())
             })
         })
         .await;
-        tokio::time::timeout(PATIENCE, sqs.beat_landed.notified())
-            .await
-            .expect("the beat lands");
+        sqs.until_held(|held| *held == 0).await;
         let landed = sqs.landed.lock().map(|l| l.clone()).unwrap_or_default();
         (told, landed)
     }
@@ -619,7 +659,7 @@ mod tests {
         assert_eq!(
             landed,
             [30, 1],
-            "visibility changes in the order SQS saw them (30: a beat, 1: the nack)"
+            "visibility changes in the order SQS saw them (30: the beat, 1: the nack)"
         );
     }
 
@@ -630,7 +670,7 @@ mod tests {
         assert_eq!(told, Some(Settlement::DeadLetter));
         assert!(
             matches!(landed[..], [30, hidden] if hidden > 43_000),
-            "visibility changes in the order SQS saw them (30: a beat, about 43,200: the dead letter): {landed:?}"
+            "visibility changes in the order SQS saw them (30: the beat, about 43,200: the dead letter): {landed:?}"
         );
     }
 }
