@@ -431,6 +431,8 @@ impl Incoming for SqsMessage {
         loop {
             tokio::time::sleep_until(next.into()).await;
             next += interval;
+            // The guard ends with the beat: a heartbeat that stops below must not keep it,
+            // or a nack would wait for it forever.
             let changed = {
                 let beats = self.beats.lock().await;
                 if *beats == Beats::Stopped {
@@ -495,24 +497,33 @@ mod tests {
 
     /// SQS behind a slow connection: the `ChangeMessageVisibility` of a beat (to the full
     /// timeout) lands once a settlement's own change has landed, or [`HOLD`] after the
-    /// handler failed; every other call lands at once. A request lands whether its future is still polled or
-    /// not: once the client has handed it to the connection, it is out.
+    /// handler failed (or, refusing beats, is refused at once as an expired receipt
+    /// handle); every other call lands at once. A request lands whether its future is
+    /// still polled or not: once the client has handed it to the connection, it is out.
     #[derive(Debug)]
     struct Sqs {
+        refuses_beats: bool,
         /// The visibility timeouts set, in seconds, in the order they landed.
         landed: Mutex<Vec<i64>>,
-        /// How many beats are held right now.
-        held: watch::Sender<usize>,
+        beats: watch::Sender<Beating>,
         /// Whether the handler has failed.
         failed: watch::Sender<bool>,
         settlement_landed: Notify,
     }
 
+    /// The beats [`Sqs`] holds right now, and those it refused.
+    #[derive(Debug, Default)]
+    struct Beating {
+        held: usize,
+        refused: usize,
+    }
+
     impl Sqs {
-        fn new() -> Arc<Self> {
+        fn new(refuses_beats: bool) -> Arc<Self> {
             Arc::new(Self {
+                refuses_beats,
                 landed: Mutex::default(),
-                held: watch::Sender::new(0),
+                beats: watch::Sender::default(),
                 failed: watch::Sender::new(false),
                 settlement_landed: Notify::new(),
             })
@@ -524,13 +535,13 @@ mod tests {
             }
         }
 
-        /// Waits until `held` says how many beats are held.
-        async fn until_held(&self, held: impl FnMut(&usize) -> bool) {
-            let mut beats = self.held.subscribe();
-            let waited = tokio::time::timeout(PATIENCE, beats.wait_for(held)).await;
+        /// Waits until `beats` holds of the beats.
+        async fn until_beats(&self, beats: impl FnMut(&Beating) -> bool) {
+            let mut watched = self.beats.subscribe();
+            let waited = tokio::time::timeout(PATIENCE, watched.wait_for(beats)).await;
             assert!(
                 matches!(waited, Ok(Ok(_))),
-                "the beats held: not within {PATIENCE:?}"
+                "the beats: not within {PATIENCE:?}"
             );
         }
 
@@ -564,8 +575,13 @@ mod tests {
             tokio::spawn(async move {
                 let full = i64::try_from(VISIBILITY.as_secs()).expect("in range");
                 match visibility {
+                    Some(seconds) if seconds == full && sqs.refuses_beats => {
+                        sqs.beats.send_modify(|beats| beats.refused += 1);
+                        let _ = answer.send(false);
+                        return;
+                    }
                     Some(seconds) if seconds == full => {
-                        sqs.held.send_modify(|held| *held += 1);
+                        sqs.beats.send_modify(|beats| beats.held += 1);
                         tokio::select! {
                             () = sqs.settlement_landed.notified() => {}
                             () = async {
@@ -574,7 +590,7 @@ mod tests {
                             } => {}
                         }
                         sqs.land(seconds);
-                        sqs.held.send_modify(|held| *held -= 1);
+                        sqs.beats.send_modify(|beats| beats.held -= 1);
                     }
                     Some(seconds) => {
                         sqs.land(seconds);
@@ -582,14 +598,27 @@ mod tests {
                     }
                     None => {}
                 }
-                let _ = answer.send(());
+                let _ = answer.send(true);
             });
             HttpConnectorFuture::new(async move {
-                let _ = answered.await;
-                Ok(HttpResponse::new(
-                    StatusCode::try_from(200).expect("a status"),
-                    SdkBody::from("{}"),
-                ))
+                let response = if answered.await.unwrap_or(true) {
+                    HttpResponse::new(
+                        StatusCode::try_from(200).expect("a status"),
+                        SdkBody::from("{}"),
+                    )
+                } else {
+                    let mut expired = HttpResponse::new(
+                        StatusCode::try_from(400).expect("a status"),
+                        SdkBody::from(
+                            r#"{"__type":"com.amazonaws.sqs#ReceiptHandleIsInvalid","message":"The receipt handle has expired."}"#,
+                        ),
+                    );
+                    expired
+                        .headers_mut()
+                        .insert("x-amzn-query-error", "ReceiptHandleIsInvalid;Sender");
+                    expired
+                };
+                Ok(response)
             })
         }
     }
@@ -629,22 +658,25 @@ mod tests {
     /// [`consume`]'s handling of a [`received`] message whose handler fails with
     /// `failure()` while a beat is held: what the loop told SQS, and the visibility
     /// changes SQS saw, in order, once no beat is held any more.
-    async fn fail_during_a_beat<E>(failure: fn() -> E) -> (Option<Settlement>, Vec<i64>)
+    async fn fail_during_a_beat<E>(
+        sqs: Arc<Sqs>,
+        failure: fn() -> E,
+    ) -> (Option<Settlement>, Vec<i64>)
     where
         E: std::fmt::Display + Send + 'static,
     {
-        let sqs = Sqs::new();
         let waits = Arc::clone(&sqs);
         let told = consume::handle_on_sqlite(received(&sqs), move |_: &ObservedTransaction, _| {
             let sqs = Arc::clone(&waits);
             Box::pin(async move {
-                sqs.until_held(|held| *held > 0).await;
+                sqs.until_beats(|beats| beats.held > 0 || beats.refused > 0)
+                    .await;
                 sqs.failed.send_replace(true);
                 Err::<(), _>(failure())
             })
         })
         .await;
-        sqs.until_held(|held| *held == 0).await;
+        sqs.until_beats(|beats| beats.held == 0).await;
         let landed = sqs.landed.lock().map(|l| l.clone()).unwrap_or_default();
         (told, landed)
     }
@@ -654,7 +686,8 @@ mod tests {
     /// after the full visibility timeout.
     #[tokio::test]
     async fn a_nack_lands_after_the_beat_in_flight() {
-        let (told, landed) = fail_during_a_beat(|| "a transient failure".to_owned()).await;
+        let (told, landed) =
+            fail_during_a_beat(Sqs::new(false), || "a transient failure".to_owned()).await;
         assert_eq!(told, Some(Settlement::Nack(Some(Duration::from_secs(1)))));
         assert_eq!(
             landed,
@@ -666,11 +699,28 @@ mod tests {
     /// So is a dead letter's 12 h hiding, on a queue without a dead-letter queue.
     #[tokio::test]
     async fn a_dead_letter_hidden_lands_after_the_beat_in_flight() {
-        let (told, landed) = fail_during_a_beat(|| Permanent::new("a malformed order")).await;
+        let (told, landed) =
+            fail_during_a_beat(Sqs::new(false), || Permanent::new("a malformed order")).await;
         assert_eq!(told, Some(Settlement::DeadLetter));
         assert!(
             matches!(landed[..], [30, hidden] if hidden > 43_000),
             "visibility changes in the order SQS saw them (30: the beat, about 43,200: the dead letter): {landed:?}"
         );
+    }
+
+    /// A heartbeat that a refused beat ended (the receipt handle expired: the message was
+    /// delivered again) holds nothing a later nack waits for.
+    #[tokio::test]
+    async fn a_nack_after_the_heartbeat_ended_is_not_held_up() {
+        let handled = tokio::time::timeout(
+            PATIENCE,
+            fail_during_a_beat(Sqs::new(true), || "a transient failure".to_owned()),
+        )
+        .await;
+        let Ok((told, landed)) = handled else {
+            panic!("the nack waited {PATIENCE:?} for a heartbeat that had ended");
+        };
+        assert_eq!(told, Some(Settlement::Nack(Some(Duration::from_secs(1)))));
+        assert_eq!(landed, [1], "the nack's change, no beat");
     }
 }
