@@ -407,9 +407,14 @@ pub(crate) trait Incoming: Send + 'static {
     fn is_stale(&self, _error: &BoxError) -> bool {
         false
     }
-    /// Runs beside the handler, then beside an ack's or a dead letter's settlement (not a
-    /// nack's), and never completes: SQS extends the message's visibility timeout from it
-    /// until the message is deleted. Nothing by default.
+    /// Runs beside the handler, then beside the settlement until it is done, and never
+    /// completes: SQS extends the message's visibility timeout from it until the message
+    /// is settled. Nothing by default.
+    ///
+    /// A settlement that sets what the beats set (SQS: a nack's visibility, or a dead
+    /// letter's hidden for 12 h) must be the last change the broker sees, so its
+    /// [`settle`](Self::settle) stops the beats itself: it waits for a beat in flight
+    /// (which it can, as this future is still polled) and no beat starts after it.
     fn keep_alive(&self) -> impl Future<Output = Infallible> + Send {
         std::future::pending()
     }
@@ -636,20 +641,16 @@ where
         // The broker would drop it silently after this nack: dead-letter it instead.
         settlement = Settlement::DeadLetter;
     }
-    let settle = message.settle(settlement);
-    let settled = if matches!(settlement, Settlement::Nack(_)) {
-        // A nack sets when the message comes back (SQS: its visibility): a beat after it
-        // would set that back to the full timeout, so the heartbeat stops first.
-        settle.await
-    } else {
-        // A delete, or a dead letter's move, can take longer than the visibility the last
-        // beat left (the client's retries with backoff, a slow broker): beating on until
-        // it is done keeps the message from being delivered again meanwhile.
-        tokio::select! {
-            biased;
-            settled = settle => settled,
-            never = &mut keep_alive => match never {},
-        }
+    // A delete, or a dead letter's move, can take longer than the visibility the last beat
+    // left (the client's retries with backoff, a slow broker): beating on until it is done
+    // keeps the message from being delivered again meanwhile. A nack sets when the message
+    // comes back (SQS: its visibility), so no beat may land after it; leaving the heartbeat
+    // unpolled would not stop a beat whose request is already out, it would only keep the
+    // nack from seeing that beat finish. The message's `settle` stops its own beats.
+    let settled = tokio::select! {
+        biased;
+        settled = message.settle(settlement) => settled,
+        never = &mut keep_alive => match never {},
     };
     let told = match settled {
         Ok(()) => Told::Yes,
@@ -678,6 +679,42 @@ where
     }
 }
 
+#[cfg(all(
+    test,
+    feature = "sqlite",
+    any(feature = "lapin", feature = "async-nats", feature = "aws-sdk-sqs")
+))]
+/// [`handle`] of `message` with `handler` and [`NackDelay::default`] on a migrated
+/// in-memory SQLite database, for the tests of an adapter's messages: the settlement the
+/// broker was told, `None` when it was not.
+pub(crate) async fn handle_on_sqlite<M, H, T, E>(message: M, handler: H) -> Option<Settlement>
+where
+    M: Incoming,
+    H: MessageHandler<T, E>,
+    T: Send + 'static,
+    E: fmt::Display + Send + 'static,
+{
+    use sea_orm_migration::MigratorTrait;
+    let db = sea_orm::Database::connect("sqlite::memory:")
+        .await
+        .expect("SQLite");
+    sea_orm_inbox_migration::Migrator::up(&db, None)
+        .await
+        .expect("the inbox's tables");
+    let shared = Arc::new(Shared {
+        inbox: Inbox::new("heartbeat").expect("a consumer name"),
+        db,
+        handler,
+        nack_delay: NackDelay::default(),
+    });
+    let permit = Arc::new(Semaphore::new(1))
+        .acquire_owned()
+        .await
+        .expect("a permit");
+    let tally = handle(message, shared, permit).await;
+    (tally.told == Told::Yes).then_some(tally.settlement)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -702,8 +739,6 @@ mod tests {
     ))]
     mod heartbeat {
         use super::*;
-        use sea_orm::Database;
-        use sea_orm_migration::MigratorTrait;
         use std::sync::Mutex;
         use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
@@ -792,33 +827,19 @@ mod tests {
             Box::pin(async { Err("a transient failure".to_owned()) })
         }
 
-        /// [`handle`] of a [`Slow`] message `id` with `handler` on a migrated in-memory
-        /// SQLite database: what it settled, and the beats its settlement saw.
+        /// [`handle`] of a [`Slow`] message `id` with `handler`: what it settled, and the
+        /// beats its settlement saw.
         async fn settle_slowly<H: MessageHandler<(), String>>(
             id: &'static str,
             handler: H,
         ) -> (Vec<Settlement>, usize) {
-            let db = Database::connect("sqlite::memory:").await.expect("SQLite");
-            sea_orm_inbox_migration::Migrator::up(&db, None)
-                .await
-                .expect("the inbox's tables");
-            let shared = Arc::new(Shared {
-                inbox: Inbox::new("heartbeat").expect("a consumer name"),
-                db,
-                handler,
-                nack_delay: NackDelay::default(),
-            });
-            let permit = Arc::new(Semaphore::new(1))
-                .acquire_owned()
-                .await
-                .expect("a permit");
             let seen = Arc::new(Seen::default());
             let message = Slow {
                 id,
                 seen: Arc::clone(&seen),
             };
-            let tally = handle(message, shared, permit).await;
-            assert!(tally.told == Told::Yes, "the fake settles every delivery");
+            let told = handle_on_sqlite(message, handler).await;
+            assert!(told.is_some(), "the fake settles every delivery");
             let settlements = seen
                 .settlements
                 .lock()
@@ -854,15 +875,21 @@ mod tests {
             );
         }
 
-        /// A nack is not: a beat after it would undo its redelivery delay.
+        /// So does a nack's visibility change: a beat whose request was out when the
+        /// handler returned lands whether the loop polls it or not, so the loop polls it
+        /// to its end and the message's `settle` waits for it and starts no beat after
+        /// (SQS: `sqs::consumer::tests`, against the message and the client themselves).
         #[tokio::test]
-        async fn a_nack_stops_the_heartbeat() {
+        async fn a_nack_is_settled_beside_the_heartbeat() {
             let (settlements, beats) = settle_slowly("order-2", fails).await;
             assert!(
                 matches!(settlements[..], [Settlement::Nack(Some(_))]),
                 "{settlements:?}"
             );
-            assert_eq!(beats, 0, "a beat after the nack");
+            assert!(
+                beats >= BEATS,
+                "{beats} beats while the nack ran for {PATIENCE:?}: a beat in flight at the nack could not finish before it"
+            );
         }
     }
 

@@ -2,17 +2,23 @@
 //! (`tests/cluster/sqs.sh`): the delivery's id, count and send time; settlement by delete,
 //! visibility change and dead-letter move; an expired receipt handle reported as such; two
 //! replicas whose slow handlers outlive the visibility timeout, with the heartbeat off and
-//! on; the outbox to a FIFO queue.
+//! on; a nack after a beat that was still out; the outbox to a FIFO queue.
 //!
 //! The `mapping` tests build messages by hand and need no endpoint; the others need
 //! `INBOX_TEST_SQS_ENDPOINT` (the URL `tests/cluster/sqs.sh start` prints) at build time,
 //! and PostgreSQL for the loops.
 
 use aws_sdk_sqs::Client;
+use aws_sdk_sqs::config::{RuntimeComponents, SharedHttpClient};
 use aws_sdk_sqs::types::{
     Message, MessageAttributeValue, MessageSystemAttributeName, QueueAttributeName,
     SendMessageBatchRequestEntry,
 };
+use aws_smithy_runtime_api::client::http::{
+    HttpClient, HttpConnector, HttpConnectorFuture, HttpConnectorSettings, SharedHttpConnector,
+};
+use aws_smithy_runtime_api::client::orchestrator::HttpRequest;
+use aws_smithy_runtime_api::client::result::ConnectorError;
 use inbox_tests::{
     Backend, committed, create_accounts, credit, with_migrated_db, with_migrated_outbox_db,
 };
@@ -34,15 +40,11 @@ fn client() -> Client {
     Client::from_conf(client_config().build())
 }
 
-/// [`client`]'s configuration, for a client with an interceptor of its own.
+/// [`client`]'s configuration, for a client with an interceptor or a connection of its
+/// own.
 fn client_config() -> aws_sdk_sqs::config::Builder {
     let endpoint = std::env::var("INBOX_TEST_SQS_ENDPOINT")
         .expect("set INBOX_TEST_SQS_ENDPOINT (tests/cluster/sqs.sh start)");
-    let http = aws_smithy_http_client::Builder::new()
-        .tls_provider(aws_smithy_http_client::tls::Provider::Rustls(
-            aws_smithy_http_client::tls::rustls_provider::CryptoMode::Ring,
-        ))
-        .build_https();
     aws_sdk_sqs::Config::builder()
         .behavior_version(aws_sdk_sqs::config::BehaviorVersion::latest())
         .region(aws_sdk_sqs::config::Region::new("us-east-1"))
@@ -50,7 +52,16 @@ fn client_config() -> aws_sdk_sqs::config::Builder {
             "test", "test", None, None, "static",
         ))
         .endpoint_url(endpoint)
-        .http_client(http)
+        .http_client(http_client())
+}
+
+/// The plain-HTTP client of [`client_config`].
+fn http_client() -> SharedHttpClient {
+    aws_smithy_http_client::Builder::new()
+        .tls_provider(aws_smithy_http_client::tls::Provider::Rustls(
+            aws_smithy_http_client::tls::rustls_provider::CryptoMode::Ring,
+        ))
+        .build_https()
 }
 
 /// A queue name of the test's own.
@@ -1068,6 +1079,220 @@ async fn the_loop_counts_a_settlement_with_an_expired_receipt_as_stale() {
             ),
             (1, 0, 0),
             "{summary}"
+        );
+        delete_queue(&client, &url).await;
+    })
+    .await;
+}
+
+/// How [`HoldBeats`] holds a beat: the `ChangeMessageVisibility` to [`FULL`] seconds.
+const FULL: i64 = 30;
+/// How long after the handler failed a held beat waits for a settlement's change before
+/// it goes out anyway. The fixed loop's nack waits for the beat, so only this ends it;
+/// before the fix, the nack went out at once, well within it, and released the beat.
+const HOLD: Duration = Duration::from_secs(2);
+
+/// What [`HoldBeats`] saw.
+#[derive(Debug)]
+struct HeldBeats {
+    /// The visibility timeouts SQS set, in seconds, in the order it answered them.
+    landed: Mutex<Vec<i64>>,
+    /// How many beats are held right now.
+    held: tokio::sync::watch::Sender<usize>,
+    /// Whether the handler has failed.
+    failed: tokio::sync::watch::Sender<bool>,
+    settlement_landed: tokio::sync::Notify,
+}
+
+impl HeldBeats {
+    fn new() -> Arc<Self> {
+        Arc::new(Self {
+            landed: Mutex::default(),
+            held: tokio::sync::watch::Sender::new(0),
+            failed: tokio::sync::watch::Sender::new(false),
+            settlement_landed: tokio::sync::Notify::new(),
+        })
+    }
+
+    /// Waits until `held` says how many beats are held.
+    async fn until_held(&self, held: impl FnMut(&usize) -> bool) {
+        let mut beats = self.held.subscribe();
+        let waited = tokio::time::timeout(Duration::from_secs(20), beats.wait_for(held)).await;
+        assert!(
+            matches!(waited, Ok(Ok(_))),
+            "the beats held: not within 20 s"
+        );
+    }
+
+    /// Waits until the handler has failed.
+    async fn until_failed(&self) {
+        let mut failed = self.failed.subscribe();
+        let waited = tokio::time::timeout(Duration::from_secs(30), failed.wait_for(|f| *f)).await;
+        assert!(
+            matches!(waited, Ok(Ok(_))),
+            "the handler's failure: not within 30 s"
+        );
+    }
+}
+
+/// A client's connection that sends a heartbeat's `ChangeMessageVisibility` (to [`FULL`]
+/// seconds) only once a settlement's own change has been answered, or [`HOLD`] after the
+/// handler failed: a slow connection. Every request runs in a task of its own, as it
+/// would on a connection already written to, so it reaches SQS whether the client still
+/// polls its future or not.
+#[derive(Clone, Debug)]
+struct HoldBeats {
+    inner: SharedHttpClient,
+    held: Arc<HeldBeats>,
+}
+
+impl HttpClient for HoldBeats {
+    fn http_connector(
+        &self,
+        settings: &HttpConnectorSettings,
+        components: &RuntimeComponents,
+    ) -> SharedHttpConnector {
+        SharedHttpConnector::new(HoldingConnection {
+            inner: self.inner.http_connector(settings, components),
+            held: Arc::clone(&self.held),
+        })
+    }
+}
+
+#[derive(Clone, Debug)]
+struct HoldingConnection {
+    inner: SharedHttpConnector,
+    held: Arc<HeldBeats>,
+}
+
+impl HttpConnector for HoldingConnection {
+    fn call(&self, request: HttpRequest) -> HttpConnectorFuture {
+        // A ReceiveMessage has a VisibilityTimeout too.
+        let changes_visibility =
+            request.headers().get("x-amz-target") == Some("AmazonSQS.ChangeMessageVisibility");
+        let visibility = request
+            .body()
+            .bytes()
+            .filter(|_| changes_visibility)
+            .and_then(|body| serde_json::from_slice::<serde_json::Value>(body).ok())
+            .and_then(|body| body["VisibilityTimeout"].as_i64());
+        let (inner, held) = (self.inner.clone(), Arc::clone(&self.held));
+        let (answer, answered) = oneshot::channel();
+        tokio::spawn(async move {
+            let beat = visibility == Some(FULL);
+            if beat {
+                held.held.send_modify(|held| *held += 1);
+                tokio::select! {
+                    () = held.settlement_landed.notified() => {}
+                    () = async {
+                        held.until_failed().await;
+                        tokio::time::sleep(HOLD).await;
+                    } => {}
+                }
+            }
+            let response = inner.call(request).await;
+            if let Some(seconds) = visibility
+                && response.is_ok()
+            {
+                held.landed.lock().expect("not poisoned").push(seconds);
+                if !beat {
+                    held.settlement_landed.notify_one();
+                }
+            }
+            if beat {
+                held.held.send_modify(|held| *held -= 1);
+            }
+            let _ = answer.send(response);
+        });
+        HttpConnectorFuture::new(async move {
+            answered.await.unwrap_or_else(|_| {
+                Err(ConnectorError::other(
+                    "the connection's task ended".into(),
+                    None,
+                ))
+            })
+        })
+    }
+}
+
+/// Fails once a beat is out (held by [`HoldBeats`]), and says so there.
+fn fails_while_a_beat_is_out(held: Arc<HeldBeats>) -> impl MessageHandler<(), BoxError> {
+    move |_txn, _message| {
+        let held = Arc::clone(&held);
+        Box::pin(async move {
+            held.until_held(|held| *held > 0).await;
+            held.failed.send_replace(true);
+            Err(BoxError::from("the provider is down"))
+        })
+    }
+}
+
+/// A beat that is out when the handler fails lands before the nack's
+/// `ChangeMessageVisibility`, so the message comes back after the nack's delay (1 s), not
+/// after the visibility timeout (30 s): the client holds the beat until the nack is
+/// answered (before the fix) or [`HOLD`] after the handler failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[cfg_attr(not(inbox_sqs), ignore = "set INBOX_TEST_SQS_ENDPOINT")]
+#[cfg_attr(
+    all(inbox_sqs, not(inbox_postgres)),
+    ignore = "set INBOX_TEST_POSTGRES_URL"
+)]
+async fn a_nacked_message_returns_after_the_nack_delay_though_a_beat_was_out() {
+    with_migrated_db(Backend::Postgres, async |db| {
+        let conn = db.connect().await;
+        let client = client();
+        let url = create_queue(&client, &unique("beat-nack"), &[]).await;
+        send_ids(&client, &url, &["order-nacked".to_owned()]).await;
+        let held = HeldBeats::new();
+        let holding = Client::from_conf(
+            client_config()
+                .http_client(HoldBeats {
+                    inner: http_client(),
+                    held: Arc::clone(&held),
+                })
+                .build(),
+        );
+        let options = ConsumerOptions::default()
+            .with_concurrency(1)
+            .expect("a concurrency")
+            .with_nack_delay(
+                NackDelay::new(Duration::from_secs(1), Duration::from_secs(1)).expect("a delay"),
+            );
+        let consumer = consumer(&holding, &url, options)
+            .with_visibility_timeout(Duration::from_secs(FULL.unsigned_abs()))
+            .expect("a visibility timeout")
+            .with_heartbeat(Some(Duration::from_millis(300)))
+            .expect("a heartbeat");
+        let inbox = Inbox::new("sqs.beat-nack").expect("a consumer name");
+        let handler = fails_while_a_beat_is_out(Arc::clone(&held));
+        let running = start(consumer, &inbox, &conn, handler);
+        held.until_failed().await;
+        // The stop waits for the delivery's settlement; the loop receives nothing more.
+        let summary = running.stop().await;
+        assert_eq!(
+            (summary.nacked, summary.settle_failures),
+            (1, 0),
+            "{summary}"
+        );
+        let nacked_at = Instant::now();
+        held.until_held(|held| *held == 0).await;
+        let landed = held.landed.lock().expect("not poisoned").clone();
+        assert!(
+            landed == [FULL, 1],
+            "visibility changes in the order SQS answered them ({FULL}: the beat, 1: the nack): {landed:?}"
+        );
+        let back = client
+            .receive_message()
+            .queue_url(&url)
+            .wait_time_seconds(10)
+            .send()
+            .await
+            .expect("receive");
+        assert_eq!(
+            back.messages().len(),
+            1,
+            "the nacked message was not back {:?} after the nack (1 s delay)",
+            nacked_at.elapsed()
         );
         delete_queue(&client, &url).await;
     })

@@ -34,8 +34,10 @@ use std::time::{Duration, Instant};
 ///   the dead-letter queue, a heartbeat extends the message's visibility by the timeout
 ///   again every [heartbeat interval](Self::with_heartbeat) (default a third of the
 ///   timeout), so neither a long handler nor a slow delete (the client's retries, a slow
-///   endpoint) sees its message delivered to another replica meanwhile (a nack stops it
-///   first: its visibility change sets when the message returns). When a message is
+///   endpoint) sees its message delivered to another replica meanwhile. A nack (and a dead
+///   letter hidden for want of a dead-letter queue) stops it first: it waits for a beat
+///   still out and starts its own `ChangeMessageVisibility` after it, so that the nack's
+///   delay, not the full timeout, sets when the message returns. When a message is
 ///   delivered again anyway (a stalled replica, the heartbeat off), the inbox decides: the
 ///   second delivery waits for the first's claim and becomes a duplicate.
 /// - Dead letters go to the configured dead-letter queue, else to the target of the
@@ -275,15 +277,12 @@ impl SqsSession {
             .await
             .map_err(|err| BoxError::from(DisplayErrorContext(err).to_string()))?;
         for message in answer.messages() {
-            self.buffered.push_back(SqsMessage {
-                message: message.clone(),
-                queue: Arc::clone(&self.queue),
+            self.buffered.push_back(SqsMessage::new(
+                message.clone(),
+                Arc::clone(&self.queue),
                 received_at,
-                visibility_timeout: receiving.visibility_timeout,
-                heartbeat: receiving.heartbeat,
-                settling: AtomicBool::new(false),
-                in_flight: None,
-            });
+                receiving,
+            ));
         }
         Ok(())
     }
@@ -332,7 +331,40 @@ struct SqsMessage {
     /// Set when the settlement starts: a beat that finds the receipt handle gone after
     /// that crossed the delete, not a redelivery.
     settling: AtomicBool,
+    /// Held by a beat while its visibility change is out; a settlement that changes the
+    /// visibility itself takes it to stop the heartbeat, so that its change is the last
+    /// one SQS sees. A beat's request, once handed to the client's connection, reaches
+    /// SQS whether its future is polled or dropped: only waiting for it orders the two.
+    beats: tokio::sync::Mutex<Beats>,
     in_flight: Option<InFlight>,
+}
+
+/// Whether the heartbeat may still start a beat.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Beats {
+    On,
+    /// A settlement set the visibility: a beat now would undo it.
+    Stopped,
+}
+
+impl SqsMessage {
+    fn new(
+        message: Message,
+        queue: Arc<SqsQueue>,
+        received_at: Instant,
+        receiving: Receiving,
+    ) -> Self {
+        Self {
+            message,
+            queue,
+            received_at,
+            visibility_timeout: receiving.visibility_timeout,
+            heartbeat: receiving.heartbeat,
+            settling: AtomicBool::new(false),
+            beats: tokio::sync::Mutex::new(Beats::On),
+            in_flight: None,
+        }
+    }
 }
 
 impl Incoming for SqsMessage {
@@ -374,6 +406,10 @@ impl Incoming for SqsMessage {
 
     async fn settle(&self, settlement: Settlement) -> Result<(), BoxError> {
         self.settling.store(true, Ordering::Release);
+        if self.queue.changes_visibility(settlement) {
+            // Once held, no beat is out; every later one finds the heartbeat stopped.
+            *self.beats.lock().await = Beats::Stopped;
+        }
         self.queue
             .settle_received(&self.message, settlement, self.received_at)
             .await
@@ -395,12 +431,19 @@ impl Incoming for SqsMessage {
         loop {
             tokio::time::sleep_until(next.into()).await;
             next += interval;
-            let left = MAX_VISIBILITY.saturating_sub(self.received_at.elapsed());
-            match self
-                .queue
-                .change_visibility(&self.message, self.visibility_timeout, left)
-                .await
-            {
+            // The guard ends with the beat: a heartbeat that stops below must not keep it,
+            // or a nack would wait for it forever.
+            let changed = {
+                let beats = self.beats.lock().await;
+                if *beats == Beats::Stopped {
+                    break;
+                }
+                let left = MAX_VISIBILITY.saturating_sub(self.received_at.elapsed());
+                self.queue
+                    .change_visibility(&self.message, self.visibility_timeout, left)
+                    .await
+            };
+            match changed {
                 Ok(()) => {
                     tracing::debug!(
                         sqs_message_id = sqs_id(&self.message),
@@ -411,16 +454,273 @@ impl Incoming for SqsMessage {
                     if self.settling.load(Ordering::Acquire) =>
                 {
                     tracing::debug!(error = %err, sqs_message_id = sqs_id(&self.message), "a beat crossed the settlement's delete");
-                    return std::future::pending().await;
+                    break;
                 }
                 Err(err @ SettleError::ReceiptExpired { .. }) => {
                     tracing::warn!(error = %err, "the visibility heartbeat came too late: the message was delivered again; the inbox decides which delivery applies it");
-                    return std::future::pending().await;
+                    break;
                 }
                 Err(err) => {
                     tracing::warn!(error = %err, "extending the visibility failed; trying again at the next beat");
                 }
             }
         }
+        std::future::pending().await
+    }
+}
+
+/// The heartbeat against a nack, through the SDK's client over a fake SQS that holds a
+/// beat's request as a slow connection would.
+#[cfg(all(test, feature = "sqlite"))]
+mod tests {
+    use super::*;
+    use crate::{ObservedTransaction, Permanent};
+    use aws_sdk_sqs::config::{BehaviorVersion, Credentials, Region};
+    use aws_smithy_runtime_api::client::http::{
+        HttpConnector, HttpConnectorFuture, SharedHttpConnector, http_client_fn,
+    };
+    use aws_smithy_runtime_api::client::orchestrator::{HttpRequest, HttpResponse};
+    use aws_smithy_runtime_api::http::StatusCode;
+    use aws_smithy_types::body::SdkBody;
+    use std::sync::Mutex;
+    use tokio::sync::{Notify, oneshot, watch};
+
+    const VISIBILITY: Duration = Duration::from_secs(30);
+    const BEAT: Duration = Duration::from_millis(20);
+    /// How long after the handler failed SQS holds a beat that no settlement's change
+    /// released. The fixed loop's settlement waits for the beat, so only this ends it;
+    /// before the fix, the settlement's change went out at once, well within it, and
+    /// released the beat.
+    const HOLD: Duration = Duration::from_secs(1);
+    /// Far longer than anything here takes on a loaded machine.
+    const PATIENCE: Duration = Duration::from_secs(10);
+
+    /// SQS behind a slow connection: the `ChangeMessageVisibility` of a beat (to the full
+    /// timeout) lands once a settlement's own change has landed, or [`HOLD`] after the
+    /// handler failed (or, refusing beats, is refused at once as an expired receipt
+    /// handle); every other call lands at once. A request lands whether its future is
+    /// still polled or not: once the client has handed it to the connection, it is out.
+    #[derive(Debug)]
+    struct Sqs {
+        refuses_beats: bool,
+        /// The visibility timeouts set, in seconds, in the order they landed.
+        landed: Mutex<Vec<i64>>,
+        beats: watch::Sender<Beating>,
+        /// Whether the handler has failed.
+        failed: watch::Sender<bool>,
+        settlement_landed: Notify,
+    }
+
+    /// The beats [`Sqs`] holds right now, and those it refused.
+    #[derive(Debug, Default)]
+    struct Beating {
+        held: usize,
+        refused: usize,
+    }
+
+    impl Sqs {
+        fn new(refuses_beats: bool) -> Arc<Self> {
+            Arc::new(Self {
+                refuses_beats,
+                landed: Mutex::default(),
+                beats: watch::Sender::default(),
+                failed: watch::Sender::new(false),
+                settlement_landed: Notify::new(),
+            })
+        }
+
+        fn land(&self, seconds: i64) {
+            if let Ok(mut landed) = self.landed.lock() {
+                landed.push(seconds);
+            }
+        }
+
+        /// Waits until `beats` holds of the beats.
+        async fn until_beats(&self, beats: impl FnMut(&Beating) -> bool) {
+            let mut watched = self.beats.subscribe();
+            let waited = tokio::time::timeout(PATIENCE, watched.wait_for(beats)).await;
+            assert!(
+                matches!(waited, Ok(Ok(_))),
+                "the beats: not within {PATIENCE:?}"
+            );
+        }
+
+        /// Waits until the handler has failed.
+        async fn until_failed(&self) {
+            let mut failed = self.failed.subscribe();
+            let waited = tokio::time::timeout(PATIENCE, failed.wait_for(|f| *f)).await;
+            assert!(
+                matches!(waited, Ok(Ok(_))),
+                "the handler's failure: not within {PATIENCE:?}"
+            );
+        }
+    }
+
+    #[derive(Clone, Debug)]
+    struct Connection(Arc<Sqs>);
+
+    impl HttpConnector for Connection {
+        fn call(&self, request: HttpRequest) -> HttpConnectorFuture {
+            let sqs = Arc::clone(&self.0);
+            // A ReceiveMessage has a VisibilityTimeout too.
+            let changes_visibility =
+                request.headers().get("x-amz-target") == Some("AmazonSQS.ChangeMessageVisibility");
+            let visibility = request
+                .body()
+                .bytes()
+                .filter(|_| changes_visibility)
+                .and_then(|body| serde_json::from_slice::<serde_json::Value>(body).ok())
+                .and_then(|body| body["VisibilityTimeout"].as_i64());
+            let (answer, answered) = oneshot::channel();
+            tokio::spawn(async move {
+                let full = i64::try_from(VISIBILITY.as_secs()).expect("in range");
+                match visibility {
+                    Some(seconds) if seconds == full && sqs.refuses_beats => {
+                        sqs.beats.send_modify(|beats| beats.refused += 1);
+                        let _ = answer.send(false);
+                        return;
+                    }
+                    Some(seconds) if seconds == full => {
+                        sqs.beats.send_modify(|beats| beats.held += 1);
+                        tokio::select! {
+                            () = sqs.settlement_landed.notified() => {}
+                            () = async {
+                                sqs.until_failed().await;
+                                tokio::time::sleep(HOLD).await;
+                            } => {}
+                        }
+                        sqs.land(seconds);
+                        sqs.beats.send_modify(|beats| beats.held -= 1);
+                    }
+                    Some(seconds) => {
+                        sqs.land(seconds);
+                        sqs.settlement_landed.notify_one();
+                    }
+                    None => {}
+                }
+                let _ = answer.send(true);
+            });
+            HttpConnectorFuture::new(async move {
+                let response = if answered.await.unwrap_or(true) {
+                    HttpResponse::new(
+                        StatusCode::try_from(200).expect("a status"),
+                        SdkBody::from("{}"),
+                    )
+                } else {
+                    let mut expired = HttpResponse::new(
+                        StatusCode::try_from(400).expect("a status"),
+                        SdkBody::from(
+                            r#"{"__type":"com.amazonaws.sqs#ReceiptHandleIsInvalid","message":"The receipt handle has expired."}"#,
+                        ),
+                    );
+                    expired
+                        .headers_mut()
+                        .insert("x-amzn-query-error", "ReceiptHandleIsInvalid;Sender");
+                    expired
+                };
+                Ok(response)
+            })
+        }
+    }
+
+    /// A received message of a queue without a dead-letter queue on [`Sqs`], with a beat
+    /// every [`BEAT`].
+    fn received(sqs: &Arc<Sqs>) -> SqsMessage {
+        let connection = Connection(Arc::clone(sqs));
+        let config = aws_sdk_sqs::Config::builder()
+            .behavior_version(BehaviorVersion::latest())
+            .region(Region::new("eu-west-1"))
+            .credentials_provider(Credentials::new("test", "test", None, None, "test"))
+            .endpoint_url("http://sqs.test")
+            .http_client(http_client_fn(move |_, _| {
+                SharedHttpConnector::new(connection.clone())
+            }))
+            .build();
+        let queue = SqsQueue::new(
+            Client::from_conf(config),
+            "http://sqs.test/000000000000/orders",
+        );
+        let message = Message::builder()
+            .message_id("order-1")
+            .receipt_handle("receipt-1")
+            .body("{}")
+            .build();
+        let receiving = Receiving {
+            visibility_timeout: VISIBILITY,
+            wait_time: Duration::ZERO,
+            heartbeat: Some(BEAT),
+            concurrency: 1,
+            prefetch: 1,
+        };
+        SqsMessage::new(message, Arc::new(queue), Instant::now(), receiving)
+    }
+
+    /// [`consume`]'s handling of a [`received`] message whose handler fails with
+    /// `failure()` while a beat is held: what the loop told SQS, and the visibility
+    /// changes SQS saw, in order, once no beat is held any more.
+    async fn fail_during_a_beat<E>(
+        sqs: Arc<Sqs>,
+        failure: fn() -> E,
+    ) -> (Option<Settlement>, Vec<i64>)
+    where
+        E: std::fmt::Display + Send + 'static,
+    {
+        let waits = Arc::clone(&sqs);
+        let told = consume::handle_on_sqlite(received(&sqs), move |_: &ObservedTransaction, _| {
+            let sqs = Arc::clone(&waits);
+            Box::pin(async move {
+                sqs.until_beats(|beats| beats.held > 0 || beats.refused > 0)
+                    .await;
+                sqs.failed.send_replace(true);
+                Err::<(), _>(failure())
+            })
+        })
+        .await;
+        sqs.until_beats(|beats| beats.held == 0).await;
+        let landed = sqs.landed.lock().map(|l| l.clone()).unwrap_or_default();
+        (told, landed)
+    }
+
+    /// A nack's `ChangeMessageVisibility` is the last one SQS sees: a beat out when the
+    /// handler failed lands first, so the message returns after the nack's delay, not
+    /// after the full visibility timeout.
+    #[tokio::test]
+    async fn a_nack_lands_after_the_beat_in_flight() {
+        let (told, landed) =
+            fail_during_a_beat(Sqs::new(false), || "a transient failure".to_owned()).await;
+        assert_eq!(told, Some(Settlement::Nack(Some(Duration::from_secs(1)))));
+        assert_eq!(
+            landed,
+            [30, 1],
+            "visibility changes in the order SQS saw them (30: the beat, 1: the nack)"
+        );
+    }
+
+    /// So is a dead letter's 12 h hiding, on a queue without a dead-letter queue.
+    #[tokio::test]
+    async fn a_dead_letter_hidden_lands_after_the_beat_in_flight() {
+        let (told, landed) =
+            fail_during_a_beat(Sqs::new(false), || Permanent::new("a malformed order")).await;
+        assert_eq!(told, Some(Settlement::DeadLetter));
+        assert!(
+            matches!(landed[..], [30, hidden] if hidden > 43_000),
+            "visibility changes in the order SQS saw them (30: the beat, about 43,200: the dead letter): {landed:?}"
+        );
+    }
+
+    /// A heartbeat that a refused beat ended (the receipt handle expired: the message was
+    /// delivered again) holds nothing a later nack waits for.
+    #[tokio::test]
+    async fn a_nack_after_the_heartbeat_ended_is_not_held_up() {
+        let handled = tokio::time::timeout(
+            PATIENCE,
+            fail_during_a_beat(Sqs::new(true), || "a transient failure".to_owned()),
+        )
+        .await;
+        let Ok((told, landed)) = handled else {
+            panic!("the nack waited {PATIENCE:?} for a heartbeat that had ended");
+        };
+        assert_eq!(told, Some(Settlement::Nack(Some(Duration::from_secs(1)))));
+        assert_eq!(landed, [1], "the nack's change, no beat");
     }
 }

@@ -393,6 +393,17 @@ impl SqsQueue {
         }
     }
 
+    /// Whether [`settle`](Self::settle) with `settlement` ends in a
+    /// `ChangeMessageVisibility` (a nack; a dead letter without a dead-letter queue), which
+    /// a heartbeat's own change must not follow.
+    fn changes_visibility(&self, settlement: Settlement) -> bool {
+        match settlement {
+            Settlement::Ack => false,
+            Settlement::Nack(_) => true,
+            Settlement::DeadLetter => self.dead_letter_url.is_none(),
+        }
+    }
+
     fn receipt<'m>(&self, message: &'m Message) -> Result<&'m str, SettleError> {
         message
             .receipt_handle()
