@@ -2,6 +2,8 @@
 //! crate in the build.
 
 use crate::BoxError;
+use crate::growth::SeedIds;
+use crate::purge::{Purger, Setting};
 use std::time::Duration;
 
 pub const USAGE: &str = "\
@@ -22,6 +24,15 @@ usage: cargo run --release -p inbox-bench -- [flags]
                       (e.g. 0,1M,10M,50M,100M); each point seeds only the rows it adds
                       to the last, measures claim, process and raw, the table's and
                       indexes' sizes, and the purge of one day (a hundredth) of the rows
+  --growth-ids KIND   message ids of the seeded markers: random (default; the layout of
+                      UUIDv4) or v7 (time-ordered: received_at's milliseconds first, so
+                      a day's markers are adjacent in the message-id index too, as
+                      UUIDv7 producers lay them); the measured modes' ids are as before
+  --curve-purger KIND  how each cost-curve point purges its day: library (default:
+                      the library's purge at its default pacing), hand (one hand-written
+                      DELETE ... LIMIT --purge-batch after another) or streams:N (N
+                      hand-written streams at once, each batch SELECT ... FOR UPDATE
+                      SKIP LOCKED then DELETE by key; PostgreSQL and MariaDB)
   --curve-csv PATH    write the cost curve's points as CSV
   --curve-svg PATH    write the cost curve (throughput against markers) as SVG
   --curve-from LIST   measure nothing: write --curve-csv and --curve-svg from the cost
@@ -61,6 +72,10 @@ pub struct Args {
     pub growth_rows: u64,
     /// The cost curve's points (markers), ascending; empty for one growth point.
     pub growth_points: Vec<u64>,
+    /// The layout of the seeded markers' message ids.
+    pub growth_ids: SeedIds,
+    /// How each cost-curve point purges its day.
+    pub curve_purger: Purger,
     pub curve_csv: Option<String>,
     pub curve_svg: Option<String>,
     pub curve_from: Vec<String>,
@@ -117,6 +132,8 @@ impl Args {
                 "--concurrency" => raw.concurrency = Some(parse_list(&value()?)?),
                 "--growth-rows" => raw.growth_rows = Some(value()?.parse()?),
                 "--growth-points" => raw.growth_points = Some(parse_counts(&value()?)?),
+                "--growth-ids" => raw.growth_ids = Some(SeedIds::parse(&value()?)?),
+                "--curve-purger" => raw.curve_purger = Some(Purger::parse(&value()?)?),
                 "--curve-csv" => raw.curve_csv = Some(value()?),
                 "--curve-svg" => raw.curve_svg = Some(value()?),
                 "--curve-from" => raw.curve_from = Some(parse_names(&value()?)),
@@ -152,6 +169,8 @@ struct RawArgs {
     concurrency: Option<Vec<usize>>,
     growth_rows: Option<u64>,
     growth_points: Option<Vec<u64>>,
+    growth_ids: Option<SeedIds>,
+    curve_purger: Option<Purger>,
     curve_csv: Option<String>,
     curve_svg: Option<String>,
     curve_from: Option<Vec<String>>,
@@ -224,6 +243,10 @@ impl RawArgs {
             concurrency,
             growth_rows: self.growth_rows.unwrap_or(pick(quick, 5_000_000, 20_000)),
             growth_points: self.growth_points.unwrap_or_default(),
+            growth_ids: self.growth_ids.unwrap_or_default(),
+            curve_purger: self
+                .curve_purger
+                .unwrap_or(Purger::Library(Setting::Default)),
             curve_csv: self.curve_csv,
             curve_svg: self.curve_svg,
             curve_from: self.curve_from.unwrap_or_default(),
@@ -323,6 +346,11 @@ mod tests {
         let args = parse(&["--growth-points", "0,50k, 1M,100M"])?.ok_or("usage instead of args")?;
         assert_eq!(args.growth_points, vec![0, 50_000, 1_000_000, 100_000_000]);
         assert_eq!(args.database, "inbox_bench");
+        assert_eq!(args.growth_ids, SeedIds::Random);
+        let args = parse(&["--growth-ids", "v7", "--curve-purger", "streams:4"])?
+            .ok_or("usage instead of args")?;
+        assert_eq!(args.growth_ids, SeedIds::TimeOrdered);
+        assert_eq!(args.curve_purger, Purger::Streams(4));
         Ok(())
     }
 
@@ -351,6 +379,9 @@ mod tests {
         assert!(parse(&["--phases", "main,bogus"]).is_err());
         assert!(parse(&["--growth-points", "10M,1M"]).is_err());
         assert!(parse(&["--growth-points", "1G"]).is_err());
+        assert!(parse(&["--growth-ids", "v1"]).is_err());
+        assert!(parse(&["--curve-purger", "streams:0"]).is_err());
+        assert!(parse(&["--curve-purger", "fast"]).is_err());
         assert!(parse(&["--database", "x; DROP"]).is_err());
         assert!(parse(&["--server-counters", "0"]).is_err());
         assert!(matches!(parse(&["--help"]), Ok(None)));

@@ -10,7 +10,6 @@
 use crate::BoxError;
 use crate::growth::{seed_rows, settle};
 use crate::modes::{Mode, TIME_ORDERED_IDS};
-use crate::purge::{Purger, Setting};
 use crate::report::{Cell, Report};
 use crate::{Bench, db::scalar};
 use chrono::{TimeDelta, Utc};
@@ -242,7 +241,63 @@ async fn block_reads(conn: &DatabaseConnection) -> Result<(i64, i64), BoxError> 
     }
 }
 
+/// The server-wide InnoDB counters read around a point's purge, in this order (nothing
+/// on the other backends, whose purge leaves index entries to VACUUM).
+const PURGE_COUNTERS: [&str; 5] = [
+    "INNODB_BUFFER_POOL_READS",
+    "INNODB_BUFFER_POOL_READ_REQUESTS",
+    "INNODB_BUFFER_POOL_WRITE_REQUESTS",
+    "INNODB_BUFFER_POOL_PAGES_FLUSHED",
+    "INNODB_DATA_WRITTEN",
+];
+
+/// [`PURGE_COUNTERS`] now, on MariaDB; empty elsewhere.
+async fn purge_counters(conn: &DatabaseConnection) -> Result<Vec<i64>, BoxError> {
+    if conn.get_database_backend() != DbBackend::MySql {
+        return Ok(Vec::new());
+    }
+    let mut values = Vec::with_capacity(PURGE_COUNTERS.len());
+    for name in PURGE_COUNTERS {
+        let sql = format!(
+            "SELECT CAST(VARIABLE_VALUE AS SIGNED) FROM information_schema.GLOBAL_STATUS \
+             WHERE VARIABLE_NAME = '{name}'"
+        );
+        values.push(scalar(conn, &sql, vec![]).await?);
+    }
+    Ok(values)
+}
+
 impl Bench<'_> {
+    /// Prints what the server did per deleted row during a point's purge of `rows` rows:
+    /// the counters' growth, with the claimers' share in it (they insert markers with
+    /// random ids all along, so their misses count here too).
+    fn print_purge_counters(&self, before: &[i64], after: &[i64], rows: u64, c: usize) {
+        let (purge_label, claim_label) = self.args.curve_purger.labels();
+        let claims = self
+            .report
+            .cell("purge", claim_label, c)
+            .map_or(0, |cell| cell.txns);
+        let per_row: Vec<String> = PURGE_COUNTERS
+            .iter()
+            .zip(before.iter().zip(after))
+            .map(|(name, (b, a))| {
+                format!(
+                    "{} {:.3}",
+                    name.to_ascii_lowercase(),
+                    (a - b) as f64 / rows.max(1) as f64
+                )
+            })
+            .collect();
+        if per_row.is_empty() {
+            return;
+        }
+        eprintln!(
+            "[{}] curve {purge_label}: {rows} rows, {claims} claims during it; per deleted row: {}",
+            self.report.backend,
+            per_row.join(", ")
+        );
+    }
+
     /// The cost curve at every point of `--growth-points`, at the largest `--concurrency`.
     pub(crate) async fn curve_phase(&mut self) -> Result<Vec<Point>, BoxError> {
         let concurrency = self
@@ -253,7 +308,10 @@ impl Bench<'_> {
             .max()
             .unwrap_or(1)
             .min(self.workers.len());
-        let purger_conn = self.db.connect().await?;
+        let mut purger_conns = Vec::new();
+        for _ in 0..self.args.curve_purger.connections() {
+            purger_conns.push(self.db.connect().await?);
+        }
         let mut points = Vec::new();
         // Seeded markers still in the inbox, and the number the next seeded one takes.
         let (mut present, mut next_row) = (0_u64, 1_u64);
@@ -262,16 +320,31 @@ impl Bench<'_> {
             let bulk = markers.saturating_sub(present + day);
             let started = Instant::now();
             eprintln!(
-                "[{}] curve: seeding {} markers to reach {markers}",
+                "[{}] curve: seeding {} markers ({} ids) to reach {markers}",
                 self.report.backend,
-                bulk + day
+                bulk + day,
+                self.args.growth_ids.name()
             );
             if day > 0 {
-                seed_rows(&self.control, next_row, next_row + day - 1, DAY_AGE_DAYS).await?;
+                seed_rows(
+                    &self.control,
+                    next_row,
+                    next_row + day - 1,
+                    DAY_AGE_DAYS,
+                    self.args.growth_ids,
+                )
+                .await?;
             }
             if bulk > 0 {
                 let first = next_row + day;
-                seed_rows(&self.control, first, first + bulk - 1, BULK_AGE_DAYS).await?;
+                seed_rows(
+                    &self.control,
+                    first,
+                    first + bulk - 1,
+                    BULK_AGE_DAYS,
+                    self.args.growth_ids,
+                )
+                .await?;
             }
             next_row += day + bulk;
             present += day + bulk;
@@ -292,7 +365,7 @@ impl Bench<'_> {
                 purge_rows: day,
                 ..Point::default()
             };
-            let measured = self.measure_point(&purger_conn, &mut point, day).await;
+            let measured = self.measure_point(&purger_conns, &mut point, day).await;
             measured?;
             present -= day;
             eprintln!(
@@ -302,7 +375,9 @@ impl Bench<'_> {
             );
             points.push(point);
         }
-        purger_conn.close().await?;
+        for conn in purger_conns {
+            conn.close().await?;
+        }
         Ok(points)
     }
 
@@ -310,7 +385,7 @@ impl Bench<'_> {
     /// its own so the points do not pool their rounds.
     async fn measure_point(
         &mut self,
-        purger_conn: &DatabaseConnection,
+        purger_conns: &[DatabaseConnection],
         point: &mut Point,
         day: u64,
     ) -> Result<(), BoxError> {
@@ -328,9 +403,12 @@ impl Bench<'_> {
             let reads_v7 = block_reads(&self.control).await?;
             if day > 0 {
                 let cutoff = Utc::now() - TimeDelta::days(CUTOFF_AGE_DAYS);
-                let purger = Purger::Library(Setting::Default);
-                self.purge_while_claiming(purger_conn, purger, cutoff, day, c)
+                let purger = self.args.curve_purger;
+                let counters_before = purge_counters(&self.control).await?;
+                self.purge_while_claiming(purger_conns, purger, cutoff, day, c)
                     .await?;
+                let counters_after = purge_counters(&self.control).await?;
+                self.print_purge_counters(&counters_before, &counters_after, day, c);
             }
             Ok::<_, BoxError>((reads_before, reads_after, reads_v7))
         }
@@ -361,7 +439,7 @@ impl Bench<'_> {
         point.rates_v7 = rates_v7;
         point.index_reads_per_msg_v7 = (index_v7 - index_after) as f64 / messages_v7;
         if day > 0 {
-            let (purge_label, claim_label) = Purger::Library(Setting::Default).labels();
+            let (purge_label, claim_label) = self.args.curve_purger.labels();
             point.purge_per_s = cell("purge", purge_label)?.median_rate();
             let claims = cell("purge", claim_label)?;
             point.claim_during_purge_per_s = claims.median_rate();

@@ -8,6 +8,37 @@ use crate::BoxError;
 use crate::db::CONSUMER;
 use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend};
 
+/// How the seeded markers' message ids are laid out (`--growth-ids`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SeedIds {
+    /// Random 16-byte values (the layout of UUIDv4): a day's markers are scattered over
+    /// the whole message-id index.
+    #[default]
+    Random,
+    /// The layout of UUIDv7: the marker's `received_at` in milliseconds since the epoch in
+    /// the first six bytes, then ten random ones, so a day's markers are adjacent in the
+    /// message-id index as they are in the `received_at` one.
+    TimeOrdered,
+}
+
+impl SeedIds {
+    /// The flag's value: `random` or `v7`.
+    pub fn parse(value: &str) -> Result<Self, BoxError> {
+        match value {
+            "random" | "v4" => Ok(SeedIds::Random),
+            "v7" => Ok(SeedIds::TimeOrdered),
+            other => Err(format!("--growth-ids takes random or v7, not {other}").into()),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            SeedIds::Random => "random",
+            SeedIds::TimeOrdered => "v7",
+        }
+    }
+}
+
 /// Age in days of the oldest cohort.
 pub const OLDEST_DAYS: u64 = 100;
 
@@ -47,14 +78,25 @@ impl Cohorts {
 
 /// Inserts `rows` markers in `cohorts`, then refreshes the planner's statistics so the
 /// growth measurement does not meet a pending autovacuum or stale plans.
-pub async fn seed(db: &DatabaseConnection, rows: u64, cohorts: Cohorts) -> Result<(), BoxError> {
+pub async fn seed(
+    db: &DatabaseConnection,
+    rows: u64,
+    cohorts: Cohorts,
+    ids: SeedIds,
+) -> Result<(), BoxError> {
     let backend = db.get_database_backend();
     for k in 0..cohorts.count {
         let range = cohorts.range(k, rows);
         if range.is_empty() {
             break;
         }
-        let sql = cohort_sql(backend, *range.start(), *range.end(), Cohorts::age_days(k))?;
+        let sql = cohort_sql(
+            backend,
+            *range.start(),
+            *range.end(),
+            Cohorts::age_days(k),
+            ids,
+        )?;
         db.execute_unprepared(&sql).await?;
     }
     settle(db).await
@@ -65,18 +107,20 @@ pub async fn seed(db: &DatabaseConnection, rows: u64, cohorts: Cohorts) -> Resul
 const CHUNK: u64 = 1_000_000;
 
 /// Inserts markers numbered `first..=last` (numbers decide the ids: give each number
-/// once), received and processed `age` days ago, a million per statement.
+/// once), received and processed `age` days ago, with ids laid out as `ids` says, a
+/// million per statement.
 pub async fn seed_rows(
     db: &DatabaseConnection,
     first: u64,
     last: u64,
     age: u64,
+    ids: SeedIds,
 ) -> Result<(), BoxError> {
     let backend = db.get_database_backend();
     let mut start = first;
     while start <= last {
         let end = last.min(start + CHUNK - 1);
-        db.execute_unprepared(&cohort_sql(backend, start, end, age)?)
+        db.execute_unprepared(&cohort_sql(backend, start, end, age, ids)?)
             .await?;
         start = end + 1;
     }
@@ -96,33 +140,67 @@ pub async fn settle(db: &DatabaseConnection) -> Result<(), BoxError> {
 }
 
 /// One INSERT ... SELECT of rows `first..=last`, received (and processed) `age` days ago.
-/// Message ids are random 16-byte values derived from the row number, inserted in key
-/// order: each statement then walks the message-id index once from left to right instead
-/// of fetching a random leaf per row, which keeps seeding a table far larger than the
-/// buffer pool to minutes. Past the first statement the keys land between existing ones
-/// and split leaves as random arrivals do; the first packs its leaves fuller.
-fn cohort_sql(backend: DbBackend, first: u64, last: u64, age: u64) -> Result<String, BoxError> {
+/// Message ids are 16-byte values derived from the row number (random, or behind the
+/// receipt's milliseconds as `ids` says), inserted in key order: each statement then
+/// walks the message-id index once from left to right instead of fetching a random leaf
+/// per row, which keeps seeding a table far larger than the buffer pool to minutes. Past
+/// the first statement random keys land between existing ones and split leaves as
+/// random arrivals do; the first packs its leaves fuller.
+fn cohort_sql(
+    backend: DbBackend,
+    first: u64,
+    last: u64,
+    age: u64,
+    ids: SeedIds,
+) -> Result<String, BoxError> {
     const COLUMNS: &str = "INSERT INTO inbox (message_id, consumer, received_at, processed_at)";
+    let time_ordered = ids == SeedIds::TimeOrdered;
     match backend {
-        DbBackend::Postgres => Ok(format!(
-            "{COLUMNS} SELECT md5('seed-' || g)::uuid, '{CONSUMER}', t, t \
-             FROM generate_series({first}::bigint, {last}::bigint) g, \
-             (SELECT now() - interval '{age} days' AS t) at ORDER BY 1"
-        )),
-        DbBackend::MySql => Ok(format!(
-            "{COLUMNS} SELECT UNHEX(MD5(CONCAT('seed-', n))), '{CONSUMER}', t, t \
-             FROM (SELECT {first} + {offset} AS n, UTC_TIMESTAMP(6) - INTERVAL {age} DAY AS t \
-                   FROM {digits}) numbers WHERE n <= {last} ORDER BY 1",
-            offset = digit_offset(last - first + 1),
-            digits = digit_tables(last - first + 1),
-        )),
+        DbBackend::Postgres => {
+            let id = if time_ordered {
+                "(lpad(to_hex((extract(epoch FROM t) * 1000)::bigint), 12, '0') \
+                 || substr(md5('seed-' || g), 13))::uuid"
+            } else {
+                "md5('seed-' || g)::uuid"
+            };
+            Ok(format!(
+                "{COLUMNS} SELECT {id}, '{CONSUMER}', t, t \
+                 FROM generate_series({first}::bigint, {last}::bigint) g, \
+                 (SELECT now() - interval '{age} days' AS t) at ORDER BY 1"
+            ))
+        }
+        DbBackend::MySql => {
+            // Milliseconds counted from a DATETIME literal, not UNIX_TIMESTAMP(), which
+            // reads `t` in the session's time zone.
+            let id = if time_ordered {
+                "CONCAT(UNHEX(LPAD(HEX(TIMESTAMPDIFF(MICROSECOND, '1970-01-01', t) DIV 1000), 12, '0')), \
+                 SUBSTRING(UNHEX(MD5(CONCAT('seed-', n))), 7))"
+            } else {
+                "UNHEX(MD5(CONCAT('seed-', n)))"
+            };
+            Ok(format!(
+                "{COLUMNS} SELECT {id}, '{CONSUMER}', t, t \
+                 FROM (SELECT {first} + {offset} AS n, UTC_TIMESTAMP(6) - INTERVAL {age} DAY AS t \
+                       FROM {digits}) numbers WHERE n <= {last} ORDER BY 1",
+                offset = digit_offset(last - first + 1),
+                digits = digit_tables(last - first + 1),
+            ))
+        }
         // The text form sqlx writes for a UTC DateTime, so the purge's cutoff compares
         // with it correctly as text.
-        DbBackend::Sqlite => Ok(format!(
-            "WITH RECURSIVE seq(n) AS (SELECT {first} UNION ALL SELECT n + 1 FROM seq WHERE n < {last}) \
-             {COLUMNS} SELECT randomblob(16), '{CONSUMER}', t, t FROM seq, \
-             (SELECT strftime('%Y-%m-%dT%H:%M:%f+00:00', 'now', '-{age} days') AS t)"
-        )),
+        DbBackend::Sqlite => {
+            let id = if time_ordered {
+                "unhex(printf('%012x', CAST(round((julianday(t) - 2440587.5) * 86400000) AS INTEGER))) \
+                 || randomblob(10)"
+            } else {
+                "randomblob(16)"
+            };
+            Ok(format!(
+                "WITH RECURSIVE seq(n) AS (SELECT {first} UNION ALL SELECT n + 1 FROM seq WHERE n < {last}) \
+                 {COLUMNS} SELECT {id}, '{CONSUMER}', t, t FROM seq, \
+                 (SELECT strftime('%Y-%m-%dT%H:%M:%f+00:00', 'now', '-{age} days') AS t)"
+            ))
+        }
         other => Err(format!("no seeding SQL for {other:?}").into()),
     }
 }
@@ -159,6 +237,37 @@ fn digit_offset(rows: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use sea_orm::Statement;
+    use sea_orm_inbox_migration::{Migrator, MigratorTrait};
+
+    /// Each v7 id starts with its marker's `received_at` in milliseconds, so ids sort as
+    /// the receipts do: the older day first.
+    #[tokio::test]
+    async fn time_ordered_ids_begin_with_the_receipt() -> Result<(), BoxError> {
+        let db = sea_orm::Database::connect("sqlite::memory:").await?;
+        Migrator::up(&db, None).await?;
+        seed_rows(&db, 1, 3, 2, SeedIds::TimeOrdered).await?;
+        seed_rows(&db, 4, 6, 10, SeedIds::TimeOrdered).await?;
+        let rows = db
+            .query_all_raw(Statement::from_string(
+                DbBackend::Sqlite,
+                "SELECT message_id, received_at FROM inbox ORDER BY message_id",
+            ))
+            .await?;
+        let mut receipts = Vec::new();
+        for row in rows {
+            let id: Vec<u8> = row.try_get_by_index(0)?;
+            let received: String = row.try_get_by_index(1)?;
+            let millis = chrono::DateTime::parse_from_rfc3339(&received)?.timestamp_millis();
+            let mut prefix = [0_u8; 8];
+            prefix[2..].copy_from_slice(id.get(..6).ok_or("a short id")?);
+            assert_eq!((id.len(), i64::from_be_bytes(prefix)), (16, millis));
+            receipts.push(millis);
+        }
+        assert_eq!(receipts.len(), 6);
+        assert!(receipts.is_sorted() && receipts[0] < receipts[5]);
+        Ok(())
+    }
 
     #[test]
     fn cohorts_cover_every_row_once() {

@@ -303,7 +303,7 @@ impl<'a> Bench<'a> {
             * self.args.rounds
             * self.args.purge_concurrency.len()) as u64;
         let cohorts = Cohorts::new(rows, purges + 2);
-        growth::seed(&self.control, rows, cohorts).await?;
+        growth::seed(&self.control, rows, cohorts, self.args.growth_ids).await?;
         eprintln!(
             "[{}] seeded in {:.1} s",
             self.report.backend,

@@ -9,7 +9,7 @@ use crate::growth::Cohorts;
 use crate::modes::Mode;
 use crate::run::{Stop, Tally, run_mode, shuffled};
 use chrono::{TimeDelta, Utc};
-use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend, Statement, Value};
+use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend, Statement, TransactionTrait, Value};
 use sea_orm_inbox::{PurgePacing, RetentionPolicy, purge};
 use std::time::{Duration, Instant};
 
@@ -111,6 +111,12 @@ pub enum Purger {
     Library(Setting),
     /// The hand-written batched DELETE: the floor.
     HandDelete,
+    /// That many hand-written streams at once, each batch locking the oldest rows no other
+    /// stream holds (`FOR UPDATE SKIP LOCKED`) and deleting them by primary key, unpaced:
+    /// whether a purge that waits on several index pages at a time keeps up where one
+    /// statement, waiting on one at a time, does not (PostgreSQL and MariaDB; the cost
+    /// curve's `--curve-purger streams:N`).
+    Streams(usize),
 }
 
 impl Purger {
@@ -126,19 +132,47 @@ impl Purger {
         match self {
             Purger::Library(setting) => setting.labels(),
             Purger::HandDelete => ("hand delete rows", "claim + hand delete"),
+            Purger::Streams(_) => ("hand delete streams rows", "claim + hand delete streams"),
         }
     }
 
+    /// The flag's value: `library` (the default pacing), `hand`, or `streams:N`.
+    pub fn parse(value: &str) -> Result<Self, BoxError> {
+        let streams = value
+            .strip_prefix("streams:")
+            .map(|n| n.parse::<usize>())
+            .transpose()?;
+        match (value, streams) {
+            ("library", _) => Ok(Purger::Library(Setting::Default)),
+            ("hand", _) => Ok(Purger::HandDelete),
+            (_, Some(n)) if n > 0 => Ok(Purger::Streams(n)),
+            _ => {
+                Err(format!("--curve-purger takes library, hand or streams:N, not {value}").into())
+            }
+        }
+    }
+
+    /// Connections the purge takes: one, or one per stream.
+    pub fn connections(self) -> usize {
+        match self {
+            Purger::Streams(n) => n,
+            _ => 1,
+        }
+    }
+
+    /// Purges on `conns`: the first, or one stream on each.
     async fn purge(
         self,
-        conn: &DatabaseConnection,
+        conns: &[DatabaseConnection],
         sql: &Sql,
         cutoff: chrono::DateTime<Utc>,
         batch: u64,
     ) -> Result<Purged, BoxError> {
+        let conn = conns.first().ok_or("a purge needs a connection")?;
         match self {
             Purger::Library(setting) => library_purge(conn, cutoff, batch, setting.pacing()?).await,
             Purger::HandDelete => hand_delete(conn, sql, cutoff, batch).await,
+            Purger::Streams(_) => streams_delete(conns, cutoff, batch).await,
         }
     }
 }
@@ -211,6 +245,78 @@ async fn hand_delete(
     purged.detail = format!("{batches} statements");
     purged.latencies_us.push(micros(purged.elapsed));
     Ok(purged)
+}
+
+/// One stream of `conns` each: a batch locks up to `batch` of the oldest rows received
+/// before `cutoff` that no other stream holds, then deletes them by primary key in the
+/// same transaction, until a stream finds none left.
+async fn streams_delete(
+    conns: &[DatabaseConnection],
+    cutoff: chrono::DateTime<Utc>,
+    batch: u64,
+) -> Result<Purged, BoxError> {
+    let start = Instant::now();
+    let mut streams = tokio::task::JoinSet::new();
+    for conn in conns {
+        streams.spawn(stream_delete(conn.clone(), cutoff, batch));
+    }
+    let (mut rows, mut batches) = (0, 0);
+    while let Some(stream) = streams.join_next().await {
+        let (stream_rows, stream_batches) = stream??;
+        rows += stream_rows;
+        batches += stream_batches;
+    }
+    let elapsed = start.elapsed();
+    Ok(Purged {
+        rows,
+        elapsed,
+        latencies_us: vec![micros(elapsed)],
+        detail: format!("{} streams, {batches} batches", conns.len()),
+    })
+}
+
+/// One stream of [`streams_delete`]: its rows and batches.
+async fn stream_delete(
+    conn: DatabaseConnection,
+    cutoff: chrono::DateTime<Utc>,
+    batch: u64,
+) -> Result<(u64, u64), BoxError> {
+    let backend = conn.get_database_backend();
+    let pick = match backend {
+        DbBackend::Postgres => {
+            "SELECT id FROM inbox WHERE received_at < $1 ORDER BY received_at LIMIT $2 FOR UPDATE SKIP LOCKED"
+        }
+        DbBackend::MySql => {
+            "SELECT id FROM inbox WHERE received_at < ? ORDER BY received_at LIMIT ? FOR UPDATE SKIP LOCKED"
+        }
+        other => return Err(format!("no SKIP LOCKED on {other:?}").into()),
+    };
+    let (mut rows, mut batches) = (0, 0);
+    loop {
+        let txn = conn.begin().await?;
+        let picked = txn
+            .query_all_raw(Statement::from_sql_and_values(
+                backend,
+                pick,
+                [
+                    timestamp(backend, cutoff),
+                    Value::from(i64::try_from(batch)?),
+                ],
+            ))
+            .await?;
+        if picked.is_empty() {
+            txn.commit().await?;
+            return Ok((rows, batches));
+        }
+        let ids = picked
+            .iter()
+            .map(|row| row.try_get_by_index::<i64>(0).map(|id| id.to_string()))
+            .collect::<Result<Vec<_>, _>>()?;
+        let delete = format!("DELETE FROM inbox WHERE id IN ({})", ids.join(","));
+        rows += txn.execute_unprepared(&delete).await?.rows_affected();
+        txn.commit().await?;
+        batches += 1;
+    }
 }
 
 fn ms(elapsed: Duration) -> f64 {
@@ -292,7 +398,8 @@ impl Bench<'_> {
         concurrency: usize,
     ) -> Result<(), BoxError> {
         let expected = cohorts.rows_in(k, self.report.growth_rows);
-        self.purge_while_claiming(purger_conn, purger, cutoff_after(k), expected, concurrency)
+        let conns = std::slice::from_ref(purger_conn);
+        self.purge_while_claiming(conns, purger, cutoff_after(k), expected, concurrency)
             .await
     }
 
@@ -300,7 +407,7 @@ impl Bench<'_> {
     /// `concurrency` workers claim; checks both and records both in the report.
     pub(crate) async fn purge_while_claiming(
         &mut self,
-        purger_conn: &DatabaseConnection,
+        purger_conns: &[DatabaseConnection],
         purger: Purger,
         cutoff: chrono::DateTime<Utc>,
         expected: u64,
@@ -312,7 +419,7 @@ impl Bench<'_> {
         let stop = Stop::default();
         let purge = async {
             let purged = purger
-                .purge(purger_conn, sql, cutoff, self.args.purge_batch)
+                .purge(purger_conns, sql, cutoff, self.args.purge_batch)
                 .await;
             stop.set();
             purged
