@@ -38,7 +38,7 @@ pub(crate) async fn answered_on<F: Future>(
     future: F,
 ) -> Result<F::Output, InboxError> {
     timer
-        .within(bound_for(backend, Inbox::DEFAULT_PARTITION_TIMEOUT), future)
+        .within(backend, Inbox::DEFAULT_PARTITION_TIMEOUT, future)
         .await
         .map_err(|waited| InboxError::DatabaseSilent { operation, waited })
 }
@@ -75,9 +75,20 @@ pub(crate) struct StepTimer {
 }
 
 impl StepTimer {
+    /// The free [`within`] on this timer: waits for `future`, a call to `backend`, at most
+    /// `timeout` where a network can go silent, counted from its first wait.
+    pub(crate) fn within<F: Future>(
+        &mut self,
+        backend: DbBackend,
+        timeout: Duration,
+        future: F,
+    ) -> impl Future<Output = Result<F::Output, Duration>> {
+        self.within_bound(bound_for(backend, timeout), future)
+    }
+
     /// Waits for `future` at most `bound` (without one, as long as it takes), counted from
     /// its first wait; past it the future is dropped and the error is the bound waited.
-    pub(crate) async fn within<F: Future>(
+    pub(crate) async fn within_bound<F: Future>(
         &mut self,
         bound: Option<Duration>,
         future: F,
@@ -176,15 +187,17 @@ mod tests {
     async fn steps_sharing_a_timer_keep_their_own_bounds() {
         let mut timer = StepTimer::default();
         let ms = Duration::from_millis;
-        let quick = timer.within(Some(ms(50)), tokio::time::sleep(ms(10))).await;
+        let quick = timer
+            .within_bound(Some(ms(50)), tokio::time::sleep(ms(10)))
+            .await;
         assert_eq!(quick, Ok(()), "the first step arms the timer for 50 ms");
         let longer = timer
-            .within(Some(ms(400)), tokio::time::sleep(ms(150)))
+            .within_bound(Some(ms(400)), tokio::time::sleep(ms(150)))
             .await;
         assert_eq!(longer, Ok(()), "150 ms is within this step's own 400 ms");
         let started = std::time::Instant::now();
         let stuck = timer
-            .within(Some(ms(30)), std::future::pending::<()>())
+            .within_bound(Some(ms(30)), std::future::pending::<()>())
             .await;
         assert_eq!(stuck, Err(ms(30)));
         assert!(
@@ -192,8 +205,11 @@ mod tests {
             "a step is cut at its own bound, not at the one armed before it ({:?})",
             started.elapsed()
         );
-        let at_once = timer.within(Some(ms(1)), async { 7 }).await;
+        let at_once = timer.within_bound(Some(ms(1)), async { 7 }).await;
         assert_eq!(at_once, Ok(7));
-        assert_eq!(StepTimer::default().within(None, async { 8 }).await, Ok(8));
+        assert_eq!(
+            StepTimer::default().within_bound(None, async { 8 }).await,
+            Ok(8)
+        );
     }
 }

@@ -738,7 +738,7 @@ impl Inbox {
         step: &'static str,
         future: F,
     ) -> Result<F::Output, AttemptError<E>> {
-        timer.within(bound, future).await.map_err(|waited| {
+        timer.within_bound(bound, future).await.map_err(|waited| {
             AttemptError::Fatal(InboxError::DatabaseUnresponsive {
                 message_id,
                 consumer: self.consumer.to_string(),
