@@ -5,9 +5,9 @@
 use crate::backend::over_network;
 use crate::{Inbox, InboxError};
 use sea_orm::{DatabaseConnection, DbBackend};
-use std::future::{Future, poll_fn};
-use std::pin::{Pin, pin};
-use std::task::Poll;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::task::coop;
 use tokio::time::{Instant, Sleep};
@@ -82,53 +82,94 @@ impl StepTimer {
         backend: DbBackend,
         timeout: Duration,
         future: F,
-    ) -> impl Future<Output = Result<F::Output, Duration>> {
+    ) -> Within<'_, F, fn(Duration) -> Duration> {
         self.within_bound(bound_for(backend, timeout), future)
     }
 
     /// Waits for `future` at most `bound` (without one, as long as it takes), counted from
     /// its first wait; past it the future is dropped and the error is the bound waited.
-    pub(crate) async fn within_bound<F: Future>(
+    pub(crate) fn within_bound<F: Future>(
         &mut self,
         bound: Option<Duration>,
         future: F,
-    ) -> Result<F::Output, Duration> {
-        let Some(bound) = bound else {
-            return Ok(future.await);
+    ) -> Within<'_, F, fn(Duration) -> Duration> {
+        self.within_or(bound, future, std::convert::identity)
+    }
+
+    /// [`within_bound`](Self::within_bound) whose error past the bound is `silent` of the
+    /// bound waited: the caller's error is made here rather than by a future around this
+    /// one, which would hold `future` (a step's whole state) once more and copy it in.
+    pub(crate) fn within_or<F: Future, M: FnOnce(Duration) -> E, E>(
+        &mut self,
+        bound: Option<Duration>,
+        future: F,
+        silent: M,
+    ) -> Within<'_, F, M> {
+        Within {
+            future,
+            timer: self,
+            bound,
+            deadline: None,
+            silent: Some(silent),
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// The future of [`StepTimer::within_or`]. Written by hand, not as an `async fn`: the
+    /// step's future lives in it once, where an `async fn` would keep the argument and a
+    /// pinned copy of it (and every move of the larger state copies both).
+    pub(crate) struct Within<'t, F, M> {
+        #[pin]
+        future: F,
+        timer: &'t mut StepTimer,
+        bound: Option<Duration>,
+        deadline: Option<Instant>,
+        silent: Option<M>,
+    }
+}
+
+impl<F: Future, M: FnOnce(Duration) -> E, E> Future for Within<'_, F, M> {
+    type Output = Result<F::Output, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let Some(bound) = *this.bound else {
+            return this.future.poll(cx).map(Ok);
         };
-        let mut future = pin!(future);
-        let mut deadline = None;
-        poll_fn(|cx| {
-            let had_budget = coop::has_budget_remaining();
-            if let Poll::Ready(output) = future.as_mut().poll(cx) {
-                return Poll::Ready(Ok(output));
-            }
-            let deadline = *deadline.get_or_insert_with(|| Instant::now() + bound);
-            let timer = self
-                .timer
-                .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
-            if timer.deadline() > deadline {
-                timer.as_mut().reset(deadline);
-            }
-            loop {
-                // As `tokio::time::timeout` does: when the step used up the task's budget,
-                // the timer is still asked, so a busy step cannot outlive its bound.
-                let fired = if had_budget && !coop::has_budget_remaining() {
-                    Pin::new(&mut coop::unconstrained(timer.as_mut())).poll(cx)
-                } else {
-                    timer.as_mut().poll(cx)
-                };
-                match fired {
-                    Poll::Pending => return Poll::Pending,
-                    // Armed for an earlier step's deadline: this step's is still to come.
-                    Poll::Ready(()) if timer.deadline() < deadline => {
-                        timer.as_mut().reset(deadline)
-                    }
-                    Poll::Ready(()) => return Poll::Ready(Err(bound)),
+        let had_budget = coop::has_budget_remaining();
+        if let Poll::Ready(output) = this.future.poll(cx) {
+            return Poll::Ready(Ok(output));
+        }
+        let deadline = *this.deadline.get_or_insert_with(|| Instant::now() + bound);
+        let timer = this
+            .timer
+            .timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+        if timer.deadline() > deadline {
+            timer.as_mut().reset(deadline);
+        }
+        loop {
+            // As `tokio::time::timeout` does: when the step used up the task's budget,
+            // the timer is still asked, so a busy step cannot outlive its bound.
+            let fired = if had_budget && !coop::has_budget_remaining() {
+                Pin::new(&mut coop::unconstrained(timer.as_mut())).poll(cx)
+            } else {
+                timer.as_mut().poll(cx)
+            };
+            match fired {
+                Poll::Pending => return Poll::Pending,
+                // Armed for an earlier step's deadline: this step's is still to come.
+                Poll::Ready(()) if timer.deadline() < deadline => timer.as_mut().reset(deadline),
+                Poll::Ready(()) => {
+                    return match this.silent.take() {
+                        Some(silent) => Poll::Ready(Err(silent(bound))),
+                        // Polled again after it finished: as a fused future, never again.
+                        None => Poll::Pending,
+                    };
                 }
             }
-        })
-        .await
+        }
     }
 }
 
