@@ -7,7 +7,7 @@ use crate::{Inbox, InboxError};
 use sea_orm::{DatabaseConnection, DbBackend};
 use std::future::Future;
 use std::pin::Pin;
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 use tokio::task::coop;
 use tokio::time::{Instant, Sleep};
@@ -72,6 +72,11 @@ pub(crate) async fn within_bound<F: Future>(
 #[derive(Debug, Default)]
 pub(crate) struct StepTimer {
     timer: Option<Pin<Box<Sleep>>>,
+    /// The waker the armed timer holds, from its last poll: while the timer has not
+    /// fired and a step is polled with a waker that wakes the same task, the timer is not
+    /// asked again (it would store the same waker once more, its cost at every poll of a
+    /// step that waits on the network).
+    waker: Option<Waker>,
 }
 
 impl StepTimer {
@@ -142,12 +147,15 @@ impl<F: Future, M: FnOnce(Duration) -> E, E> Future for Within<'_, F, M> {
             return Poll::Ready(Ok(output));
         }
         let deadline = *this.deadline.get_or_insert_with(|| Instant::now() + bound);
-        let timer = this
-            .timer
-            .timer
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+        let StepTimer { timer, waker } = &mut **this.timer;
+        let timer = timer.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
         if timer.deadline() > deadline {
             timer.as_mut().reset(deadline);
+            // Re-registered: asked below, so that it holds this task's waker.
+            *waker = None;
+        }
+        if !timer.is_elapsed() && waker.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+            return Poll::Pending;
         }
         loop {
             // As `tokio::time::timeout` does: when the step used up the task's budget,
@@ -158,7 +166,12 @@ impl<F: Future, M: FnOnce(Duration) -> E, E> Future for Within<'_, F, M> {
                 timer.as_mut().poll(cx)
             };
             match fired {
-                Poll::Pending => return Poll::Pending,
+                Poll::Pending => {
+                    if !waker.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+                        *waker = Some(cx.waker().clone());
+                    }
+                    return Poll::Pending;
+                }
                 // Armed for an earlier step's deadline: this step's is still to come.
                 Poll::Ready(()) if timer.deadline() < deadline => timer.as_mut().reset(deadline),
                 Poll::Ready(()) => {
@@ -246,6 +259,24 @@ mod tests {
             "a step is cut at its own bound, not at the one armed before it ({:?})",
             started.elapsed()
         );
+        let mut polls = 0;
+        let spinning = std::future::poll_fn(|cx| {
+            polls += 1;
+            cx.waker().wake_by_ref();
+            Poll::<()>::Pending
+        });
+        let started = std::time::Instant::now();
+        let busy = timer.within_bound(Some(ms(30)), spinning).await;
+        assert_eq!(
+            busy,
+            Err(ms(30)),
+            "a step that keeps waking its task is cut too"
+        );
+        assert!(
+            polls > 1,
+            "the step was polled again while the timer was armed"
+        );
+        assert!(started.elapsed() < ms(250), "{:?}", started.elapsed());
         let at_once = timer.within_bound(Some(ms(1)), async { 7 }).await;
         assert_eq!(at_once, Ok(7));
         assert_eq!(
