@@ -5,9 +5,9 @@
 use crate::backend::over_network;
 use crate::{Inbox, InboxError};
 use sea_orm::{DatabaseConnection, DbBackend};
-use std::future::{Future, poll_fn};
-use std::pin::{Pin, pin};
-use std::task::Poll;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 use tokio::task::coop;
 use tokio::time::{Instant, Sleep};
@@ -38,7 +38,7 @@ pub(crate) async fn answered_on<F: Future>(
     future: F,
 ) -> Result<F::Output, InboxError> {
     timer
-        .within(bound_for(backend, Inbox::DEFAULT_PARTITION_TIMEOUT), future)
+        .within(backend, Inbox::DEFAULT_PARTITION_TIMEOUT, future)
         .await
         .map_err(|waited| InboxError::DatabaseSilent { operation, waited })
 }
@@ -72,52 +72,117 @@ pub(crate) async fn within_bound<F: Future>(
 #[derive(Debug, Default)]
 pub(crate) struct StepTimer {
     timer: Option<Pin<Box<Sleep>>>,
+    /// The waker the armed timer holds, from its last poll: while the timer has not
+    /// fired and a step is polled with a waker that wakes the same task, the timer is not
+    /// asked again (it would store the same waker once more, its cost at every poll of a
+    /// step that waits on the network).
+    waker: Option<Waker>,
 }
 
 impl StepTimer {
+    /// The free [`within`] on this timer: waits for `future`, a call to `backend`, at most
+    /// `timeout` where a network can go silent, counted from its first wait.
+    pub(crate) fn within<F: Future>(
+        &mut self,
+        backend: DbBackend,
+        timeout: Duration,
+        future: F,
+    ) -> Within<'_, F, fn(Duration) -> Duration> {
+        self.within_bound(bound_for(backend, timeout), future)
+    }
+
     /// Waits for `future` at most `bound` (without one, as long as it takes), counted from
     /// its first wait; past it the future is dropped and the error is the bound waited.
-    pub(crate) async fn within<F: Future>(
+    pub(crate) fn within_bound<F: Future>(
         &mut self,
         bound: Option<Duration>,
         future: F,
-    ) -> Result<F::Output, Duration> {
-        let Some(bound) = bound else {
-            return Ok(future.await);
+    ) -> Within<'_, F, fn(Duration) -> Duration> {
+        self.within_or(bound, future, std::convert::identity)
+    }
+
+    /// [`within_bound`](Self::within_bound) whose error past the bound is `silent` of the
+    /// bound waited: the caller's error is made here rather than by a future around this
+    /// one, which would hold `future` (a step's whole state) once more and copy it in.
+    pub(crate) fn within_or<F: Future, M: FnOnce(Duration) -> E, E>(
+        &mut self,
+        bound: Option<Duration>,
+        future: F,
+        silent: M,
+    ) -> Within<'_, F, M> {
+        Within {
+            future,
+            timer: self,
+            bound,
+            deadline: None,
+            silent: Some(silent),
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// The future of [`StepTimer::within_or`]. Written by hand, not as an `async fn`: the
+    /// step's future lives in it once, where an `async fn` would keep the argument and a
+    /// pinned copy of it (and every move of the larger state copies both).
+    pub(crate) struct Within<'t, F, M> {
+        #[pin]
+        future: F,
+        timer: &'t mut StepTimer,
+        bound: Option<Duration>,
+        deadline: Option<Instant>,
+        silent: Option<M>,
+    }
+}
+
+impl<F: Future, M: FnOnce(Duration) -> E, E> Future for Within<'_, F, M> {
+    type Output = Result<F::Output, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let Some(bound) = *this.bound else {
+            return this.future.poll(cx).map(Ok);
         };
-        let mut future = pin!(future);
-        let mut deadline = None;
-        poll_fn(|cx| {
-            let had_budget = coop::has_budget_remaining();
-            if let Poll::Ready(output) = future.as_mut().poll(cx) {
-                return Poll::Ready(Ok(output));
-            }
-            let deadline = *deadline.get_or_insert_with(|| Instant::now() + bound);
-            let timer = self
-                .timer
-                .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
-            if timer.deadline() > deadline {
-                timer.as_mut().reset(deadline);
-            }
-            loop {
-                // As `tokio::time::timeout` does: when the step used up the task's budget,
-                // the timer is still asked, so a busy step cannot outlive its bound.
-                let fired = if had_budget && !coop::has_budget_remaining() {
-                    Pin::new(&mut coop::unconstrained(timer.as_mut())).poll(cx)
-                } else {
-                    timer.as_mut().poll(cx)
-                };
-                match fired {
-                    Poll::Pending => return Poll::Pending,
-                    // Armed for an earlier step's deadline: this step's is still to come.
-                    Poll::Ready(()) if timer.deadline() < deadline => {
-                        timer.as_mut().reset(deadline)
+        let had_budget = coop::has_budget_remaining();
+        if let Poll::Ready(output) = this.future.poll(cx) {
+            return Poll::Ready(Ok(output));
+        }
+        let deadline = *this.deadline.get_or_insert_with(|| Instant::now() + bound);
+        let StepTimer { timer, waker } = &mut **this.timer;
+        let timer = timer.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+        if timer.deadline() > deadline {
+            timer.as_mut().reset(deadline);
+            // Re-registered: asked below, so that it holds this task's waker.
+            *waker = None;
+        }
+        if !timer.is_elapsed() && waker.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+            return Poll::Pending;
+        }
+        loop {
+            // As `tokio::time::timeout` does: when the step used up the task's budget,
+            // the timer is still asked, so a busy step cannot outlive its bound.
+            let fired = if had_budget && !coop::has_budget_remaining() {
+                Pin::new(&mut coop::unconstrained(timer.as_mut())).poll(cx)
+            } else {
+                timer.as_mut().poll(cx)
+            };
+            match fired {
+                Poll::Pending => {
+                    if !waker.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+                        *waker = Some(cx.waker().clone());
                     }
-                    Poll::Ready(()) => return Poll::Ready(Err(bound)),
+                    return Poll::Pending;
+                }
+                // Armed for an earlier step's deadline: this step's is still to come.
+                Poll::Ready(()) if timer.deadline() < deadline => timer.as_mut().reset(deadline),
+                Poll::Ready(()) => {
+                    return match this.silent.take() {
+                        Some(silent) => Poll::Ready(Err(silent(bound))),
+                        // Polled again after it finished: as a fused future, never again.
+                        None => Poll::Pending,
+                    };
                 }
             }
-        })
-        .await
+        }
     }
 }
 
@@ -176,15 +241,17 @@ mod tests {
     async fn steps_sharing_a_timer_keep_their_own_bounds() {
         let mut timer = StepTimer::default();
         let ms = Duration::from_millis;
-        let quick = timer.within(Some(ms(50)), tokio::time::sleep(ms(10))).await;
+        let quick = timer
+            .within_bound(Some(ms(50)), tokio::time::sleep(ms(10)))
+            .await;
         assert_eq!(quick, Ok(()), "the first step arms the timer for 50 ms");
         let longer = timer
-            .within(Some(ms(400)), tokio::time::sleep(ms(150)))
+            .within_bound(Some(ms(400)), tokio::time::sleep(ms(150)))
             .await;
         assert_eq!(longer, Ok(()), "150 ms is within this step's own 400 ms");
         let started = std::time::Instant::now();
         let stuck = timer
-            .within(Some(ms(30)), std::future::pending::<()>())
+            .within_bound(Some(ms(30)), std::future::pending::<()>())
             .await;
         assert_eq!(stuck, Err(ms(30)));
         assert!(
@@ -192,8 +259,29 @@ mod tests {
             "a step is cut at its own bound, not at the one armed before it ({:?})",
             started.elapsed()
         );
-        let at_once = timer.within(Some(ms(1)), async { 7 }).await;
+        let mut polls = 0;
+        let spinning = std::future::poll_fn(|cx| {
+            polls += 1;
+            cx.waker().wake_by_ref();
+            Poll::<()>::Pending
+        });
+        let started = std::time::Instant::now();
+        let busy = timer.within_bound(Some(ms(30)), spinning).await;
+        assert_eq!(
+            busy,
+            Err(ms(30)),
+            "a step that keeps waking its task is cut too"
+        );
+        assert!(
+            polls > 1,
+            "the step was polled again while the timer was armed"
+        );
+        assert!(started.elapsed() < ms(250), "{:?}", started.elapsed());
+        let at_once = timer.within_bound(Some(ms(1)), async { 7 }).await;
         assert_eq!(at_once, Ok(7));
-        assert_eq!(StepTimer::default().within(None, async { 8 }).await, Ok(8));
+        assert_eq!(
+            StepTimer::default().within_bound(None, async { 8 }).await,
+            Ok(8)
+        );
     }
 }

@@ -167,12 +167,12 @@ pub(crate) async fn commit_claim(
         Given::Observed(observed) => observed,
     };
     let given = observed.binding();
-    let bound = bound_for(
-        observed.get_database_backend(),
-        Inbox::DEFAULT_PARTITION_TIMEOUT,
-    );
     let (txn, verdict) = timer
-        .within(bound, observed.settle())
+        .within(
+            observed.get_database_backend(),
+            Inbox::DEFAULT_PARTITION_TIMEOUT,
+            observed.settle(),
+        )
         .await
         .map_err(|waited| silent(Step::Proof, waited))?
         .map_err(|err| held.lost(Some(err)))?;

@@ -14,7 +14,7 @@ use crate::backend::{
     batch_marker_held_sql, marker_held_statement, roll_back, savepoint_missing_in_open_transaction,
     transaction_ended,
 };
-use crate::silence::{StepTimer, bound_for};
+use crate::silence::StepTimer;
 use crate::{Inbox, InboxError, MessageId};
 use sea_orm::{ConnectionTrait, DatabaseTransaction, DbErr, Statement, Value};
 use sea_orm_inbox_entity::InboxTable;
@@ -292,9 +292,12 @@ impl<'a> Held<'a> {
         silent: impl Fn(Step, Duration) -> InboxError,
         failed: impl FnOnce(DbErr) -> InboxError,
     ) -> Result<(), InboxError> {
-        let bound = bound_for(txn.get_database_backend(), Inbox::DEFAULT_PARTITION_TIMEOUT);
         let proven = timer
-            .within(bound, self.prove(&txn))
+            .within(
+                txn.get_database_backend(),
+                Inbox::DEFAULT_PARTITION_TIMEOUT,
+                self.prove(&txn),
+            )
             .await
             .map_err(|waited| silent(Step::Proof, waited))?;
         if let Err(lost) = proven {
@@ -313,9 +316,12 @@ impl<'a> Held<'a> {
         silent: impl Fn(Step, Duration) -> InboxError,
         failed: impl FnOnce(DbErr) -> InboxError,
     ) -> Result<(), InboxError> {
-        let bound = bound_for(txn.get_database_backend(), Inbox::DEFAULT_PARTITION_TIMEOUT);
         timer
-            .within(bound, txn.commit())
+            .within(
+                txn.get_database_backend(),
+                Inbox::DEFAULT_PARTITION_TIMEOUT,
+                txn.commit(),
+            )
             .await
             .map_err(|waited| silent(Step::Commit, waited))?
             .map_err(failed)

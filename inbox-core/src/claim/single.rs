@@ -9,7 +9,7 @@ use crate::backend::{
 };
 use crate::clock::now_micros;
 use crate::consumer::validate_claim;
-use crate::silence::{ClaimTimer, StepTimer, bound_for, within};
+use crate::silence::{ClaimTimer, StepTimer, within};
 use crate::{Inbox, InboxError, MessageId};
 use sea_orm::sea_query::{Expr, ExprTrait, Query};
 use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend, DbErr};
@@ -244,7 +244,7 @@ pub(super) async fn unresponsive_within<F: Future>(
     future: F,
 ) -> Result<F::Output, InboxError> {
     timer
-        .within(bound_for(backend, Inbox::DEFAULT_PARTITION_TIMEOUT), future)
+        .within(backend, Inbox::DEFAULT_PARTITION_TIMEOUT, future)
         .await
         .map_err(|waited| unresponsive(message_id, consumer, step, false, waited))
 }

@@ -718,27 +718,27 @@ impl Inbox {
     /// Waits for one step of an attempt at most `steps.bound`. Past it the step's future
     /// is dropped, which gives up its connection; the attempt then drops its transaction
     /// without awaiting a ROLLBACK the silent database would not answer.
-    async fn bounded<F: Future, E>(
+    fn bounded<F: Future, E>(
         &self,
         steps: &mut Steps,
         message_id: MessageId,
         step: &'static str,
         future: F,
-    ) -> Result<F::Output, AttemptError<E>> {
+    ) -> impl Future<Output = Result<F::Output, AttemptError<E>>> {
         self.bounded_by(&mut steps.timer, steps.bound, message_id, step, future)
-            .await
     }
 
-    /// [`bounded`](Self::bounded) by `bound` instead of the attempt's own.
-    async fn bounded_by<F: Future, E>(
+    /// [`bounded`](Self::bounded) by `bound` instead of the attempt's own. Not an `async
+    /// fn`: the step's future is held once, in the timer's own future.
+    fn bounded_by<F: Future, E>(
         &self,
         timer: &mut StepTimer,
         bound: Option<Duration>,
         message_id: MessageId,
         step: &'static str,
         future: F,
-    ) -> Result<F::Output, AttemptError<E>> {
-        timer.within(bound, future).await.map_err(|waited| {
+    ) -> impl Future<Output = Result<F::Output, AttemptError<E>>> {
+        timer.within_or(bound, future, move |waited| {
             AttemptError::Fatal(InboxError::DatabaseUnresponsive {
                 message_id,
                 consumer: self.consumer.to_string(),

@@ -28,7 +28,7 @@ use sea_orm_inbox::{
     ConsumerOptions, ConsumerSummary, Inbox, MessageHandler, MessageId, NackDelay, OutboxExt,
     OutboxMessage, OutgoingMessage, Permanent, PublishError, Publisher, Relay, Settlement,
 };
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
@@ -359,7 +359,7 @@ enum Called {
 struct Started {
     what: Called,
     at: u64,
-    attempts: Arc<std::sync::atomic::AtomicU32>,
+    attempts: Arc<AtomicU32>,
 }
 
 impl aws_smithy_types::config_bag::Storable for Started {
@@ -452,9 +452,7 @@ impl aws_sdk_sqs::config::Intercept for Recorder {
         cfg: &mut aws_sdk_sqs::config::ConfigBag,
     ) -> Result<(), BoxError> {
         if let Some(started) = cfg.load::<Started>() {
-            started
-                .attempts
-                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            started.attempts.fetch_add(1, Ordering::SeqCst);
         }
         Ok(())
     }
@@ -489,7 +487,7 @@ impl aws_sdk_sqs::config::Intercept for Recorder {
             what,
             started: started.at,
             ended: self.now(),
-            attempts: started.attempts.load(std::sync::atomic::Ordering::SeqCst),
+            attempts: started.attempts.load(Ordering::SeqCst),
             ok: output.is_some(),
         };
         if let Ok(mut calls) = self.calls.lock() {
