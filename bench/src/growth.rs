@@ -74,7 +74,20 @@ impl Cohorts {
     pub fn age_days(k: u64) -> u64 {
         OLDEST_DAYS - k
     }
+
+    /// The row numbers of the markers that take cohort `k`'s place once it is purged: as
+    /// many as it held, numbered past every seeded row and every other refill, so their
+    /// ids are new.
+    pub fn refill_range(&self, k: u64, total: u64) -> std::ops::RangeInclusive<u64> {
+        let first = total + k * self.rows_each + 1;
+        first..=(first + self.rows_in(k, total)).saturating_sub(1)
+    }
 }
+
+/// Age in days of the markers that refill a purged cohort: younger than any purge's
+/// cutoff (half a day younger than a cohort, the youngest [`OLDEST_DAYS`]` - 98` days old),
+/// so they stay while the later purges delete their own cohorts.
+pub const REFILL_AGE_DAYS: u64 = 1;
 
 /// Inserts `rows` markers in `cohorts`, then refreshes the planner's statistics so the
 /// growth measurement does not meet a pending autovacuum or stale plans.

@@ -1,11 +1,14 @@
 //! The purge phase: `claim` runs at 8 and 32 workers alone, during the library's purge
 //! of one seeded cohort at each pacing setting, and during a hand-written batched DELETE
-//! of another, in a random order each round. Each purge must delete exactly its cohort.
+//! of another, in a random order each round. Each purge must delete exactly its cohort;
+//! as many new markers take its place before the next step, so every step purges a table
+//! of the same size (otherwise the table shrank by a cohort a step, and the order of a
+//! round's shuffle decided more than the purger did).
 
 use crate::Bench;
 use crate::BoxError;
 use crate::db::{Sql, timestamp};
-use crate::growth::Cohorts;
+use crate::growth::{self, Cohorts, REFILL_AGE_DAYS};
 use crate::modes::Mode;
 use crate::run::{Stop, Tally, run_mode, shuffled};
 use chrono::{TimeDelta, Utc};
@@ -388,7 +391,8 @@ impl Bench<'_> {
         Ok(())
     }
 
-    /// Purges cohort `k` while `concurrency` workers claim, and checks both.
+    /// Purges cohort `k` while `concurrency` workers claim, and checks both; then puts as
+    /// many markers back, younger than every cutoff, out of the measurement.
     async fn purge_during_claims(
         &mut self,
         purger_conn: &DatabaseConnection,
@@ -400,7 +404,25 @@ impl Bench<'_> {
         let expected = cohorts.rows_in(k, self.report.growth_rows);
         let conns = std::slice::from_ref(purger_conn);
         self.purge_while_claiming(conns, purger, cutoff_after(k), expected, concurrency)
-            .await
+            .await?;
+        let refill = cohorts.refill_range(k, self.report.growth_rows);
+        let started = Instant::now();
+        growth::seed_rows(
+            &self.control,
+            *refill.start(),
+            *refill.end(),
+            REFILL_AGE_DAYS,
+            self.args.growth_ids,
+        )
+        .await?;
+        if self.args.purge_detail {
+            eprintln!(
+                "[{}] refilled {expected} rows in {:.1} ms",
+                self.report.backend,
+                ms(started.elapsed())
+            );
+        }
+        Ok(())
     }
 
     /// Purges what was received before `cutoff`, which must be `expected` rows, while
@@ -475,6 +497,50 @@ impl Bench<'_> {
             purged.latencies_us,
             purged.rows,
         );
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::growth::SeedIds;
+    use sea_orm_inbox_migration::{Migrator, MigratorTrait};
+
+    async fn markers(db: &DatabaseConnection) -> Result<i64, BoxError> {
+        let row = db
+            .query_one_raw(Statement::from_string(
+                DbBackend::Sqlite,
+                "SELECT COUNT(*) FROM inbox",
+            ))
+            .await?
+            .ok_or("a count")?;
+        Ok(row.try_get_by_index(0)?)
+    }
+
+    /// A purged cohort's refill keeps the table at its seeded size, and no later purge
+    /// deletes it: each purge still takes exactly its own cohort.
+    #[tokio::test]
+    async fn a_refill_keeps_the_size_and_outlives_every_cutoff() -> Result<(), BoxError> {
+        let db = sea_orm::Database::connect("sqlite::memory:").await?;
+        Migrator::up(&db, None).await?;
+        let (total, cohorts) = (30, Cohorts::new(30, 3));
+        growth::seed(&db, total, cohorts, SeedIds::Random).await?;
+        let sql = crate::db::sql(DbBackend::Sqlite)?;
+        for k in 0..cohorts.count {
+            let purged = hand_delete(&db, sql, cutoff_after(k), 4).await?;
+            assert_eq!(purged.rows, cohorts.rows_in(k, total), "cohort {k}");
+            let refill = cohorts.refill_range(k, total);
+            growth::seed_rows(
+                &db,
+                *refill.start(),
+                *refill.end(),
+                REFILL_AGE_DAYS,
+                SeedIds::Random,
+            )
+            .await?;
+            assert_eq!(markers(&db).await?, 30, "after cohort {k}'s refill");
+        }
         Ok(())
     }
 }
