@@ -46,13 +46,15 @@ usage: cargo run --release -p inbox-bench -- [flags]
                       (default all; purge seeds the growth rows without measuring growth)
   --modes LIST        main-phase modes to run, comma separated (default all; names as in
                       the tables, e.g. batch,batch_raw)
-  --instructions N    first count client-side instructions per message of raw, claim,
-                      process, batch_raw and batch (per transaction) under callgrind
+  --instructions N    first count client-side instructions per message of raw, on_conflict,
+                      claim, process, batch_raw and batch (per transaction) under callgrind
                       (needs valgrind), N and 2N messages on SQLite in memory; with
                       --no-sqlite and no server, only that
-  --server-counters N  measure no rate: run N messages of each --modes mode on one
-                      MySQL/MariaDB worker and print the server's status counters
-                      (Com_*, Handler_*, Innodb_*) per message
+  --server-counters N  measure no rate: run N messages of each --modes mode over the
+                      most --concurrency workers and print per message, on MySQL/MariaDB,
+                      the server's status counters (Com_*, Handler_*, Innodb_*); on
+                      PostgreSQL (same machine), the CPU of this client and of the
+                      workers' backends (/proc), WAL bytes, and the marker rows' widths
   --csv PATH          write every measurement as CSV
   --svg PATH          write the chart (throughput as a fraction of base) as SVG
   --tables PATH       write the tables and targets of every backend as Markdown

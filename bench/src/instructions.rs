@@ -19,8 +19,9 @@ use std::sync::Arc;
 
 /// The modes counted, the floor first; the batches last, counted per transaction of
 /// [`BATCH_IDS`] ids.
-const MODES: [Mode; 6] = [
+const MODES: [Mode; 7] = [
     Mode::Raw,
+    Mode::OnConflict,
     Mode::ClaimUnchecked,
     Mode::Claim,
     Mode::Process,
@@ -120,8 +121,8 @@ pub async fn count_only(run: &str) -> Result<(), BoxError> {
         .find(|mode| mode.name() == name)
         .ok_or_else(|| {
             format!(
-                "--count-only counts raw, claim_unchecked, claim, process, batch_raw or batch, \
-                 not {name}"
+                "--count-only counts raw, on_conflict, claim_unchecked, claim, process, batch_raw or \
+                 batch, not {name}"
             )
         })?;
     let count: u64 = count.parse()?;
